@@ -1,0 +1,1 @@
+"""kvgate events package."""

@@ -1,0 +1,1 @@
+"""kvgate policies package."""

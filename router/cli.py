@@ -1,0 +1,45 @@
+"""The ``kvgate`` console script: one subcommand per part that runs.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``; the
+module turns the parsed arguments into its typed config, so no ``argparse.Namespace`` goes further.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
+    # (name, module, one-line help)
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand's arguments."""
+    parser = argparse.ArgumentParser(prog="kvgate", description="Cache-aware request router for LLM fleets.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name, help_text in SUBCOMMANDS:
+        module = importlib.import_module(module_name)
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(sub)
+        sub.set_defaults(_module=module_name)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    module_name: str | None = getattr(args, "_module", None)
+    if module_name is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(module_name)
+    result: int = module.main(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
