@@ -9,6 +9,18 @@ store around a pure policy decision:
    claiming at once end with exactly one owner, and both see it.
 2. The sticky policy (pure) decides whether the owner keeps the session.
 3. Only when ownership must change: ``move(key, expected_worker_id, new_worker_id)``, a compare-and-set.
+   If it returns False another replica moved (or dropped) the session first: call ``claim_or_touch`` again and
+   route to the owner it returns.
+
+Lifecycle (in the gateway's ``cleanup_ctx``): ``store = build_session_store(config.sessions, clock)`` (see
+``router/sessions/config.py``), ``await store.start()``, a background task calling ``await store.reap_expired()``
+every ``config.sessions.reap_interval_s``, and ``await store.aclose()`` on exit. Metrics read ``store.stats()``
+(synchronous, no I/O): live and expired sessions, and whether the store is degraded (Redis unreachable, local
+fallback in use). Admin ``sessions list``/``drop`` call ``list_sessions``/``drop``; removing a worker calls
+``drop_worker``.
+
+Errors: no method raises because a backing service is down; the Redis store answers from its local fallback
+instead. Bad arguments (an empty key or worker id) raise ``ValueError``.
 """
 
 from __future__ import annotations
@@ -66,3 +78,48 @@ class SessionStore(Protocol):
     async def aclose(self) -> None:
         """Release connections and background tasks."""
         ...
+
+    async def start(self) -> None:
+        """Open connections and start background tasks (pub/sub listener, reconnect). Idempotent."""
+        ...
+
+    async def reap_expired(self) -> int:
+        """Forget sessions idle past ``idle_timeout_s`` (local state only); returns how many were forgotten."""
+        ...
+
+    def stats(self) -> SessionStoreStats:
+        """Counters for metrics; synchronous and without I/O."""
+        ...
+
+
+class SessionStoreStats(msgspec.Struct, frozen=True, gc=False):
+    """What a store reports to ``/metrics``.
+
+    Attributes:
+        store: ``"memory"`` or ``"redis"``.
+        num_live_sessions: sessions this store knows to be live (the Redis store: its local view, i.e. the sessions
+            this replica used within ``idle_timeout_s``; ``num_sessions()`` asks Redis for the fleet-wide count).
+        num_created_total: first claims made through this store.
+        num_expired_total: sessions seen to expire (idle past ``idle_timeout_s``).
+        num_moved_total: successful ``move`` calls.
+        num_move_conflicts_total: ``move`` calls refused by compare-and-set.
+        num_dropped_total: sessions removed by ``drop`` or ``drop_worker``.
+        is_degraded: True while the shared store is unreachable and the local fallback answers.
+        num_fallbacks_total: times the store switched to its local fallback.
+        num_backend_errors_total: failed calls to the backing service.
+        num_cache_hits_total: claims answered from the local cache without a round trip.
+        num_evicted_total: live sessions forgotten because the in-memory table reached ``max_num_sessions``.
+    """
+
+    store: str
+    num_live_sessions: int = 0
+    num_created_total: int = 0
+    num_expired_total: int = 0
+    num_moved_total: int = 0
+    num_move_conflicts_total: int = 0
+    num_dropped_total: int = 0
+    is_degraded: bool = False
+    num_fallbacks_total: int = 0
+    num_backend_errors_total: int = 0
+    num_cache_hits_total: int = 0
+    num_evicted_total: int = 0
