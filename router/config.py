@@ -1,0 +1,475 @@
+"""The gateway's configuration: one YAML file decoded into frozen, typed msgspec structs.
+
+``load_config(path)`` reads the file, ``parse_config(obj)`` decodes an already-parsed mapping. Unknown keys are
+rejected, every value is type-checked, and every cross-field rule is checked in ``__post_init__``; the error is a
+``ConfigError`` naming the key path (``$.workers[1].url``) and the reason. The policy section is decoded by
+``policies.decode_policy_config`` and the sessions section by ``router.sessions.config``; both are kept here as
+raw mappings (validated at load time) so a policy can be replaced at run time through the admin API with the same
+decoder. ``deploy/gateway.example.yaml`` documents every key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from router.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+"""16 MiB: a 200K-token prompt as text (~4 bytes/token, up to ~6x for JSON escapes of non-ASCII) or as a JSON
+token-id array (~7 bytes/token) fits."""
+
+
+class _Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Frozen, strict struct base for every config section."""
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+class ListenConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Where the gateway listens.
+
+    Attributes:
+        host: bind address (loopback by default).
+        port: TCP port; 0 picks a free one.
+        max_body_bytes: request bodies over this get 413.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        _positive("max_body_bytes", self.max_body_bytes)
+
+
+class ModelConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A model the fleet serves, and how the gateway tokenizes and hashes its prompts.
+
+    Tokens must equal the worker's, so the gateway uses the worker's own tokenization module with the same
+    settings: ``tokenizer_path`` (a ``tokenizer.json``) or the byte-level default, and ``chat_template``.
+
+    Attributes:
+        name: the OpenAI ``model`` name clients send.
+        tokenizer_path: path to a ``tokenizer.json``; ``None`` for the byte-level default.
+        chat_template: path to a Jinja chat template, or ``None`` for the tokenization module's default.
+        block_size: tokens per block of the engine's prefix cache.
+        lora_adapters: model names that select a LoRA adapter on this base model; a request naming one is
+            hashed in that adapter's namespace (vLLM feeds the adapter name into its block hash).
+        honor_cache_salt: hash a request's ``cache_salt`` field into its namespace (vLLM semantics).
+        default_max_tokens: ``max_tokens`` assumed when a request sends none, in tokens.
+    """
+
+    name: str
+    tokenizer_path: str | None = None
+    chat_template: str | None = None
+    block_size: int = 16
+    lora_adapters: tuple[str, ...] = ()
+    honor_cache_salt: bool = True
+    default_max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("name must not be empty")
+        _positive("block_size", self.block_size)
+        _positive("default_max_tokens", self.default_max_tokens)
+        if self.tokenizer_path is not None and not Path(self.tokenizer_path).exists():
+            raise ValueError(f"tokenizer_path {self.tokenizer_path!r} does not exist")
+
+
+Topology = Literal["connect", "bind"]
+
+
+class WorkerConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One worker (an engine process) behind the gateway.
+
+    Attributes:
+        id: unique worker id; in the ``bind`` topology it must equal the ``<worker>`` of the topic
+            ``kv@<worker>@<model>`` the worker publishes with.
+        url: OpenAI HTTP base URL, e.g. ``http://127.0.0.1:8001``.
+        model: served model (one of ``models[].name``).
+        events_endpoint: ZMQ PUB endpoint the gateway connects to (``connect`` topology), e.g.
+            ``tcp://127.0.0.1:5557``. ``None`` with the ``connect`` topology means the worker publishes no
+            events: the gateway routes it in approximate mode.
+        replay_endpoint: ZMQ ROUTER endpoint serving replays after a sequence gap, or ``None``.
+        topology: ``connect`` (gateway SUB connects to the worker's PUB) or ``bind`` (the worker's PUB connects
+            to ``events.bind_endpoint``).
+        dp_ranks: number of data-parallel ranks publishing events.
+        pools: shared pools (``MOONCAKE`` tier) this worker is attached to.
+        block_size: the worker's block size in tokens; ``None`` takes the model's.
+        load_path: the worker's load endpoint (polled; returns load and start id), or ``None``.
+        snapshot_path: endpoint returning the worker's cached blocks as KV events (warm-up), or ``None``.
+        health_path: active health check path.
+    """
+
+    id: str
+    url: str
+    model: str
+    events_endpoint: str | None = None
+    replay_endpoint: str | None = None
+    topology: Topology = "connect"
+    dp_ranks: int = 1
+    pools: tuple[str, ...] = ()
+    block_size: int | None = None
+    load_path: str | None = "/load"
+    snapshot_path: str | None = "/kv/snapshot"
+    health_path: str = "/health"
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("id must not be empty")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        _positive("dp_ranks", self.dp_ranks)
+        if self.block_size is not None:
+            _positive("block_size", self.block_size)
+
+    @property
+    def has_events(self) -> bool:
+        """Whether the worker publishes KV events the gateway can read."""
+        return self.topology == "bind" or self.events_endpoint is not None
+
+
+class EventsConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The event path.
+
+    Attributes:
+        bind_endpoint: the SUB endpoint workers with ``topology: bind`` connect to, or ``None`` if none do.
+        approximate_ttl_s: how long an approximate-mode entry (inserted from a routing decision) lives.
+        warmup_from_snapshot: warm a worker's index entries from its snapshot endpoint at start and on resync.
+    """
+
+    bind_endpoint: str | None = None
+    approximate_ttl_s: float = 120.0
+    warmup_from_snapshot: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("approximate_ttl_s", self.approximate_ttl_s)
+
+
+class TimeoutsConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Upstream timeouts, in seconds (separate, explicit, as in httpx ``Timeout`` / aiohttp ``ClientTimeout``).
+
+    Attributes:
+        connect_s: to open a TCP connection to a worker (a pooled connection skips it).
+        first_byte_s: from sending the request to the response headers.
+        total_s: for the whole upstream exchange, streaming included.
+    """
+
+    connect_s: float = 2.0
+    first_byte_s: float = 300.0
+    total_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        _positive("connect_s", self.connect_s)
+        _positive("first_byte_s", self.first_byte_s)
+        _positive("total_s", self.total_s)
+        if self.total_s < self.first_byte_s:
+            raise ValueError("total_s must be >= first_byte_s")
+
+
+class RetryConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Retries before the first byte reached the client (never after).
+
+    Attributes:
+        max_retries: extra attempts after the first, each on the next-best worker.
+        backoff_initial_s: wait before the first retry.
+        backoff_multiplier: growth of the wait per retry.
+        backoff_max_s: cap of the wait.
+    """
+
+    max_retries: int = 2
+    backoff_initial_s: float = 0.01
+    backoff_multiplier: float = 2.0
+    backoff_max_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        _non_negative("max_retries", self.max_retries)
+        _non_negative("backoff_initial_s", self.backoff_initial_s)
+        if self.backoff_multiplier < 1:
+            raise ValueError("backoff_multiplier must be >= 1")
+        _non_negative("backoff_max_s", self.backoff_max_s)
+
+    def backoff_s(self, attempt: int) -> float:
+        """Wait before retry number ``attempt`` (1-based), in seconds."""
+        return float(min(self.backoff_max_s, self.backoff_initial_s * self.backoff_multiplier ** (attempt - 1)))
+
+
+class AdmissionConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Admission control: the gateway never accepts work the fleet cannot start.
+
+    Attributes:
+        max_inflight_requests: global in-flight limit (0 = unlimited).
+        max_inflight_per_worker: per-worker in-flight limit (0 = unlimited); a worker at it is not a candidate.
+        queue_size: requests allowed to wait for a slot; past it, 429 at once.
+        queue_timeout_s: longest wait for a slot before 429.
+        retry_after_s: the ``Retry-After`` value sent with 429, in seconds.
+    """
+
+    max_inflight_requests: int = 0
+    max_inflight_per_worker: int = 0
+    queue_size: int = 256
+    queue_timeout_s: float = 30.0
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        _non_negative("max_inflight_requests", self.max_inflight_requests)
+        _non_negative("max_inflight_per_worker", self.max_inflight_per_worker)
+        _non_negative("queue_size", self.queue_size)
+        _positive("queue_timeout_s", self.queue_timeout_s)
+        _positive("retry_after_s", self.retry_after_s)
+
+
+class HealthConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Active health checks.
+
+    Attributes:
+        interval_s: time between checks of one worker.
+        timeout_s: a check slower than this fails.
+        failure_threshold: consecutive failures that mark a healthy worker unhealthy.
+        success_threshold: consecutive successes that mark an unhealthy worker healthy.
+    """
+
+    interval_s: float = 5.0
+    timeout_s: float = 2.0
+    failure_threshold: int = 3
+    success_threshold: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("interval_s", self.interval_s)
+        _positive("timeout_s", self.timeout_s)
+        _positive("failure_threshold", self.failure_threshold)
+        _positive("success_threshold", self.success_threshold)
+
+
+class CircuitBreakerConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Per-worker circuit breaker over proxied requests.
+
+    Attributes:
+        enabled: whether the breaker can open at all.
+        failure_threshold: consecutive failed requests (connect error, 5xx, timeout) that open the circuit.
+        open_s: how long an open circuit refuses traffic before letting one trial request through (half-open).
+    """
+
+    enabled: bool = True
+    failure_threshold: int = 5
+    open_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _positive("failure_threshold", self.failure_threshold)
+        _positive("open_s", self.open_s)
+
+
+class LoadPollConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Polling of each worker's load endpoint.
+
+    Attributes:
+        interval_s: time between polls of one worker.
+        timeout_s: a poll slower than this is skipped.
+    """
+
+    interval_s: float = 1.0
+    timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive("interval_s", self.interval_s)
+        _positive("timeout_s", self.timeout_s)
+
+
+class AdminConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The admin REST API under ``/admin``.
+
+    Attributes:
+        token: bearer token; ``None`` reads ``token_env``.
+        token_env: environment variable holding the token.
+        disable_auth: serve ``/admin`` without a token (local use only). Without a token and without this flag
+            the config is refused.
+        num_recent_decisions: decisions kept for ``/admin/decisions``.
+    """
+
+    token: str | None = None
+    token_env: str = "KVGATE_ADMIN_TOKEN"
+    disable_auth: bool = False
+    num_recent_decisions: int = 256
+
+    def __post_init__(self) -> None:
+        _positive("num_recent_decisions", self.num_recent_decisions)
+
+    def resolve_token(self) -> str | None:
+        """The token from config, else from the environment; ``None`` when auth is disabled."""
+        if self.disable_auth:
+            return None
+        token = self.token or os.environ.get(self.token_env) or None
+        if token is None:
+            raise ConfigError(
+                f"admin: no token (set admin.token or ${self.token_env}, or admin.disable_auth: true for local use)"
+            )
+        return token
+
+
+class GatewayConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The whole gateway configuration (``kvgate serve --config FILE``).
+
+    Attributes:
+        listen: listen address and body limit.
+        models: served models (at least one).
+        workers: workers known at start (more can be added through the admin API).
+        events: the event path.
+        policy: routing policy config, decoded by ``policies.decode_policy_config`` (tagged by ``kind``).
+        sessions: session store config, decoded by ``router.sessions.config``.
+        timeouts: upstream timeouts.
+        retry: retries before the first byte.
+        admission: in-flight limits and the wait queue.
+        health: active health checks.
+        circuit_breaker: per-worker breaker.
+        load_poll: load endpoint polling.
+        admin: admin API auth.
+        ready_timeout_s: ``/ready`` turns true at the latest this long after start, even if some worker's index
+            entries are not warm yet.
+        session_headers: request headers read for the session key, in order of precedence.
+        use_body_user_as_session: take the body's ``user`` as the session key when no header names one.
+        num_session_key_blocks: without an explicit key, the session key is the hash of the conversation's first
+            this many blocks (0 = no implicit sessions).
+    """
+
+    models: tuple[ModelConfig, ...]
+    workers: tuple[WorkerConfig, ...] = ()
+    listen: ListenConfig = msgspec.field(default_factory=ListenConfig)
+    events: EventsConfig = msgspec.field(default_factory=EventsConfig)
+    policy: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "cache_aware"})
+    sessions: dict[str, Any] = msgspec.field(default_factory=dict)
+    timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
+    retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
+    admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
+    health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+    circuit_breaker: CircuitBreakerConfig = msgspec.field(default_factory=CircuitBreakerConfig)
+    load_poll: LoadPollConfig = msgspec.field(default_factory=LoadPollConfig)
+    admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+    ready_timeout_s: float = 30.0
+    session_headers: tuple[str, ...] = ("x-session-id", "x-smg-routing-key")
+    use_body_user_as_session: bool = True
+    num_session_key_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("models must list at least one model")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError("models: duplicate model name")
+        all_names = set(names) | {a for m in self.models for a in m.lora_adapters}
+        ids: set[str] = set()
+        for worker in self.workers:
+            if worker.id in ids:
+                raise ValueError(f"workers: duplicate id {worker.id!r}")
+            ids.add(worker.id)
+            if worker.model not in all_names:
+                raise ValueError(f"workers: worker {worker.id!r} serves unknown model {worker.model!r}")
+            if worker.topology == "bind" and self.events.bind_endpoint is None:
+                raise ValueError(f"workers: worker {worker.id!r} uses topology bind but events.bind_endpoint is unset")
+        _positive("ready_timeout_s", self.ready_timeout_s)
+        _non_negative("num_session_key_blocks", self.num_session_key_blocks)
+
+    def model(self, name: str) -> ModelConfig | None:
+        """The model config serving ``name`` (a base model name or one of its LoRA adapters)."""
+        for model in self.models:
+            if model.name == name or name in model.lora_adapters:
+                return model
+        return None
+
+
+def decode_worker(obj: object) -> WorkerConfig:
+    """Decode one worker (admin API payload) with the same rules as the YAML.
+
+    Raises:
+        ConfigError: naming the bad key and the reason.
+    """
+    try:
+        return msgspec.convert(obj, WorkerConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"worker: {exc}") from exc
+
+
+def validate_policy(obj: dict[str, Any]) -> Any:
+    """Decode a policy section through the policies registry; returns the typed policy config.
+
+    Raises:
+        ConfigError: naming the bad key and the reason.
+    """
+    from policies import decode_policy_config  # local: policies imports nothing from router
+
+    try:
+        return decode_policy_config(obj)
+    except (msgspec.ValidationError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"policy: {exc}") from exc
+
+
+def validate_sessions(obj: dict[str, Any]) -> Any:
+    """Decode the sessions section into ``router.sessions.config.SessionsConfig``.
+
+    Raises:
+        ConfigError: naming the bad key and the reason.
+    """
+    from router.sessions.config import SessionsConfig
+
+    try:
+        return msgspec.convert(obj, SessionsConfig)
+    except (msgspec.ValidationError, ValueError, TypeError) as exc:
+        raise ConfigError(f"sessions: {exc}") from exc
+
+
+def parse_config(obj: object, *, validate_sections: bool = True) -> GatewayConfig:
+    """Decode a parsed YAML/JSON mapping.
+
+    Args:
+        obj: the mapping.
+        validate_sections: also decode ``policy`` and ``sessions`` through their packages.
+
+    Raises:
+        ConfigError: the message names the key path and the reason, e.g.
+            ``Expected `int`, got `str` - at `$.listen.port```.
+    """
+    if not isinstance(obj, dict):
+        raise ConfigError("config: the top level must be a mapping")
+    try:
+        config = msgspec.convert(obj, GatewayConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"config: {exc}") from exc
+    if validate_sections:
+        validate_policy(config.policy)
+        validate_sessions(config.sessions)
+        config.admin.resolve_token()
+    return config
+
+
+def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
+    """Read and decode a YAML config file.
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML, or an invalid value (key path and reason in the message).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc}") from exc
+    try:
+        obj = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: invalid YAML in {path}: {exc}") from exc
+    return parse_config(obj)

@@ -1,0 +1,442 @@
+"""The workers behind the gateway: registry, health, circuit breakers, load, warm-up and in-flight accounting.
+
+``Fleet`` owns one ``WorkerRuntime`` per worker, in configuration order (then admin additions). Health and load
+are learned by background loops (``run_health_checks``, ``run_load_polling``) started from the app's
+``cleanup_ctx``; the request path only reads plain attributes.
+
+Worker lifecycle::
+
+    added ──(events worker)──► warming ──(snapshot applied | first event batch | ready timeout)──► warm
+       └──(no events: approximate mode)──────────────────────────────────────────────────────────► warm
+    warm ──(Resync from the subscriber)──► warming (index cleared; routed on approximate entries meanwhile)
+    any  ──drain──► draining (no new requests; in-flight streams finish) ──undrain──► back
+    any  ──remove──► gone: subscriber stops, index entries cleared, sessions dropped (their next request is
+                     routed afresh and claims a new owner), pooled connections closed
+
+Health: ``failure_threshold`` consecutive failed checks mark a worker unhealthy, ``success_threshold``
+consecutive successes mark it healthy again. Circuit breaker (per worker, over proxied requests): closed →
+``failure_threshold`` consecutive failures → open for ``open_s`` → half-open (one trial request) → closed on
+success, open again on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import suppress
+from enum import IntEnum
+from typing import Any, Protocol
+
+import msgspec
+
+from policies.base import WorkerState
+from router.config import CircuitBreakerConfig, GatewayConfig, WorkerConfig
+from router.errors import ConfigError, NotFoundError, TransportError
+
+logger = logging.getLogger(__name__)
+
+
+class CircuitState(IntEnum):
+    """Circuit breaker states (the metric's values)."""
+
+    CLOSED = 0
+    OPEN = 1
+    HALF_OPEN = 2
+
+
+class CircuitBreaker:
+    """Consecutive-failure circuit breaker (see module docstring). Times are monotonic seconds."""
+
+    __slots__ = ("_config", "state", "num_consecutive_failures", "opened_at_s", "is_trial_in_flight")
+
+    def __init__(self, config: CircuitBreakerConfig) -> None:
+        self._config = config
+        self.state = CircuitState.CLOSED
+        self.num_consecutive_failures = 0
+        self.opened_at_s = 0.0
+        self.is_trial_in_flight = False
+
+    def allows(self, now_s: float) -> bool:
+        """Whether a request may be sent now (an open circuit turns half-open after ``open_s``)."""
+        if self.state == CircuitState.CLOSED or not self._config.enabled:
+            return True
+        if self.state == CircuitState.OPEN and now_s - self.opened_at_s >= self._config.open_s:
+            self.state = CircuitState.HALF_OPEN
+            self.is_trial_in_flight = False
+        return self.state == CircuitState.HALF_OPEN and not self.is_trial_in_flight
+
+    def on_attempt(self) -> None:
+        """A request is being sent (half-open: it is the trial)."""
+        if self.state == CircuitState.HALF_OPEN:
+            self.is_trial_in_flight = True
+
+    def record_success(self) -> None:
+        """A request got a non-5xx response."""
+        self.num_consecutive_failures = 0
+        self.state = CircuitState.CLOSED
+        self.is_trial_in_flight = False
+
+    def record_failure(self, now_s: float) -> None:
+        """A request failed (connect error, timeout, 5xx)."""
+        self.num_consecutive_failures += 1
+        self.is_trial_in_flight = False
+        if not self._config.enabled:
+            return
+        if self.state == CircuitState.HALF_OPEN or self.num_consecutive_failures >= self._config.failure_threshold:
+            if self.state != CircuitState.OPEN:
+                logger.warning("circuit opened after %d consecutive failures", self.num_consecutive_failures)
+            self.state = CircuitState.OPEN
+            self.opened_at_s = now_s
+
+
+class WorkerLoad(msgspec.Struct, frozen=True, gc=False):
+    """The worker's load endpoint answer (fields the gateway reads; unknown ones ignored).
+
+    Attributes:
+        num_running_requests: requests decoding or prefilling.
+        num_waiting_requests: requests queued.
+        kv_usage: fraction of GPU KV blocks in use.
+        start_id: changes when the worker (and its event publisher) restarts.
+    """
+
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    kv_usage: float = 0.0
+    start_id: str | int | None = None
+
+
+class WorkerRuntime:
+    """Mutable state of one worker. Only the event loop thread touches it.
+
+    Attributes:
+        config: the worker's config.
+        block_size: tokens per block (the worker's, else its model's).
+        is_healthy: last health verdict (starts healthy: the breaker protects the first requests).
+        is_draining: no new requests.
+        is_warm: index entries are usable (see module docstring).
+        is_approximate: decisions insert approximate index entries (no events, or rebuilding after resync).
+        breaker: circuit breaker.
+        num_inflight_requests: requests in flight through this gateway.
+        num_pending_prefill_tokens: prompt tokens sent but not yet prefilled (until the first byte).
+        num_decoding_requests: requests past their first byte and not finished.
+        load: last polled load, or ``None``.
+        start_id: last seen start id.
+    """
+
+    def __init__(self, config: WorkerConfig, block_size: int, breaker: CircuitBreakerConfig) -> None:
+        self.config = config
+        self.worker_id = config.id
+        self.block_size = block_size
+        self.is_healthy = True
+        self.is_draining = False
+        self.is_warm = not config.has_events
+        self.is_approximate = not config.has_events
+        self.breaker = CircuitBreaker(breaker)
+        self.num_inflight_requests = 0
+        self.num_pending_prefill_tokens = 0
+        self.num_decoding_requests = 0
+        self.load: WorkerLoad | None = None
+        self.start_id: str | int | None = None
+        self._num_health_failures = 0
+        self._num_health_successes = 0
+
+    def record_health(self, is_ok: bool, failure_threshold: int, success_threshold: int) -> bool:
+        """Fold one health check result in; returns True when ``is_healthy`` changed."""
+        if is_ok:
+            self._num_health_failures = 0
+            self._num_health_successes += 1
+            if not self.is_healthy and self._num_health_successes >= success_threshold:
+                self.is_healthy = True
+                return True
+        else:
+            self._num_health_successes = 0
+            self._num_health_failures += 1
+            if self.is_healthy and self._num_health_failures >= failure_threshold:
+                self.is_healthy = False
+                return True
+        return False
+
+    def state(
+        self, now_s: float, num_gpu: int = 0, num_cpu: int = 0, num_pool: int = 0, max_inflight: int = 0
+    ) -> WorkerState:
+        """The policy's view of this worker with the given cached-token counts."""
+        load = self.load
+        running = self.num_inflight_requests
+        waiting = 0
+        kv_usage = 0.0
+        if load is not None:
+            running = max(running, load.num_running_requests)
+            waiting = load.num_waiting_requests
+            kv_usage = load.kv_usage
+        is_full = max_inflight > 0 and self.num_inflight_requests >= max_inflight
+        return WorkerState(
+            worker_id=self.worker_id,
+            is_healthy=self.is_healthy and not is_full and self.breaker.allows(now_s),
+            is_draining=self.is_draining,
+            num_gpu_cached_tokens=num_gpu,
+            num_cpu_cached_tokens=num_cpu,
+            num_pool_cached_tokens=num_pool,
+            num_running_requests=running,
+            num_waiting_requests=waiting,
+            num_pending_prefill_tokens=self.num_pending_prefill_tokens,
+            kv_usage=kv_usage,
+        )
+
+    def info(self, now_s: float) -> dict[str, Any]:
+        """JSON-ready description for the admin API."""
+        return {
+            "id": self.worker_id,
+            "url": self.config.url,
+            "model": self.config.model,
+            "events_endpoint": self.config.events_endpoint,
+            "topology": self.config.topology,
+            "pools": list(self.config.pools),
+            "block_size": self.block_size,
+            "is_healthy": self.is_healthy,
+            "is_draining": self.is_draining,
+            "is_warm": self.is_warm,
+            "is_approximate": self.is_approximate,
+            "circuit": self.breaker.state.name.lower(),
+            "num_inflight_requests": self.num_inflight_requests,
+            "num_pending_prefill_tokens": self.num_pending_prefill_tokens,
+            "num_decoding_requests": self.num_decoding_requests,
+            "load": msgspec.to_builtins(self.load) if self.load is not None else None,
+            "start_id": self.start_id,
+        }
+
+
+class JsonGetter(Protocol):
+    """The part of the transport the fleet uses for health, load and snapshot calls."""
+
+    async def get_json(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, object]: ...
+
+
+class FleetHooks(Protocol):
+    """What the fleet tells the rest of the gateway (index, subscriber, sessions, transport)."""
+
+    async def on_worker_added(self, worker: WorkerRuntime) -> None: ...
+
+    async def on_worker_removed(self, worker: WorkerRuntime) -> None: ...
+
+    def on_start_id_changed(self, worker: WorkerRuntime, start_id: str | int) -> None: ...
+
+    async def warm_up(self, worker: WorkerRuntime) -> bool: ...
+
+
+class Fleet:
+    """Registry of workers with their health, load and accounting."""
+
+    def __init__(
+        self, config: GatewayConfig, getter: JsonGetter, hooks: FleetHooks,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._getter = getter
+        self._hooks = hooks
+        self._clock = clock
+        self.workers: dict[str, WorkerRuntime] = {}
+        self._by_model: dict[str, tuple[WorkerRuntime, ...]] = {}
+        self._warmups: dict[str, asyncio.Task[None]] = {}
+        self.started_at_s = clock()
+
+    # -- registry ----------------------------------------------------------------------------------------------
+
+    def _block_size(self, config: WorkerConfig) -> int:
+        if config.block_size is not None:
+            return config.block_size
+        model = self._config.model(config.model)
+        return model.block_size if model is not None else 16
+
+    def _reindex(self) -> None:
+        by_model: dict[str, list[WorkerRuntime]] = {}
+        for worker in self.workers.values():
+            model = self._config.model(worker.config.model)
+            name = model.name if model is not None else worker.config.model
+            by_model.setdefault(name, []).append(worker)
+        self._by_model = {k: tuple(v) for k, v in by_model.items()}
+
+    def candidates(self, base_model: str) -> tuple[WorkerRuntime, ...]:
+        """Workers serving ``base_model`` (a ``models[].name``), in registration order."""
+        return self._by_model.get(base_model, ())
+
+    def get(self, worker_id: str) -> WorkerRuntime:
+        """The worker ``worker_id``.
+
+        Raises:
+            NotFoundError: no such worker.
+        """
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise NotFoundError(f"no worker {worker_id!r}", param="worker_id")
+        return worker
+
+    def model_names(self) -> list[str]:
+        """Every model name (base and LoRA adapters) served by at least one worker."""
+        names: list[str] = []
+        for model in self._config.models:
+            if model.name in self._by_model:
+                names.append(model.name)
+                names.extend(a for a in model.lora_adapters if a not in names)
+        return names
+
+    async def add(self, config: WorkerConfig) -> WorkerRuntime:
+        """Register a worker, start its event subscription and its warm-up.
+
+        Raises:
+            ConfigError: duplicate id or unknown model.
+        """
+        if config.id in self.workers:
+            raise ConfigError(f"worker: id {config.id!r} already exists")
+        if self._config.model(config.model) is None:
+            raise ConfigError(f"worker: model {config.model!r} is not configured")
+        if config.topology == "bind" and self._config.events.bind_endpoint is None:
+            raise ConfigError("worker: topology bind needs events.bind_endpoint")
+        worker = WorkerRuntime(config, self._block_size(config), self._config.circuit_breaker)
+        self.workers[config.id] = worker
+        self._reindex()
+        await self._hooks.on_worker_added(worker)
+        if config.has_events:
+            self.start_warmup(worker)
+        logger.info("worker %s added (%s, model %s)", config.id, config.url, config.model)
+        return worker
+
+    async def remove(self, worker_id: str) -> WorkerRuntime:
+        """Forget a worker: its index entries, sessions, subscription and connections go at once.
+
+        Raises:
+            NotFoundError: no such worker.
+        """
+        worker = self.get(worker_id)
+        del self.workers[worker_id]
+        self._reindex()
+        task = self._warmups.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+        await self._hooks.on_worker_removed(worker)
+        logger.info("worker %s removed", worker_id)
+        return worker
+
+    def set_draining(self, worker_id: str, is_draining: bool) -> WorkerRuntime:
+        """Drain (no new requests) or undrain a worker.
+
+        Raises:
+            NotFoundError: no such worker.
+        """
+        worker = self.get(worker_id)
+        worker.is_draining = is_draining
+        logger.info("worker %s %s", worker_id, "draining" if is_draining else "undrained")
+        return worker
+
+    # -- readiness and warm-up ---------------------------------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        """Every worker is warm, or the ready timeout has passed (also true with zero workers)."""
+        if self._clock() - self.started_at_s >= self._config.ready_timeout_s:
+            return True
+        return all(w.is_warm for w in self.workers.values())
+
+    def mark_warm(self, worker_id: str) -> None:
+        """The worker's index entries are usable (snapshot applied or first event batch seen)."""
+        worker = self.workers.get(worker_id)
+        if worker is not None and not worker.is_warm:
+            worker.is_warm = True
+            worker.is_approximate = not worker.config.has_events
+            logger.info("worker %s index warm", worker_id)
+
+    def mark_resync(self, worker_id: str) -> None:
+        """The worker's index was cleared: route it on approximate entries and rebuild from its snapshot."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return
+        worker.is_warm = False
+        worker.is_approximate = True
+        self.start_warmup(worker)
+
+    def start_warmup(self, worker: WorkerRuntime) -> None:
+        """(Re)start the worker's warm-up task."""
+        old = self._warmups.pop(worker.worker_id, None)
+        if old is not None and not old.done():
+            old.cancel()
+        self._warmups[worker.worker_id] = asyncio.get_running_loop().create_task(
+            self._warmup(worker), name=f"warmup-{worker.worker_id}"
+        )
+
+    async def _warmup(self, worker: WorkerRuntime) -> None:
+        try:
+            if await self._hooks.warm_up(worker):
+                self.mark_warm(worker.worker_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("warm-up of worker %s failed; waiting for its events", worker.worker_id)
+
+    async def aclose(self) -> None:
+        """Cancel warm-up tasks."""
+        tasks, self._warmups = list(self._warmups.values()), {}
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with suppress(asyncio.CancelledError):
+                await task
+
+    # -- background loops --------------------------------------------------------------------------------------
+
+    async def check_health_once(self, workers: Iterable[WorkerRuntime] | None = None) -> None:
+        """Run one health check on each worker (concurrently)."""
+        cfg = self._config.health
+        targets: Sequence[WorkerRuntime] = list(workers if workers is not None else self.workers.values())
+
+        async def one(worker: WorkerRuntime) -> None:
+            try:
+                status, _ = await self._getter.get_json(
+                    worker.worker_id, worker.config.url + worker.config.health_path, cfg.timeout_s
+                )
+                is_ok = 200 <= status < 300
+            except TransportError:
+                is_ok = False
+            if worker.record_health(is_ok, cfg.failure_threshold, cfg.success_threshold):
+                logger.warning("worker %s is now %s", worker.worker_id,
+                               "healthy" if worker.is_healthy else "unhealthy")
+
+        await asyncio.gather(*(one(w) for w in targets))
+
+    async def run_health_checks(self) -> None:
+        """Forever: check every worker each ``health.interval_s``."""
+        while True:
+            await self.check_health_once()
+            await asyncio.sleep(self._config.health.interval_s)
+
+    async def poll_load_once(self) -> None:
+        """Poll each worker's load endpoint once; a new start id is passed to the subscriber."""
+        cfg = self._config.load_poll
+
+        async def one(worker: WorkerRuntime) -> None:
+            path = worker.config.load_path
+            if path is None:
+                return
+            try:
+                status, body = await self._getter.get_json(worker.worker_id, worker.config.url + path, cfg.timeout_s)
+                if status != 200 or not isinstance(body, dict):
+                    return
+                load = msgspec.convert(body, WorkerLoad, strict=False)
+            except (TransportError, msgspec.ValidationError):
+                return
+            worker.load = load
+            if load.start_id is not None and load.start_id != worker.start_id:
+                is_restart = worker.start_id is not None
+                worker.start_id = load.start_id
+                self._hooks.on_start_id_changed(worker, load.start_id)
+                if is_restart:
+                    logger.warning("worker %s restarted (start id %s)", worker.worker_id, load.start_id)
+
+        await asyncio.gather(*(one(w) for w in list(self.workers.values())))
+
+    async def run_load_polling(self) -> None:
+        """Forever: poll every worker's load each ``load_poll.interval_s``."""
+        while True:
+            await self.poll_load_once()
+            await asyncio.sleep(self._config.load_poll.interval_s)

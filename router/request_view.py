@@ -1,0 +1,413 @@
+"""The request path's view of a request: parse once, tokenize incrementally, hash blocks incrementally.
+
+``RequestParser.parse(kind, body)`` decodes only the fields routing needs (msgspec, unknown fields skipped) and
+validates them, raising ``RequestError`` subclasses for every bad input. ``ModelTokenizer.view(parsed)`` turns
+a parsed request into a ``PromptView``: the number of prompt tokens and the chained block hashes
+(``router.block_hash``), computed with the worker's own tokenizer and chat template (``workers.tokenization``)
+so the gateway's tokens equal the worker's.
+
+Incremental chat tokenization. ``render_segments`` gives one text segment per message (segment ``i`` depends only
+on ``messages[: i + 1]``) plus a generation-prompt segment. A conversation's prefix state after message ``i``::
+
+    key_i   = hash((key_{i-1}, segment_i))                       (in-process str hashing)
+    state_i = (num_tokens, block_hashes[full blocks], tail tokens < block_size)
+
+is kept in a bounded LRU (``PrefixStateCache``). A new turn finds its longest cached message prefix, tokenizes
+only the segments after it, and hashes only the blocks after the cached chain (continuing from its last hash).
+So turn ``k`` of a conversation costs O(new tokens) plus O(num blocks) pointer copies, not O(prompt).
+
+Cached-token rule (vLLM ``KVCacheManager.get_computed_blocks``): the cache hit is capped at ``num_tokens - 1``
+tokens so the last prompt token is always computed; in blocks, ``(num_tokens - 1) // block_size``. A full-prompt
+hit therefore reports ``((n - 1) // block_size) * block_size`` cached tokens; ``cacheable_blocks`` is that cap.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any, Literal
+
+import msgspec
+
+from router.block_hash import BlockHash, Namespace, hash_token_blocks, make_namespace
+from router.config import ModelConfig
+from router.errors import InvalidFieldError, InvalidJSONError
+from workers.errors import InvalidRequestError as WorkerInvalidRequestError
+from workers.errors import TokenizerLoadError
+from workers.tokenization import (
+    ChatMessage,
+    ChatTemplate,
+    JinjaChatTemplate,
+    Tokenizer,
+    encode_prompt,
+    load_tokenizer,
+)
+
+logger = logging.getLogger(__name__)
+
+RequestKind = Literal["completions", "chat"]
+
+
+class _TextPart(msgspec.Struct, frozen=True, gc=False):
+    type: str
+    text: str | None = None
+
+
+class _Message(msgspec.Struct, frozen=True, gc=False):
+    role: str
+    content: str | list[_TextPart] | None = None
+
+
+class _ChatBody(msgspec.Struct, frozen=True, gc=False):
+    model: str
+    messages: list[_Message]
+    stream: bool = False
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+
+
+class _CompletionBody(msgspec.Struct, frozen=True, gc=False):
+    model: str
+    prompt: str | list[Any]
+    stream: bool = False
+    max_tokens: int | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+
+
+class ParsedRequest(msgspec.Struct, frozen=True, gc=False):
+    """The routing fields of a completions or chat request.
+
+    Attributes:
+        kind: ``completions`` or ``chat``.
+        model: requested model name.
+        is_stream: ``stream`` is true.
+        max_tokens: ``max_tokens`` / ``max_completion_tokens``, or ``None``.
+        user: the body's ``user``.
+        cache_salt: vLLM's ``cache_salt``.
+        messages: chat messages (content normalized to text), empty for completions.
+        prompt: completions prompt: text or token ids; ``None`` for chat.
+    """
+
+    kind: RequestKind
+    model: str
+    is_stream: bool
+    max_tokens: int | None
+    user: str | None
+    cache_salt: str | None
+    messages: tuple[ChatMessage, ...] = ()
+    prompt: str | tuple[int, ...] | None = None
+
+
+_chat_decoder = msgspec.json.Decoder(_ChatBody)
+_completion_decoder = msgspec.json.Decoder(_CompletionBody)
+
+
+def _field_of(message: str) -> str | None:
+    """``... - at `$.messages[0].role``` -> ``messages``."""
+    marker = "- at `$."
+    start = message.find(marker)
+    if start < 0:
+        return None
+    path = message[start + len(marker) :].rstrip("`")
+    for sep in ".[":
+        path = path.split(sep, 1)[0]
+    return path or None
+
+
+def parse_request(kind: RequestKind, body: bytes) -> ParsedRequest:
+    """Decode and validate the routing fields of a request body.
+
+    Args:
+        kind: which endpoint received it.
+        body: the raw JSON body.
+
+    Returns:
+        The parsed request.
+
+    Raises:
+        InvalidJSONError: not JSON, or not an object.
+        InvalidFieldError: a missing field, a wrong type, an empty prompt or messages, a bad ``max_tokens``.
+    """
+    try:
+        if kind == "chat":
+            chat = _chat_decoder.decode(body)
+            return _from_chat(chat)
+        completion = _completion_decoder.decode(body)
+        return _from_completion(completion)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if text.startswith("Expected `object`"):
+            raise InvalidJSONError("the request body must be a JSON object") from exc
+        raise InvalidFieldError(text, param=_field_of(text)) from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidJSONError(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _check_max_tokens(value: int | None, name: str) -> None:
+    if value is not None and value < 1:
+        raise InvalidFieldError(f"'{name}' must be >= 1, got {value}", param=name)
+
+
+def _from_chat(chat: _ChatBody) -> ParsedRequest:
+    if not chat.messages:
+        raise InvalidFieldError("'messages' must be a non-empty array", param="messages")
+    messages: list[ChatMessage] = []
+    for i, m in enumerate(chat.messages):
+        if not m.role:
+            raise InvalidFieldError(f"messages[{i}].role must be a non-empty string", param="messages")
+        content = m.content
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        else:
+            parts: list[str] = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise InvalidFieldError(
+                        f"messages[{i}].content parts must be {{'type': 'text', 'text': str}}", param="messages"
+                    )
+                parts.append(part.text)
+            text = "".join(parts)
+        messages.append(ChatMessage(m.role, text))
+    max_tokens = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
+    _check_max_tokens(chat.max_tokens, "max_tokens")
+    _check_max_tokens(chat.max_completion_tokens, "max_completion_tokens")
+    return ParsedRequest(
+        "chat", chat.model, chat.stream, max_tokens, chat.user, chat.cache_salt, messages=tuple(messages)
+    )
+
+
+def _from_completion(body: _CompletionBody) -> ParsedRequest:
+    prompt: str | tuple[int, ...]
+    raw = body.prompt
+    if isinstance(raw, str):
+        if not raw:
+            raise InvalidFieldError("'prompt' must not be empty", param="prompt")
+        prompt = raw
+    else:
+        if not raw:
+            raise InvalidFieldError("'prompt' must not be empty", param="prompt")
+        if len(raw) == 1 and isinstance(raw[0], str | list):
+            raw = [raw[0]] if isinstance(raw[0], str) else raw[0]
+            if isinstance(raw[0], str):
+                if not raw[0]:
+                    raise InvalidFieldError("'prompt' must not be empty", param="prompt")
+                prompt = raw[0]
+                _check_max_tokens(body.max_tokens, "max_tokens")
+                return ParsedRequest("completions", body.model, body.stream, body.max_tokens, body.user,
+                                     body.cache_salt, prompt=prompt)
+        if not raw or not all(type(t) is int and t >= 0 for t in raw):
+            raise InvalidFieldError(
+                "'prompt' must be a string, an array of token ids, or an array with one of those", param="prompt"
+            )
+        prompt = tuple(raw)
+    _check_max_tokens(body.max_tokens, "max_tokens")
+    return ParsedRequest(
+        "completions", body.model, body.stream, body.max_tokens, body.user, body.cache_salt, prompt=prompt
+    )
+
+
+class PromptState(msgspec.Struct, frozen=True, gc=False):
+    """Tokenized and hashed prefix of a prompt.
+
+    Attributes:
+        num_tokens: tokens in the prefix.
+        block_hashes: chained hashes of its full blocks, root-most first (``num_tokens // block_size`` items).
+        tail: the tokens after the last full block (fewer than ``block_size``).
+    """
+
+    num_tokens: int
+    block_hashes: tuple[BlockHash, ...]
+    tail: tuple[int, ...]
+
+
+EMPTY_STATE = PromptState(0, (), ())
+
+
+def extend_state(
+    state: PromptState, token_ids: list[int] | tuple[int, ...], block_size: int, namespace: Namespace
+) -> PromptState:
+    """Append ``token_ids`` to ``state``, hashing only the blocks they complete.
+
+    Args:
+        state: the prefix so far.
+        token_ids: the new tokens.
+        block_size: tokens per block.
+        namespace: chain seed (used when ``state`` has no full block yet).
+
+    Returns:
+        The extended state.
+    """
+    if not token_ids:
+        return state
+    combined = state.tail + tuple(token_ids) if state.tail else tuple(token_ids)
+    num_full = len(combined) // block_size * block_size
+    if num_full == 0:
+        return PromptState(state.num_tokens + len(token_ids), state.block_hashes, combined)
+    parent = state.block_hashes[-1] if state.block_hashes else None
+    new_hashes = hash_token_blocks(combined[:num_full], block_size, namespace, parent)
+    return PromptState(
+        state.num_tokens + len(token_ids), state.block_hashes + tuple(new_hashes), combined[num_full:]
+    )
+
+
+class PrefixStateCache:
+    """Bounded LRU of conversation prefix states (see module docstring).
+
+    Eviction: least recently used first, until the entry count is at most ``max_entries`` and the total number of
+    cached block hashes is at most ``max_blocks``.
+    """
+
+    def __init__(self, max_entries: int = 4096, max_blocks: int = 4_000_000) -> None:
+        self._entries: OrderedDict[int, PromptState] = OrderedDict()
+        self._max_entries = max_entries
+        self._max_blocks = max_blocks
+        self._num_blocks = 0
+        self.num_hits = 0
+        self.num_misses = 0
+
+    def get(self, key: int) -> PromptState | None:
+        state = self._entries.get(key)
+        if state is not None:
+            self._entries.move_to_end(key)
+        return state
+
+    def put(self, key: int, state: PromptState) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._num_blocks -= len(old.block_hashes)
+        self._entries[key] = state
+        self._num_blocks += len(state.block_hashes)
+        while self._entries and (len(self._entries) > self._max_entries or self._num_blocks > self._max_blocks):
+            _, evicted = self._entries.popitem(last=False)
+            self._num_blocks -= len(evicted.block_hashes)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class PromptView(msgspec.Struct, frozen=True, gc=False):
+    """The routing view of one prompt.
+
+    Attributes:
+        num_tokens: prompt tokens.
+        block_hashes: chained hashes of the full blocks.
+        block_size: tokens per block.
+        num_reused_blocks: blocks taken from the prefix cache (not re-hashed) this time.
+    """
+
+    num_tokens: int
+    block_hashes: tuple[BlockHash, ...]
+    block_size: int
+    num_reused_blocks: int = 0
+
+    @property
+    def num_cacheable_blocks(self) -> int:
+        """Most blocks a worker can serve from cache: ``(num_tokens - 1) // block_size`` (vLLM's rule)."""
+        return max(0, (self.num_tokens - 1) // self.block_size)
+
+
+class ModelTokenizer:
+    """Tokenizer, chat template, namespaces and prefix caches of one model."""
+
+    def __init__(self, config: ModelConfig, *, max_cached_prefixes: int = 4096, max_cached_blocks: int = 4_000_000):
+        """Load the model's tokenizer and template exactly as the worker does.
+
+        Raises:
+            ConfigError: the tokenizer or template cannot be loaded.
+        """
+        from router.errors import ConfigError
+
+        try:
+            tokenizer, template = load_tokenizer(config.tokenizer_path)
+            if config.chat_template is not None:
+                with open(config.chat_template, encoding="utf-8") as f:
+                    template = JinjaChatTemplate(f.read(), tokenizer.bos_token, tokenizer.eos_token)
+        except (TokenizerLoadError, OSError) as exc:
+            raise ConfigError(f"models[{config.name}]: {exc}") from exc
+        self.config = config
+        self.block_size = config.block_size
+        self.tokenizer: Tokenizer = tokenizer
+        self.template: ChatTemplate = template
+        self._namespaces: dict[tuple[str | None, str | None], Namespace] = {}
+        self.prefixes = PrefixStateCache(max_cached_prefixes, max_cached_blocks)
+        self._prompts = PrefixStateCache(256, max_cached_blocks // 4)
+
+    def namespace(self, model: str, cache_salt: str | None) -> Namespace:
+        """Chain seed for a request: LoRA adapter (when ``model`` names one) and cache salt."""
+        lora = model if model != self.config.name and model in self.config.lora_adapters else None
+        salt = cache_salt if self.config.honor_cache_salt else None
+        key = (lora, salt)
+        ns = self._namespaces.get(key)
+        if ns is None:
+            if len(self._namespaces) > 65536:
+                self._namespaces.clear()
+            ns = self._namespaces[key] = make_namespace(lora, salt)
+        return ns
+
+    def view(self, parsed: ParsedRequest) -> PromptView:
+        """Tokenize and hash ``parsed``'s prompt, reusing cached prefixes.
+
+        Raises:
+            InvalidFieldError: the template or tokenizer refuses the input (e.g. token ids out of range).
+        """
+        ns = self.namespace(parsed.model, parsed.cache_salt)
+        bs = self.block_size
+        try:
+            if parsed.kind == "chat":
+                return self._chat_view(parsed.messages, ns)
+            prompt = parsed.prompt
+            assert prompt is not None  # parse_request guarantees it for completions
+            if isinstance(prompt, str):
+                key = hash((ns, bs, prompt))
+                state = self._prompts.get(key)
+                if state is None:
+                    state = extend_state(EMPTY_STATE, self.tokenizer.encode(prompt), bs, ns)
+                    self._prompts.put(key, state)
+                return PromptView(state.num_tokens, state.block_hashes, bs)
+            ids = encode_prompt(self.tokenizer, prompt)
+            state = extend_state(EMPTY_STATE, ids, bs, ns)
+            return PromptView(state.num_tokens, state.block_hashes, bs)
+        except WorkerInvalidRequestError as exc:
+            raise InvalidFieldError(exc.message, param=exc.param) from exc
+        except ValueError as exc:
+            raise InvalidFieldError(str(exc), param="prompt") from exc
+
+    def _chat_view(self, messages: tuple[ChatMessage, ...], ns: Namespace) -> PromptView:
+        rendered = self.template.render_segments(messages, True)
+        segments = rendered.segments
+        bs = self.block_size
+        if not rendered.is_incremental:
+            state = extend_state(EMPTY_STATE, self.tokenizer.encode(rendered.text), bs, ns)
+            return PromptView(state.num_tokens, state.block_hashes, bs)
+        num_messages = len(segments) - 1
+        keys: list[int] = []
+        key = hash((ns, bs))
+        for i in range(num_messages):
+            key = hash((key, segments[i]))
+            keys.append(key)
+        start = 0
+        state = EMPTY_STATE
+        for i in range(num_messages - 1, -1, -1):
+            cached = self.prefixes.get(keys[i])
+            if cached is not None:
+                state, start = cached, i + 1
+                break
+        num_reused_blocks = len(state.block_hashes)
+        if start:
+            self.prefixes.num_hits += 1
+        else:
+            self.prefixes.num_misses += 1
+        encode = self.tokenizer.encode
+        for i in range(start, num_messages):
+            if segments[i]:
+                state = extend_state(state, encode(segments[i]), bs, ns)
+        if num_messages and start < num_messages:
+            self.prefixes.put(keys[num_messages - 1], state)
+        if segments[-1]:
+            state = extend_state(state, encode(segments[-1]), bs, ns)
+        return PromptView(state.num_tokens, state.block_hashes, bs, num_reused_blocks)

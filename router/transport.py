@@ -1,0 +1,292 @@
+"""The transport seam between the gateway and its workers.
+
+The proxy talks to workers only through ``Transport`` (``send(request) -> response``, ``aclose()``), like httpx's
+transports: ``AiohttpTransport`` for real workers (one pooled keep-alive connector per worker), and
+``MockTransport`` that answers from an async handler in memory, so proxy tests need no socket.
+
+An ``UpstreamResponse`` is returned once the status and headers arrived (the "first byte"); its body is read
+with ``iter_chunks()`` (chunk by chunk, as received, never re-encoded) or ``read()``, and ``release()`` must be
+called on every path (it closes the upstream request if the body was not fully read, which cancels it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Protocol
+
+import aiohttp
+import msgspec
+
+from router.config import TimeoutsConfig
+from router.errors import TransportConnectError, TransportError, TransportTimeoutError
+
+logger = logging.getLogger(__name__)
+
+HOP_BY_HOP_HEADERS = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+     "transfer-encoding", "upgrade", "content-length", "host"}
+)
+"""RFC 9110 §7.6.1 connection-specific headers (plus ``host``/``content-length``, recomputed by the client)."""
+
+
+class UpstreamRequest(msgspec.Struct, frozen=True, gc=False):
+    """One request to a worker.
+
+    Attributes:
+        worker_id: the worker.
+        base_url: its HTTP base URL, e.g. ``http://127.0.0.1:8001``.
+        method: HTTP method.
+        path: path with query, e.g. ``/v1/chat/completions``.
+        headers: headers to send (hop-by-hop headers already removed).
+        body: the body exactly as the client sent it.
+    """
+
+    worker_id: str
+    base_url: str
+    method: str
+    path: str
+    headers: Sequence[tuple[str, str]]
+    body: bytes
+
+
+class UpstreamResponse(Protocol):
+    """A worker's response whose status and headers have arrived."""
+
+    status: int
+    headers: Mapping[str, str]
+
+    def iter_chunks(self) -> AsyncIterator[bytes]:
+        """Body chunks as they arrive.
+
+        Raises:
+            TransportError: the connection broke mid-body (``is_before_first_byte`` False).
+        """
+        ...
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        ...
+
+    def release(self) -> None:
+        """Return the connection to the pool, or close it if the body was not fully read. Idempotent."""
+        ...
+
+
+class Transport(Protocol):
+    """Sends requests to workers."""
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        """Send ``request`` and wait for the response headers.
+
+        Raises:
+            TransportConnectError: no connection, or it closed before the headers.
+            TransportTimeoutError: connect or first-byte timeout.
+        """
+        ...
+
+    async def remove_worker(self, worker_id: str) -> None:
+        """Close the worker's pooled connections."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close every pooled connection."""
+        ...
+
+
+class _AiohttpResponse:
+    """Adapts ``aiohttp.ClientResponse`` to ``UpstreamResponse``."""
+
+    __slots__ = ("_resp", "status", "headers", "_worker_id", "_url")
+
+    def __init__(self, resp: aiohttp.ClientResponse, worker_id: str, url: str) -> None:
+        self._resp = resp
+        self.status = resp.status
+        self.headers: Mapping[str, str] = resp.headers
+        self._worker_id = worker_id
+        self._url = url
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._resp.content.iter_any():
+                yield chunk
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise TransportError(
+                f"upstream body broke: {exc!r}", worker_id=self._worker_id, endpoint=self._url,
+                is_before_first_byte=False,
+            ) from exc
+
+    async def read(self) -> bytes:
+        try:
+            return await self._resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise TransportError(
+                f"upstream body broke: {exc!r}", worker_id=self._worker_id, endpoint=self._url,
+                is_before_first_byte=False,
+            ) from exc
+
+    def release(self) -> None:
+        if not self._resp.content.at_eof():
+            self._resp.close()
+        else:
+            self._resp.release()
+
+
+class AiohttpTransport:
+    """aiohttp client sessions, one per worker, each with a pooled keep-alive connector.
+
+    Timeouts (``TimeoutsConfig``, seconds): ``connect_s`` bounds opening a connection, ``first_byte_s`` bounds
+    the wait for the response headers, ``total_s`` the whole exchange including a streamed body.
+    """
+
+    def __init__(self, timeouts: TimeoutsConfig, *, limit_per_worker: int = 0) -> None:
+        """Create an empty transport; sessions are opened lazily per worker.
+
+        Args:
+            timeouts: upstream timeouts.
+            limit_per_worker: connection pool size per worker (0 = unbounded).
+        """
+        self._timeouts = timeouts
+        self._limit = limit_per_worker
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._client_timeout = aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s)
+
+    def _session(self, worker_id: str) -> aiohttp.ClientSession:
+        session = self._sessions.get(worker_id)
+        if session is None or session.closed:
+            connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=30.0, ttl_dns_cache=300)
+            session = aiohttp.ClientSession(
+                connector=connector, timeout=self._client_timeout, auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            )
+            self._sessions[worker_id] = session
+        return session
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        url = request.base_url + request.path
+        session = self._session(request.worker_id)
+        try:
+            async with asyncio.timeout(self._timeouts.first_byte_s):
+                resp = await session.request(request.method, url, data=request.body, headers=request.headers)
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise TransportTimeoutError(
+                f"worker {request.worker_id} timed out before the first byte", worker_id=request.worker_id,
+                endpoint=url, is_before_first_byte=True,
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise TransportConnectError(
+                f"worker {request.worker_id} unreachable: {exc.__class__.__name__}", worker_id=request.worker_id,
+                endpoint=url, is_before_first_byte=True,
+            ) from exc
+        return _AiohttpResponse(resp, request.worker_id, url)
+
+    async def get_json(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, object]:
+        """GET ``url`` on the worker's pool and decode JSON (health, load, snapshot endpoints).
+
+        Returns:
+            ``(status, decoded body or None)``.
+
+        Raises:
+            TransportError: connect error or timeout.
+        """
+        session = self._session(worker_id)
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with session.get(url) as resp:
+                    body = await resp.read()
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise TransportTimeoutError(
+                f"GET {url} timed out", worker_id=worker_id, endpoint=url, is_before_first_byte=True
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise TransportConnectError(
+                f"GET {url} failed: {exc.__class__.__name__}", worker_id=worker_id, endpoint=url,
+                is_before_first_byte=True,
+            ) from exc
+        try:
+            return resp.status, msgspec.json.decode(body) if body else None
+        except msgspec.DecodeError:
+            return resp.status, None
+
+    async def remove_worker(self, worker_id: str) -> None:
+        session = self._sessions.pop(worker_id, None)
+        if session is not None:
+            await session.close()
+
+    async def aclose(self) -> None:
+        sessions, self._sessions = self._sessions, {}
+        for session in sessions.values():
+            await session.close()
+
+
+class MockResponse:
+    """An in-memory ``UpstreamResponse``.
+
+    Args:
+        status: HTTP status.
+        headers: response headers.
+        chunks: body chunks yielded by ``iter_chunks``; an ``Exception`` instance in the list is raised at that
+            point (a broken stream); an ``asyncio.Event`` is awaited (lets a test hold the stream open).
+    """
+
+    def __init__(
+        self, status: int = 200, headers: Mapping[str, str] | None = None,
+        chunks: Sequence[bytes | BaseException | asyncio.Event] = (),
+    ) -> None:
+        self.status = status
+        self.headers: Mapping[str, str] = dict(headers or {})
+        self._chunks = list(chunks)
+        self.is_released = False
+        self.is_fully_read = False
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        for item in self._chunks:
+            if isinstance(item, asyncio.Event):
+                await item.wait()
+            elif isinstance(item, BaseException):
+                raise TransportError("mock body broke", worker_id="mock", endpoint="mock", is_before_first_byte=False)
+            else:
+                yield item
+        self.is_fully_read = True
+
+    async def read(self) -> bytes:
+        return b"".join([c async for c in self.iter_chunks()])
+
+    def release(self) -> None:
+        self.is_released = True
+
+
+MockHandler = Callable[[UpstreamRequest], Awaitable[MockResponse]]
+
+
+class MockTransport:
+    """Answers every request from ``handler`` in memory; records requests and responses for assertions.
+
+    The handler may raise ``TransportConnectError`` / ``TransportTimeoutError`` to simulate a failure before the
+    first byte.
+    """
+
+    def __init__(self, handler: MockHandler) -> None:
+        self._handler = handler
+        self.requests: list[UpstreamRequest] = []
+        self.responses: list[MockResponse] = []
+        self.is_closed = False
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        self.requests.append(request)
+        resp = await self._handler(request)
+        self.responses.append(resp)
+        return resp
+
+    async def get_json(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, object]:
+        """Health/load/snapshot GETs through the handler (body decoded as JSON)."""
+        resp = await self.send(UpstreamRequest(worker_id, "", "GET", url, (), b""))
+        body = await resp.read()
+        return resp.status, msgspec.json.decode(body) if body else None
+
+    async def remove_worker(self, worker_id: str) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        self.is_closed = True
