@@ -91,6 +91,8 @@ class Decision(msgspec.Struct, frozen=True, gc=False):
         scores: per worker id, the policy's score (cache_aware: estimated TTFT in seconds; lower is better).
         predicted_cached_tokens: cached prompt tokens predicted on the chosen worker (the honesty check).
         ranking: candidate worker ids best first (retries walk it).
+        detail: human-readable qualifier of ``reason`` for logs and the admin's decision list (e.g. why a
+            session moved: ``"owner_unhealthy"``, ``"owner_costlier"``); ``""`` when there is nothing to add.
     """
 
     worker_id: str | None
@@ -98,6 +100,7 @@ class Decision(msgspec.Struct, frozen=True, gc=False):
     scores: Mapping[str, float] = msgspec.field(default_factory=dict)
     predicted_cached_tokens: int = 0
     ranking: tuple[str, ...] = ()
+    detail: str = ""
 
 
 class Policy(Protocol):

@@ -1,0 +1,236 @@
+"""The TTFT cost model of ``cache_aware`` and its online correction.
+
+Estimated time to first token of a request of ``n`` prompt tokens on worker ``w`` (seconds)::
+
+    ttft(w) = overhead_s + f_w * (queue_s + prefill_s + restore_s)
+
+    queue_s   = pending_prefill_tokens / r_lin                     queued prefill work ahead of the request
+              + num_waiting_requests * per_waiting_request_s       scheduling delay per queued request
+              + num_running_requests * per_running_request_s       decode work sharing each batch
+    prefill_s = (n - k) / r_lin + (n**2 - k**2) / r_quad           positions k..n computed, k = cached tokens
+    restore_s = k_cpu * kv_bytes_per_token / host_bandwidth        blocks only on the worker's CPU tier
+              + k_pool * kv_bytes_per_token / pool_bandwidth       blocks only in the shared pool
+
+where ``k = k_gpu + k_cpu + k_pool`` (each clamped so that ``k <= n``; GPU first, then CPU, then pool) and
+``f_w`` is the worker's online speed factor (1.0 = as profiled; ``TTFTCalibrator``).
+
+Why ``n**2``: the GEMMs of a transformer cost a constant per token, attention over a causal prefix of length n
+costs ``~ 2 * n**2 * d_model * num_layers`` FLOPs (halved for causality, times 2 matmuls, times 2 FLOPs/MAC), so
+computing positions ``k..n`` costs ``(n**2 - k**2)`` times a constant. Calibration for Llama-3-8B (32 layers,
+d_model 4096, 8 B params) on one H200: a 32,768-token prefill takes 1.26 s (measured, ``DESIGN.md`` §1); the FLOP
+split is 16 GFLOP/token linear vs 0.26 MFLOP/token**2 attention, i.e. 65 % / 35 % at 32K, giving
+``r_lin = 40,000`` tokens/s and ``r_quad = 2.435e9`` tokens**2/s (32,768/40,000 + 32,768**2/2.435e9 = 1.260 s).
+Restore: 131,072 B/token over 55 GB/s host-to-device is 78 ms for 32K tokens (measured, ``DESIGN.md`` §1).
+
+The speed factor scales everything but the fixed overhead: a worker twice slower than its profile computes,
+drains its queue and (usually, sharing the same host) restores twice slower.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import msgspec
+
+from policies.base import WorkerState
+from policies.config import CacheAwareConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TTFTBreakdown", "TTFTCalibrator", "TTFTCostModel"]
+
+
+class TTFTBreakdown(msgspec.Struct, frozen=True, gc=False):
+    """One worker's estimate, term by term (seconds), for the admin's decision list.
+
+    Attributes:
+        queue_s: queued work ahead, unscaled.
+        prefill_s: prefill of the tokens the worker lacks, unscaled.
+        restore_s: restore of blocks held only on CPU or in the pool, unscaled.
+        overhead_s: fixed per-request time.
+        speed_factor: the worker's online speed factor applied to the three terms above.
+        ttft_s: ``overhead_s + speed_factor * (queue_s + prefill_s + restore_s)``.
+        num_computed_tokens: prompt tokens the worker would compute.
+    """
+
+    queue_s: float
+    prefill_s: float
+    restore_s: float
+    overhead_s: float
+    speed_factor: float
+    ttft_s: float
+    num_computed_tokens: int
+
+
+class TTFTCostModel:
+    """Evaluates the formula in the module docstring; constants from a ``CacheAwareConfig``.
+
+    Args:
+        config: the policy configuration (rates in tokens/s and tokens**2/s, bandwidths in bytes/s).
+    """
+
+    def __init__(self, config: CacheAwareConfig) -> None:
+        self.config = config
+        self.s_per_token = 1.0 / config.prefill_linear_tokens_per_s
+        self.s_per_token_sq = 1.0 / config.prefill_quadratic_tokens_sq_per_s
+        self.host_s_per_token = config.kv_bytes_per_token / config.host_bandwidth_bytes_per_s
+        self.pool_s_per_token = config.kv_bytes_per_token / config.pool_bandwidth_bytes_per_s
+        self.overhead_s = config.overhead_s
+        self.per_waiting_request_s = config.per_waiting_request_s
+        self.per_running_request_s = config.per_running_request_s
+
+    def work_s(self, worker: WorkerState, num_prompt_tokens: int) -> float:
+        """The scalable part of the estimate, ``queue_s + prefill_s + restore_s``, unscaled (seconds).
+
+        Args:
+            worker: the candidate (cached tokens per tier, load).
+            num_prompt_tokens: the request's prompt length ``n`` in tokens (>= 0).
+        """
+        n = num_prompt_tokens
+        k_gpu = min(worker.num_gpu_cached_tokens, n)
+        k_cpu = min(worker.num_cpu_cached_tokens, n - k_gpu)
+        k_pool = min(worker.num_pool_cached_tokens, n - k_gpu - k_cpu)
+        k = k_gpu + k_cpu + k_pool
+        return (
+            worker.num_pending_prefill_tokens * self.s_per_token
+            + worker.num_waiting_requests * self.per_waiting_request_s
+            + worker.num_running_requests * self.per_running_request_s
+            + (n - k) * self.s_per_token
+            + (n * n - k * k) * self.s_per_token_sq
+            + k_cpu * self.host_s_per_token
+            + k_pool * self.pool_s_per_token
+        )
+
+    def estimate_s(self, worker: WorkerState, num_prompt_tokens: int, speed_factor: float = 1.0) -> float:
+        """Estimated TTFT in seconds: ``overhead_s + speed_factor * work_s(worker, num_prompt_tokens)``."""
+        return self.overhead_s + speed_factor * self.work_s(worker, num_prompt_tokens)
+
+    def breakdown(self, worker: WorkerState, num_prompt_tokens: int, speed_factor: float = 1.0) -> TTFTBreakdown:
+        """The estimate term by term (same numbers as ``estimate_s``)."""
+        n = num_prompt_tokens
+        k_gpu = min(worker.num_gpu_cached_tokens, n)
+        k_cpu = min(worker.num_cpu_cached_tokens, n - k_gpu)
+        k_pool = min(worker.num_pool_cached_tokens, n - k_gpu - k_cpu)
+        k = k_gpu + k_cpu + k_pool
+        queue_s = (
+            worker.num_pending_prefill_tokens * self.s_per_token
+            + worker.num_waiting_requests * self.per_waiting_request_s
+            + worker.num_running_requests * self.per_running_request_s
+        )
+        prefill_s = (n - k) * self.s_per_token + (n * n - k * k) * self.s_per_token_sq
+        restore_s = k_cpu * self.host_s_per_token + k_pool * self.pool_s_per_token
+        return TTFTBreakdown(
+            queue_s=queue_s,
+            prefill_s=prefill_s,
+            restore_s=restore_s,
+            overhead_s=self.overhead_s,
+            speed_factor=speed_factor,
+            ttft_s=self.overhead_s + speed_factor * (queue_s + prefill_s + restore_s),
+            num_computed_tokens=n - k,
+        )
+
+
+class TTFTCalibrator:
+    """Per-worker speed factors learned from observed TTFTs (EWMA in log space, bounded).
+
+    After each request the gateway reports what it predicted and what the worker showed. With ``o`` the fixed
+    overhead and ``f_used`` the factor the prediction was made with, one observation gives the sample::
+
+        f_sample = (observed_ttft_s - o) / ((predicted_ttft_s - o) / f_used)
+
+    clamped to ``[min_speed_factor, max_speed_factor]``, and the factor moves to
+    ``exp((1 - alpha) * log(f) + alpha * log(f_sample))``. Log space makes a 2x-slow and a 2x-fast error
+    symmetric; after ``k`` consistent observations the remaining log error is ``(1 - alpha)**k`` of the first
+    (alpha 0.25: 4 observations take a 2x-slow worker within 20 %). Observations whose unscaled work
+    ``(predicted - o) / f_used`` is under ``min_calibration_work_s`` carry no signal and are skipped.
+
+    The policy only reads ``speed_factor()``; ``observe()`` is the one writer (the gateway, after the first
+    token). Both are O(1) and never raise for bad measurements: those are counted in ``num_rejected`` and logged.
+
+    Args:
+        config: supplies ``overhead_s``, ``calibration_alpha``, the factor bounds and ``min_calibration_work_s``.
+        initial_speed_factors: factors to start from (a hot reload keeps what was learned), clamped to bounds.
+    """
+
+    def __init__(self, config: CacheAwareConfig, initial_speed_factors: dict[str, float] | None = None) -> None:
+        self.config = config
+        self._log_factors: dict[str, float] = {}
+        self._log_min = math.log(config.min_speed_factor)
+        self._log_max = math.log(config.max_speed_factor)
+        self.num_observations = 0
+        self.num_skipped = 0
+        self.num_rejected = 0
+        for worker_id, factor in (initial_speed_factors or {}).items():
+            if math.isfinite(factor) and factor > 0:
+                self._log_factors[worker_id] = min(max(math.log(factor), self._log_min), self._log_max)
+
+    def speed_factor(self, worker_id: str) -> float:
+        """The worker's current factor (1.0 until observed)."""
+        log_factor = self._log_factors.get(worker_id)
+        return 1.0 if log_factor is None else math.exp(log_factor)
+
+    def speed_factors(self) -> dict[str, float]:
+        """Every learned factor, by worker id (for the admin API and metrics)."""
+        return {worker_id: math.exp(v) for worker_id, v in self._log_factors.items()}
+
+    def forget(self, worker_id: str) -> None:
+        """Drop what was learned about a worker (removed or restarted)."""
+        self._log_factors.pop(worker_id, None)
+
+    def observe(
+        self,
+        worker_id: str,
+        predicted_ttft_s: float,
+        observed_ttft_s: float,
+        *,
+        speed_factor_used: float | None = None,
+    ) -> bool:
+        """Fold one observation into the worker's factor.
+
+        Args:
+            worker_id: the worker that served the request.
+            predicted_ttft_s: the policy's score for that worker at decision time (``Decision.scores``), seconds.
+            observed_ttft_s: time from sending the request to the first token, seconds.
+            speed_factor_used: ``speed_factor(worker_id)`` at decision time; ``None`` uses the current factor
+                (exact when nothing else was observed in between).
+
+        Returns:
+            True when the factor was updated; False when the observation was skipped (too little work to tell)
+            or rejected (non-finite or negative values, which are counted and logged).
+        """
+        if speed_factor_used is None:
+            speed_factor_used = self.speed_factor(worker_id)
+        if not (
+            math.isfinite(predicted_ttft_s)
+            and math.isfinite(observed_ttft_s)
+            and math.isfinite(speed_factor_used)
+            and predicted_ttft_s >= 0.0
+            and observed_ttft_s >= 0.0
+            and speed_factor_used > 0.0
+        ):
+            self.num_rejected += 1
+            logger.warning(
+                "ttft observation rejected: worker=%s predicted_ttft_s=%r observed_ttft_s=%r speed_factor_used=%r",
+                worker_id,
+                predicted_ttft_s,
+                observed_ttft_s,
+                speed_factor_used,
+            )
+            return False
+        overhead_s = self.config.overhead_s
+        unscaled_work_s = (predicted_ttft_s - overhead_s) / speed_factor_used
+        if unscaled_work_s < self.config.min_calibration_work_s:
+            self.num_skipped += 1
+            return False
+        observed_work_s = observed_ttft_s - overhead_s
+        if observed_work_s <= 0.0:
+            log_sample = self._log_min
+        else:
+            log_sample = min(max(math.log(observed_work_s / unscaled_work_s), self._log_min), self._log_max)
+        alpha = self.config.calibration_alpha
+        log_old = self._log_factors.get(worker_id, 0.0)
+        log_new = (1.0 - alpha) * log_old + alpha * log_sample
+        self._log_factors[worker_id] = min(max(log_new, self._log_min), self._log_max)
+        self.num_observations += 1
+        return True

@@ -1,0 +1,212 @@
+"""``session_sticky``: keep a session on the worker that owns its KV state, wrapping any other policy.
+
+The gateway drives it in one store round trip (``router/sessions/base.py``)::
+
+    key   = derive_session_key(config.key_sources, headers, body_user, opening_hash)   # None: no session
+    inner = policy.select_inner(view, snapshot)              # pure; the best worker for this request
+    entry = await store.claim_or_touch(key, inner.worker_id) # owner (existing, or just claimed = inner best)
+    decision = policy.resolve(entry.worker_id, inner, snapshot, is_new=entry.is_new)      # pure
+    if decision.reason == "sticky_moved":
+        await store.move(key, entry.worker_id, decision.worker_id)                       # compare-and-set
+
+``select(view, snapshot)`` does the same in one call when the owner is already in ``Snapshot.session_owner``.
+
+Rules of ``resolve`` (first match wins):
+
+=====================================================  ==========  =============================
+situation                                              worker      reason (detail)
+=====================================================  ==========  =============================
+inner policy found no candidate                        None        inner's reason
+no owner, or the owner was just claimed (``is_new``)   inner best  sticky_new
+owner not in the snapshot                              inner best  sticky_moved (owner_missing)
+owner unhealthy                                        inner best  sticky_moved (owner_unhealthy)
+owner draining                                         inner best  sticky_moved (owner_draining)
+owner is the inner best                                owner       sticky
+owner not in the inner ranking (e.g. saturated)        inner best  sticky_moved (owner_excluded)
+owner costlier than inner best by every margin         inner best  sticky_moved (owner_costlier)
+otherwise                                              owner       sticky
+=====================================================  ==========  =============================
+
+Margins (``max_extra_ttft_s``, ``max_ttft_ratio``) compare the inner policy's scores, so they apply only when
+those are estimated TTFT seconds (inner ``cache_aware``); with a baseline inside, only availability moves a
+session. Idle expiry is the store's (``idle_timeout_s`` from this config).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import xxhash
+
+from policies.base import Decision, Policy, RequestView, Snapshot
+from policies.config import CacheAwareConfig, KeySource, SessionStickyConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SessionStickyPolicy", "derive_session_key", "resolve_sticky"]
+
+MAX_SESSION_KEY_CHARS = 256
+"""Longer client-supplied keys are replaced by their xxh3-128 hex digest (bounded store entries)."""
+
+_HEADER_PREFIX: Mapping[str, str] = {"x-session-id": "sid", "x-smg-routing-key": "smg"}
+
+
+def _bounded(prefix: str, value: str) -> str:
+    """``prefix:value``, or ``prefix#<xxh3_128 hex>`` when ``value`` exceeds ``MAX_SESSION_KEY_CHARS``."""
+    if len(value) > MAX_SESSION_KEY_CHARS:
+        return f"{prefix}#{xxhash.xxh3_128_hexdigest(value.encode('utf-8'))}"
+    return f"{prefix}:{value}"
+
+
+def derive_session_key(
+    key_sources: tuple[KeySource, ...],
+    headers: Mapping[str, str],
+    user: str | None = None,
+    opening_hash: int | bytes | None = None,
+) -> str | None:
+    """The request's session key from the first source in ``key_sources`` that has a non-empty value.
+
+    Keys are namespaced by source so two sources never collide: ``sid:<x-session-id>``,
+    ``smg:<X-SMG-Routing-Key>``, ``user:<body user>``, ``open:<hex>``. A value over 256 characters becomes
+    ``<prefix>#<xxh3-128 hex of its UTF-8 bytes>``.
+
+    Args:
+        key_sources: the configured order (``SessionStickyConfig.key_sources``).
+        headers: request headers; a case-insensitive mapping (aiohttp's ``CIMultiDictProxy``) or one with
+            lower-cased names.
+        user: the body's ``user`` field, if any.
+        opening_hash: an identity of the conversation's opening, computed by the gateway: the chained block hash
+            covering the system prompt and the first user message (an int is formatted as 16 hex digits, bytes
+            as hex). It stays the same on every turn of a conversation, unlike the prompt's last block.
+
+    Returns:
+        The key, or ``None`` when no source has a value (the request is routed without a session).
+    """
+    for source in key_sources:
+        if source == "user":
+            if user:
+                return _bounded("user", user)
+        elif source == "opening_blocks":
+            if isinstance(opening_hash, int):
+                return f"open:{opening_hash & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+            if opening_hash:
+                return f"open:{opening_hash.hex()}"
+        else:
+            value = headers.get(source)
+            if value:
+                return _bounded(_HEADER_PREFIX[source], value)
+    return None
+
+
+def resolve_sticky(
+    config: SessionStickyConfig,
+    owner_id: str | None,
+    inner: Decision,
+    snapshot: Snapshot,
+    *,
+    is_new: bool = False,
+    applies_margins: bool = True,
+) -> Decision:
+    """Keep or move a session (the table in the module docstring). Pure.
+
+    Args:
+        config: the margins.
+        owner_id: the session's owner from the store, or ``None`` without an entry.
+        inner: the inner policy's decision for this request over ``snapshot``.
+        snapshot: the same snapshot ``inner`` was computed from.
+        is_new: the store's ``SessionEntry.is_new`` (the owner was claimed by this request).
+        applies_margins: the inner scores are TTFT seconds, so the cost margins apply.
+
+    Returns:
+        The decision; ``ranking`` lists the kept owner first, then the inner ranking.
+    """
+    best_id = inner.worker_id
+    if best_id is None:
+        return inner
+    if owner_id is None or (is_new and owner_id == best_id):
+        return _relabel(inner, "sticky_new", "")
+    owner = None
+    for worker in snapshot.workers:
+        if worker.worker_id == owner_id:
+            owner = worker
+            break
+    if owner is None:
+        return _relabel(inner, "sticky_moved", "owner_missing")
+    if not owner.is_healthy:
+        return _relabel(inner, "sticky_moved", "owner_unhealthy")
+    if owner.is_draining:
+        return _relabel(inner, "sticky_moved", "owner_draining")
+    if owner_id == best_id:
+        return _relabel(inner, "sticky", "")
+    if owner_id not in inner.ranking:
+        return _relabel(inner, "sticky_moved", "owner_excluded")
+    if applies_margins and _is_costlier(config, inner.scores.get(owner_id), inner.scores.get(best_id)):
+        return _relabel(inner, "sticky_moved", "owner_costlier")
+    return Decision(
+        worker_id=owner_id,
+        reason="sticky",
+        scores=inner.scores,
+        predicted_cached_tokens=owner.num_cached_tokens,
+        ranking=(owner_id, *(w for w in inner.ranking if w != owner_id)),
+    )
+
+
+def _is_costlier(config: SessionStickyConfig, owner_score: float | None, best_score: float | None) -> bool:
+    """True when the owner exceeds every configured margin over the best (``False`` with no margin set)."""
+    if owner_score is None or best_score is None:
+        return False
+    if config.max_extra_ttft_s is None and config.max_ttft_ratio is None:
+        return False
+    if config.max_extra_ttft_s is not None and owner_score - best_score <= config.max_extra_ttft_s:
+        return False
+    return config.max_ttft_ratio is None or owner_score > best_score * config.max_ttft_ratio
+
+
+def _relabel(decision: Decision, reason: str, detail: str) -> Decision:
+    """``decision`` with another reason and detail."""
+    return Decision(
+        worker_id=decision.worker_id,
+        reason=reason,
+        scores=decision.scores,
+        predicted_cached_tokens=decision.predicted_cached_tokens,
+        ranking=decision.ranking,
+        detail=detail,
+    )
+
+
+class SessionStickyPolicy:
+    """Session stickiness around an inner policy (see the module docstring for the gateway's call sequence).
+
+    Args:
+        config: key sources, idle timeout, margins.
+        inner: the wrapped policy, built from ``config.inner``.
+
+    Attributes:
+        inner: the wrapped policy.
+        applies_margins: whether cost margins are checked (the inner policy scores in TTFT seconds).
+    """
+
+    name = "session_sticky"
+
+    def __init__(self, config: SessionStickyConfig, inner: Policy) -> None:
+        self.config = config
+        self.inner = inner
+        self.applies_margins = isinstance(config.inner, CacheAwareConfig)
+
+    def select_inner(self, view: RequestView, snapshot: Snapshot) -> Decision:
+        """The inner policy's decision: the worker to propose to ``claim_or_touch``."""
+        return self.inner.select(view, snapshot)
+
+    def resolve(self, owner_id: str | None, inner: Decision, snapshot: Snapshot, *, is_new: bool = False) -> Decision:
+        """``resolve_sticky`` with this policy's config."""
+        return resolve_sticky(
+            self.config, owner_id, inner, snapshot, is_new=is_new, applies_margins=self.applies_margins
+        )
+
+    def select(self, view: RequestView, snapshot: Snapshot) -> Decision:
+        """Inner decision, then keep or move ``snapshot.session_owner``; without a session key, the inner one."""
+        inner = self.inner.select(view, snapshot)
+        if view.session_key is None:
+            return inner
+        return self.resolve(snapshot.session_owner, inner, snapshot)
