@@ -1,0 +1,232 @@
+"""Replaying a trace against an OpenAI-compatible endpoint: open loop on timestamps, or closed loop by session.
+
+* **Open loop**: request ``i`` is sent at ``(arrival_s[i] - start offset) / time_scale`` seconds after the start,
+  whatever happened to earlier requests (the trace's own arrival process; bursts stay bursts). A cap on requests
+  in flight protects the client machine; requests wait for a slot when it is full (their TTFT then includes
+  that wait, as it would for a real client).
+* **Closed loop**: ``concurrency`` session runners; each takes the next session (in order of first arrival)
+  and sends its turns one after another, waiting ``think_time_s / time_scale`` before each turn after the first.
+
+Every request of a session carries the session header (``x-session-id`` by default). Times in the records are
+wall-clock; the report multiplies them by ``time_scale`` so that, against sim workers running ``time_scale``
+times faster than real time, results read in simulated seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Annotated, Literal
+
+import aiohttp
+import msgspec
+
+from loadgen.client import (
+    DEFAULT_PREDICTED_CACHED_HEADER,
+    DEFAULT_WORKER_HEADER,
+    CompletionRequest,
+    RequestRecord,
+    send_completion,
+)
+from loadgen.errors import ReplayError
+from loadgen.prompts import PromptBuilder
+from loadgen.traces import TraceRequest
+
+logger = logging.getLogger(__name__)
+
+
+class ReplayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """How to replay a trace."""
+
+    url: str
+    """Base URL of the OpenAI-compatible endpoint (``http://127.0.0.1:8000``); ``/v1/completions`` is appended
+    unless the URL already ends with it."""
+    model: str = "sim"
+    """``model`` field of every request."""
+    mode: Literal["open", "closed"] = "open"
+    """Open loop on timestamps, or closed loop by session."""
+    time_scale: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    """Trace time runs this many times faster than wall time; reported times are multiplied by it."""
+    concurrency: Annotated[int, msgspec.Meta(ge=1)] = 8
+    """Closed loop: sessions in flight."""
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 256
+    """Open loop: requests in flight at most."""
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Cap on ``max_tokens`` (the trace's output length otherwise)."""
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
+    """Wall-clock limit of one request, seconds."""
+    max_duration_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    """Wall-clock limit of the replay: no request is sent after it, seconds."""
+    session_header: str = "x-session-id"
+    """Request header carrying the session id."""
+    worker_header: str = DEFAULT_WORKER_HEADER
+    """Response header naming the serving worker."""
+    predicted_cached_header: str = DEFAULT_PREDICTED_CACHED_HEADER
+    """Response header with the gateway's predicted cached tokens."""
+
+    @property
+    def completions_url(self) -> str:
+        """The URL requests are posted to."""
+        base = self.url.rstrip("/")
+        if base.endswith("/v1/completions"):
+            return base
+        if base.endswith("/v1"):
+            return base + "/completions"
+        return base + "/v1/completions"
+
+
+class ReplayResult(msgspec.Struct):
+    """Outcome of one replay.
+
+    Attributes:
+        records: one per request sent, in trace order.
+        duration_s: wall-clock seconds from the first send to the last completion.
+        num_skipped: requests not sent (duration limit reached or interrupted).
+    """
+
+    records: list[RequestRecord]
+    duration_s: float
+    num_skipped: int = 0
+
+
+ProgressCallback = Callable[[RequestRecord], None]
+
+
+class Replayer:
+    """Runs one replay of ``requests`` with ``config``.
+
+    Args:
+        requests: the trace slice (arrival order).
+        config: replay settings.
+        prompts: builds each request's prompt text.
+        on_complete: called after each request finishes (progress bars).
+
+    Raises:
+        ReplayError: nothing to replay, or a URL that is not http(s).
+    """
+
+    def __init__(
+        self,
+        requests: Sequence[TraceRequest],
+        config: ReplayConfig,
+        prompts: PromptBuilder,
+        on_complete: ProgressCallback | None = None,
+    ) -> None:
+        if not requests:
+            raise ReplayError("the trace slice is empty")
+        if not config.url.startswith(("http://", "https://")):
+            raise ReplayError(f"url must start with http:// or https://, got {config.url!r}")
+        self._requests = list(requests)
+        self._config = config
+        self._prompts = prompts
+        self._on_complete = on_complete
+        self._records: dict[int, RequestRecord] = {}
+        self._t0 = 0.0
+
+    def _is_past_deadline(self) -> bool:
+        limit = self._config.max_duration_s
+        return limit is not None and time.perf_counter() - self._t0 > limit
+
+    async def _send(self, session: aiohttp.ClientSession, index: int) -> RequestRecord:
+        cfg = self._config
+        r = self._requests[index]
+        max_tokens = max(1, r.num_output_tokens)
+        if cfg.max_output_tokens is not None:
+            max_tokens = min(max_tokens, cfg.max_output_tokens)
+        headers = {cfg.session_header: r.session_id} if r.session_id else {}
+        record = RequestRecord(
+            index=index,
+            session_id=r.session_id,
+            start_s=time.perf_counter() - self._t0,
+            num_prompt_tokens=r.num_prompt_tokens,
+        )
+        self._records[index] = record
+        prompt = self._prompts.prompt(r)
+        await send_completion(
+            session,
+            CompletionRequest(cfg.completions_url, cfg.model, prompt, max_tokens, headers),
+            record,
+            timeout_s=cfg.request_timeout_s,
+            worker_header=cfg.worker_header,
+            predicted_cached_header=cfg.predicted_cached_header,
+        )
+        if record.error_kind is not None:
+            logger.debug("request %d failed: %s %s", index, record.error_kind, record.error_message)
+        if self._on_complete is not None:
+            self._on_complete(record)
+        return record
+
+    async def _open_loop(self, session: aiohttp.ClientSession) -> None:
+        cfg = self._config
+        slots = asyncio.Semaphore(cfg.max_in_flight)
+        tasks: list[asyncio.Task[RequestRecord]] = []
+        base_s = self._requests[0].arrival_s
+
+        async def one(index: int) -> RequestRecord:
+            async with slots:
+                return await self._send(session, index)
+
+        try:
+            for index, r in enumerate(self._requests):
+                delay_s = (r.arrival_s - base_s) / cfg.time_scale - (time.perf_counter() - self._t0)
+                if delay_s > 0:
+                    await asyncio.sleep(delay_s)
+                if self._is_past_deadline():
+                    break
+                tasks.append(asyncio.create_task(one(index)))
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _closed_loop(self, session: aiohttp.ClientSession) -> None:
+        cfg = self._config
+        sessions: dict[str, list[int]] = {}
+        for index, r in enumerate(self._requests):
+            sessions.setdefault(r.session_id or f"#{index}", []).append(index)
+        queue: asyncio.Queue[list[int]] = asyncio.Queue()
+        for turns in sessions.values():
+            queue.put_nowait(turns)
+
+        async def runner() -> None:
+            while not queue.empty() and not self._is_past_deadline():
+                turns = queue.get_nowait()
+                for n, index in enumerate(turns):
+                    think_s = self._requests[index].think_time_s / cfg.time_scale if n else 0.0
+                    if think_s > 0:
+                        await asyncio.sleep(think_s)
+                    if self._is_past_deadline():
+                        return
+                    await self._send(session, index)
+
+        runners = [asyncio.create_task(runner()) for _ in range(min(cfg.concurrency, len(sessions)))]
+        try:
+            await asyncio.gather(*runners)
+        finally:
+            for task in runners:
+                task.cancel()
+            await asyncio.gather(*runners, return_exceptions=True)
+
+    async def run(self) -> ReplayResult:
+        """Replay the slice; returns the records of every request sent (cancellation keeps those finished)."""
+        cfg = self._config
+        limit = cfg.max_in_flight if cfg.mode == "open" else cfg.concurrency
+        connector = aiohttp.TCPConnector(limit=limit, force_close=False)
+        self._t0 = time.perf_counter()
+        try:
+            async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as s:
+                if cfg.mode == "open":
+                    await self._open_loop(s)
+                else:
+                    await self._closed_loop(s)
+        finally:
+            duration_s = time.perf_counter() - self._t0
+        records = [self._records[i] for i in sorted(self._records)]
+        for rec in records:
+            if rec.e2e_s == 0.0 and rec.error_kind is None:
+                rec.error_kind = "cancelled"
+                rec.error_message = "the replay stopped before the request finished"
+        return ReplayResult(records=records, duration_s=duration_s, num_skipped=len(self._requests) - len(records))

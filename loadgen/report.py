@@ -1,0 +1,220 @@
+"""Run summaries from request records: hit ratio against the ceiling, latency percentiles, balance, errors.
+
+Definitions (all times in simulated seconds: wall seconds multiplied by the replay's ``time_scale``):
+
+* ``hit_ratio`` = Σ cached tokens (``usage.prompt_tokens_details.cached_tokens``) ÷ Σ prompt tokens, over
+  successful requests (reported prompt tokens where the server sends them, else the trace's);
+  ``ceiling_hit_ratio`` is the slice's infinite-cache bound (``loadgen.ceiling``), so ``hit_ratio ÷
+  ceiling_hit_ratio`` is the share of the reachable reuse a run achieved.
+* percentiles: numpy's default (linear interpolation between closest ranks); ITL pools every gap of every
+  successful request.
+* ``output_tokens_per_s`` = Σ output tokens ÷ run duration (first send to last completion).
+* ``load_imbalance`` = max ÷ mean prompt tokens per worker (``request_imbalance``: the same over requests); the
+  worker set is the fleet when known, else the workers named by the gateway's header.
+* ``cached_tokens_mismatch_ratio``: share of successful requests with both a predicted and a reported cached
+  token count whose two numbers differ (requests without a prediction are counted in
+  ``num_unpredicted``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from loadgen.client import RequestRecord
+
+logger = logging.getLogger(__name__)
+
+
+class RunSummary(msgspec.Struct):
+    """The numbers of one replay. Times in simulated seconds (see module docstring)."""
+
+    policy: str
+    requests_ok: int
+    requests_failed: int
+    hit_ratio: float
+    ceiling_hit_ratio: float
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    e2e_p50_s: float | None
+    output_tokens_per_s: float
+    requests_per_s: float
+    load_imbalance: float | None
+    request_imbalance: float | None
+    cached_tokens_mismatch_ratio: float | None
+    num_unpredicted: int
+    errors_by_kind: dict[str, int]
+    requests_by_worker: dict[str, int]
+    prompt_tokens_by_worker: dict[str, int]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    duration_s: float
+    time_scale: float
+    fraction_of_ceiling: float | None = None
+    num_skipped: int = 0
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) of ``values`` (numpy linear interpolation), ``None`` when empty."""
+    if not values:
+        return None
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+def imbalance(values: Sequence[float]) -> float | None:
+    """max ÷ mean of ``values``; ``None`` for no values or a zero mean."""
+    if not values:
+        return None
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else None
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    *,
+    policy: str,
+    ceiling_hit_ratio: float,
+    duration_s: float,
+    time_scale: float = 1.0,
+    workers: Sequence[str] = (),
+    num_skipped: int = 0,
+) -> RunSummary:
+    """Summarize one replay.
+
+    Args:
+        records: the replay's request records.
+        policy: label of the run (the routing policy, or any name).
+        ceiling_hit_ratio: the slice's infinite-cache ceiling, 0..1.
+        duration_s: wall-clock duration of the replay, seconds.
+        time_scale: wall seconds are multiplied by this to give simulated seconds.
+        workers: the fleet's worker ids (workers that served nothing count as 0); empty to use the ones seen.
+        num_skipped: requests of the slice that were never sent.
+
+    Raises:
+        ValueError: ``time_scale`` <= 0 or ``duration_s`` < 0.
+    """
+    if time_scale <= 0:
+        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    if duration_s < 0:
+        raise ValueError(f"duration_s must be >= 0, got {duration_s}")
+    ok = [r for r in records if r.is_ok]
+    failed = [r for r in records if not r.is_ok]
+    prompt_tokens = sum(r.num_reported_prompt_tokens or r.num_prompt_tokens for r in ok)
+    cached_tokens = sum(r.num_cached_tokens or 0 for r in ok)
+    output_tokens = sum(r.num_output_tokens for r in ok)
+    ttfts = [r.ttft_s * time_scale for r in ok if r.ttft_s is not None]
+    itls = [gap * time_scale for r in ok for gap in r.itl_s]
+    e2es = [r.e2e_s * time_scale for r in ok]
+    sim_duration_s = duration_s * time_scale
+    requests_by_worker: Counter[str] = Counter({w: 0 for w in workers})
+    prompt_by_worker: Counter[str] = Counter({w: 0 for w in workers})
+    for r in ok:
+        if r.worker is not None:
+            requests_by_worker[r.worker] += 1
+            prompt_by_worker[r.worker] += r.num_reported_prompt_tokens or r.num_prompt_tokens
+    compared = [r for r in ok if r.num_predicted_cached_tokens is not None and r.num_cached_tokens is not None]
+    mismatched = sum(1 for r in compared if r.num_predicted_cached_tokens != r.num_cached_tokens)
+    hit_ratio = cached_tokens / prompt_tokens if prompt_tokens else 0.0
+    return RunSummary(
+        policy=policy,
+        requests_ok=len(ok),
+        requests_failed=len(failed),
+        hit_ratio=hit_ratio,
+        ceiling_hit_ratio=ceiling_hit_ratio,
+        fraction_of_ceiling=hit_ratio / ceiling_hit_ratio if ceiling_hit_ratio > 0 else None,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p90_s=percentile(ttfts, 90),
+        ttft_p99_s=percentile(ttfts, 99),
+        itl_p50_s=percentile(itls, 50),
+        itl_p99_s=percentile(itls, 99),
+        e2e_p50_s=percentile(e2es, 50),
+        output_tokens_per_s=output_tokens / sim_duration_s if sim_duration_s > 0 else 0.0,
+        requests_per_s=len(ok) / sim_duration_s if sim_duration_s > 0 else 0.0,
+        load_imbalance=imbalance(list(prompt_by_worker.values())),
+        request_imbalance=imbalance(list(requests_by_worker.values())),
+        cached_tokens_mismatch_ratio=mismatched / len(compared) if compared else None,
+        num_unpredicted=len(ok) - len(compared),
+        errors_by_kind=dict(Counter(r.error_kind or "" for r in failed)),
+        requests_by_worker=dict(sorted(requests_by_worker.items())),
+        prompt_tokens_by_worker=dict(sorted(prompt_by_worker.items())),
+        num_prompt_tokens=prompt_tokens,
+        num_cached_tokens=cached_tokens,
+        num_output_tokens=output_tokens,
+        duration_s=sim_duration_s,
+        time_scale=time_scale,
+        num_skipped=num_skipped,
+    )
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+MARKDOWN_COLUMNS: tuple[str, ...] = (
+    "policy",
+    "ok",
+    "failed",
+    "hit ratio",
+    "of ceiling",
+    "TTFT p50 (s)",
+    "TTFT p90 (s)",
+    "TTFT p99 (s)",
+    "ITL p50 (ms)",
+    "ITL p99 (ms)",
+    "out tok/s",
+    "imbalance (tokens)",
+    "imbalance (requests)",
+    "cached mismatch",
+)
+
+
+def table_rows(summaries: Sequence[RunSummary]) -> list[list[str]]:
+    """One row of display strings per run, in ``MARKDOWN_COLUMNS`` order."""
+    rows = []
+    for s in summaries:
+        rows.append(
+            [
+                s.policy,
+                str(s.requests_ok),
+                str(s.requests_failed),
+                f"{s.hit_ratio:.3f}",
+                _fmt(s.fraction_of_ceiling, ".2f"),
+                _fmt(s.ttft_p50_s, ".3f"),
+                _fmt(s.ttft_p90_s, ".3f"),
+                _fmt(s.ttft_p99_s, ".3f"),
+                _fmt(None if s.itl_p50_s is None else s.itl_p50_s * 1000, ".1f"),
+                _fmt(None if s.itl_p99_s is None else s.itl_p99_s * 1000, ".1f"),
+                f"{s.output_tokens_per_s:.0f}",
+                _fmt(s.load_imbalance, ".2f"),
+                _fmt(s.request_imbalance, ".2f"),
+                _fmt(s.cached_tokens_mismatch_ratio, ".2%"),
+            ]
+        )
+    return rows
+
+
+def markdown_table(summaries: Sequence[RunSummary]) -> str:
+    """The comparison table in Markdown (one row per run), with the ceiling in a caption line."""
+    lines = [
+        "| " + " | ".join(MARKDOWN_COLUMNS) + " |",
+        "|" + "|".join("---" for _ in MARKDOWN_COLUMNS) + "|",
+    ]
+    lines.extend("| " + " | ".join(row) + " |" for row in table_rows(summaries))
+    if summaries:
+        lines.append("")
+        lines.append(
+            f"Ceiling hit ratio of the slice (infinite cache): {summaries[0].ceiling_hit_ratio:.3f}. "
+            f"Times in simulated seconds (time scale {summaries[0].time_scale:g})."
+        )
+        errors = {s.policy: s.errors_by_kind for s in summaries if s.errors_by_kind}
+        if errors:
+            lines.append("Errors by kind: " + "; ".join(f"{p}: {e}" for p, e in errors.items()) + ".")
+    return "\n".join(lines) + "\n"
