@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     # (name, module, one-line help)
+    ("loadgen", "loadgen.cli", "Replay a trace against an OpenAI-compatible endpoint and report."),
+    ("demo", "loadgen.demo", "Sim workers + gateway on 127.0.0.1, one trace replay per routing policy."),
 )
 
 
