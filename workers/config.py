@@ -1,0 +1,149 @@
+"""Typed, frozen configuration of the reference worker, loaded once from CLI flags and/or a YAML profile.
+
+A YAML profile uses the kebab-case keys below, grouped as the struct tree::
+
+    worker-id: w0
+    model: llama-3-8b-sim
+    port: 8100
+    kv-events-endpoint: "tcp://*:5557"
+    kv-cache: {num-gpu-blocks: 4096, num-cpu-blocks: 16384, block-size: 16, cpu-store-policy: all}
+    scheduler: {max-num-seqs: 256, max-num-batched-tokens: 8192, max-model-len: 131072}
+    timing: {prefill-s-per-token: 2.38e-5, host-to-gpu-bytes-per-s: 55.0e9, ...}
+    time-scale: 1.0
+
+CLI flags given explicitly override the profile (``workers.cli``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+import yaml
+
+from workers.errors import ConfigError
+
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class KVCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """The KV manager's pools."""
+
+    num_gpu_blocks: Positive = 4096
+    """GPU blocks in the pool."""
+    num_cpu_blocks: NonNegative = 0
+    """CPU tier blocks; 0 disables the tier."""
+    block_size: Positive = 16
+    """Tokens per block."""
+    cpu_store_policy: Literal["all", "prompt_only", "none"] = "all"
+    """Which newly cached GPU blocks are written through to CPU: every one, prompt blocks only, or none."""
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """Continuous batching limits."""
+
+    max_num_seqs: Positive = 256
+    """Sequences running (or restoring) at once."""
+    max_num_batched_tokens: Positive = 8192
+    """Tokens computed per step (prefill chunks + decodes)."""
+    max_model_len: Positive = 131072
+    """Prompt plus output tokens per request."""
+    default_max_tokens: Positive = 256
+    """``max_tokens`` when a request gives none (capped by the context left)."""
+
+
+class TimingProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """The sim engine's timing model (``workers.engines.sim``); defaults: Llama-3-8B shape, one H200.
+
+    Calibration: a 32,768-token prefill from empty takes
+    ``step_overhead_s + 32768 * prefill_s_per_token + attention_s_per_token_pair * 32768**2 / 2``
+    = 0.006 + 0.7758 + 0.4789 = 1.2607 s (measured on an H200: about 1.26 s). Host<->GPU copies at 55 GB/s with
+    128 KiB of KV per token (32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes): 32K tokens reload in 78 ms.
+    """
+
+    step_overhead_s: NonNegativeFloat = 0.006
+    """Fixed cost of any step (weights read once, launch overheads)."""
+    prefill_s_per_token: NonNegativeFloat = 2.3676e-5
+    """Linear (GEMM) cost per computed token."""
+    attention_s_per_token_pair: NonNegativeFloat = 8.92e-10
+    """Attention cost per (query token, key token) pair computed in a prefill chunk."""
+    decode_s_per_seq: NonNegativeFloat = 2.0e-5
+    """Extra cost per decoding sequence in a step."""
+    kv_read_bytes_per_s: PositiveFloat = 4.0e12
+    """HBM bandwidth for reading KV during decode."""
+    kv_bytes_per_token: Positive = 131072
+    """KV cache size per token (all layers, K and V)."""
+    host_to_gpu_bytes_per_s: PositiveFloat = 55.0e9
+    """CPU -> GPU copy bandwidth (restores)."""
+    gpu_to_host_bytes_per_s: PositiveFloat = 55.0e9
+    """GPU -> CPU copy bandwidth (stores)."""
+    copy_latency_s: NonNegativeFloat = 2.0e-5
+    """Fixed latency per copy job."""
+    eos_probability: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    """Chance per sampled token that it is EOS (0: outputs run to ``max_tokens``)."""
+    seed: int = 0
+    """Seed of the sampled tokens when a request gives none."""
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """Everything a worker process needs."""
+
+    worker_id: str = "worker-0"
+    """Name of the worker in events and metrics."""
+    model: str = "kvgate-sim"
+    """Model name served (``/v1/models``); requests for another model get a 404."""
+    host: str = "127.0.0.1"
+    """HTTP listen address."""
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    """HTTP port (0: ephemeral)."""
+    engine: Literal["sim", "torch"] = "sim"
+    """Which engine executes steps."""
+    kv_events_endpoint: str | None = None
+    """ZMQ PUB endpoint for KV events (``tcp://*:5557``); ``None``: no publishing."""
+    replay_endpoint: str | None = None
+    """ZMQ ROUTER endpoint answering replay requests."""
+    kv_events_topic: str = ""
+    """Topic frame of published batches."""
+    tokenizer: str | None = None
+    """``tokenizer.json`` or a directory with it; ``None``: the byte tokenizer."""
+    time_scale: NonNegativeFloat = 1.0
+    """Wall seconds slept per simulated second (1: real time, 0.1: ten times faster, 0: no sleeping)."""
+    kv_cache: KVCacheConfig = msgspec.field(default_factory=KVCacheConfig)
+    """KV pools."""
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    """Batching limits."""
+    timing: TimingProfile = msgspec.field(default_factory=TimingProfile)
+    """Sim engine timing."""
+
+
+def load_profile(path: str | Path) -> dict[str, object]:
+    """Read a YAML profile into a plain mapping (validated later by ``build_config``).
+
+    Raises:
+        ConfigError: unreadable file or not a mapping.
+    """
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read profile {path}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"profile {path} must be a mapping")
+    return data
+
+
+def build_config(raw: dict[str, object]) -> WorkerConfig:
+    """Validate a kebab-case mapping into a ``WorkerConfig``.
+
+    Raises:
+        ConfigError: an unknown key or a bad value; the message names the key path (e.g. ``$.kv-cache.block-size``).
+    """
+    try:
+        return msgspec.convert(raw, WorkerConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid worker config: {exc}") from exc

@@ -1,0 +1,383 @@
+"""The KV cache manager: per-sequence block tables over the GPU pool and the CPU tier.
+
+What the scheduler calls, per sequence (``SequenceKV``)::
+
+    find_prefix(seq, token_ids)     -> PrefixHit      GPU hit, then its continuation on CPU
+    admit(seq, hit, num_tokens)     -> bool           take the hit, reserve restore targets, allocate the rest
+    allocate_slots(seq, num_tokens) -> bool           grow the block table to cover num_tokens
+    cache_computed(seq, token_ids, num_computed_tokens, num_prompt_tokens)
+                                                       register new full blocks (+ write-through stores)
+    free(seq)                                          drop the sequence's references (tail first)
+    take_copies() / complete_store(job) / complete_restore(job)
+    take_events()                                      KV events since the last call (swap)
+
+Cached tokens (what ``usage.prompt_tokens_details.cached_tokens`` reports), exactly as vLLM computes them: the
+last prompt token is always computed (its logits are needed), so a hit may cover at most
+``(num_prompt_tokens - 1) // block_size`` blocks::
+
+    cached_tokens = block_size * min(num_hit_blocks, (num_prompt_tokens - 1) // block_size)
+
+where ``num_hit_blocks`` counts consecutive full blocks from the first found on GPU, continued on CPU (a
+restore). E.g. block_size 16: a 32-token prompt fully cached reports 16; a 33-token one reports 32.
+
+Restores: the continuation found on CPU is copied into GPU blocks reserved by ``admit`` (counted against free
+blocks before anything is taken, so a restore is admitted only when its targets exist). When the copy lands,
+the blocks are registered in the GPU prefix index (``BlockStored`` GPU) so the next turn hits on GPU. A sequence
+freed while its restore is in flight keeps its blocks until the copy lands (the DMA still writes them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import msgspec
+
+from events.types import AllBlocksCleared, KVEvent, Medium
+from workers.config import KVCacheConfig
+from workers.engines.base import BlockCopy
+from workers.errors import KVCacheError
+from workers.kv.block_pool import BlockMeta, BlockPool, stored_events
+from workers.kv.cpu_tier import CpuTier
+from workers.kv.hashing import BlockHash, extend_block_hashes, namespace_root
+
+logger = logging.getLogger(__name__)
+
+
+class SequenceKV:
+    """A sequence's KV state, owned by the manager's caller (one per request).
+
+    Attributes:
+        request_id: the request.
+        root: namespace root hash (LoRA name, cache salt).
+        block_hashes: hashes of the sequence's full blocks so far.
+        block_ids: the GPU block table.
+        num_cached_blocks: leading blocks of ``block_ids`` already registered (or being restored).
+        cpu_pinned: CPU blocks this sequence pinned for its restore.
+        restore_job_id: the restore in flight into this sequence's blocks, or ``None``.
+        is_freed: ``free`` was called (blocks released, or to be released when the restore lands).
+    """
+
+    __slots__ = (
+        "request_id",
+        "lora_name",
+        "cache_salt",
+        "root",
+        "block_hashes",
+        "block_ids",
+        "num_cached_blocks",
+        "cpu_pinned",
+        "restore_job_id",
+        "is_freed",
+    )
+
+    def __init__(self, request_id: str, lora_name: str | None = None, cache_salt: str | None = None) -> None:
+        self.request_id = request_id
+        self.lora_name = lora_name
+        self.cache_salt = cache_salt
+        self.root = namespace_root(lora_name, cache_salt)
+        self.block_hashes: list[BlockHash] = []
+        self.block_ids: list[int] = []
+        self.num_cached_blocks = 0
+        self.cpu_pinned: list[BlockHash] = []
+        self.restore_job_id: int | None = None
+        self.is_freed = False
+
+
+class PrefixHit(msgspec.Struct, frozen=True, gc=False):
+    """A sequence's usable prefix.
+
+    Attributes:
+        gpu_block_ids: GPU blocks of the leading hit, in order.
+        num_cpu_blocks: further blocks found on the CPU tier (to restore).
+        block_size: tokens per block.
+    """
+
+    gpu_block_ids: tuple[int, ...]
+    num_cpu_blocks: int
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        """GPU plus CPU hit blocks."""
+        return len(self.gpu_block_ids) + self.num_cpu_blocks
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens served from the cache (any tier)."""
+        return self.num_blocks * self.block_size
+
+
+class _RestoreJob:
+    __slots__ = ("seq", "block_ids", "metas")
+
+    def __init__(self, seq: SequenceKV, block_ids: list[int], metas: list[BlockMeta]) -> None:
+        self.seq = seq
+        self.block_ids = block_ids
+        self.metas = metas
+
+
+def max_cached_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Most prompt blocks a hit may cover: the last prompt token is always computed (vLLM's rule)."""
+    return max(0, (num_prompt_tokens - 1) // block_size)
+
+
+class KVCacheManager:
+    """GPU pool + optional CPU tier + events (module docstring)."""
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        """Build empty pools from ``config``."""
+        self.config = config
+        self.block_size = config.block_size
+        self._events: list[KVEvent] = []
+        self.gpu = BlockPool(config.num_gpu_blocks, config.block_size, self._emit)
+        self.cpu: CpuTier | None = (
+            CpuTier(config.num_cpu_blocks, config.block_size, self._emit)
+            if config.num_cpu_blocks > 0
+            else None
+        )
+        self._store_policy = config.cpu_store_policy if self.cpu is not None else "none"
+        self._next_job_id = 0
+        self._pending_stores: list[BlockCopy] = []
+        self._pending_restores: list[BlockCopy] = []
+        self._restore_jobs: dict[int, _RestoreJob] = {}
+        self.num_restored_blocks = 0
+
+    # events and copies -------------------------------------------------------------------------------------
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events since the last call, in order (the list is swapped out, not copied)."""
+        events = self._events
+        self._events = []
+        return events
+
+    def _emit(self, event: KVEvent) -> None:
+        self._events.append(event)
+
+    def take_copies(self) -> tuple[tuple[BlockCopy, ...], tuple[BlockCopy, ...]]:
+        """Store and restore jobs to issue in the next engine step: ``(stores, restores)``."""
+        stores, restores = tuple(self._pending_stores), tuple(self._pending_restores)
+        self._pending_stores.clear()
+        self._pending_restores.clear()
+        return stores, restores
+
+    def _job_id(self) -> int:
+        self._next_job_id += 1
+        return self._next_job_id
+
+    # prefix lookup and allocation --------------------------------------------------------------------------
+
+    def find_prefix(self, seq: SequenceKV, token_ids: Sequence[int], num_prompt_tokens: int) -> PrefixHit:
+        """The usable cached prefix of ``token_ids`` (GPU first, then its continuation on CPU).
+
+        Args:
+            seq: the sequence (its hashes are extended to cover ``token_ids``).
+            token_ids: all known tokens (prompt, plus outputs after a preemption).
+            num_prompt_tokens: tokens that must be fed; the last one is never a hit.
+
+        Returns:
+            The hit, capped at ``max_cached_blocks(num_prompt_tokens)``.
+        """
+        hashes = extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size)
+        limit = min(len(hashes), max_cached_blocks(num_prompt_tokens, self.block_size))
+        gpu_ids: list[int] = []
+        for h in hashes[:limit]:
+            b = self.gpu.get_cached_block(h)
+            if b is None:
+                break
+            gpu_ids.append(b)
+        num_cpu = 0
+        if self.cpu is not None and len(gpu_ids) < limit:
+            num_cpu = self.cpu.lookup(hashes[len(gpu_ids) : limit])
+        return PrefixHit(gpu_block_ids=tuple(gpu_ids), num_cpu_blocks=num_cpu, block_size=self.block_size)
+
+    def admit(self, seq: SequenceKV, hit: PrefixHit, num_tokens: int) -> bool:
+        """Give a new (or preempted) sequence its hit and blocks for its first ``num_tokens`` tokens.
+
+        All or nothing: when the free blocks (not counting hit blocks that sit in the free queue) cannot cover
+        the restore targets plus the new blocks, nothing changes and False is returned (the request waits).
+
+        Args:
+            seq: a sequence holding no blocks.
+            hit: from ``find_prefix``.
+            num_tokens: tokens the block table must cover (cached + the first chunk).
+
+        Raises:
+            KVCacheError: ``seq`` already holds blocks.
+        """
+        if seq.block_ids:
+            raise KVCacheError(f"admit of {seq.request_id} which holds blocks")
+        num_needed = max(0, -(-num_tokens // self.block_size) - len(hit.gpu_block_ids))
+        if num_needed > self.gpu.num_free_blocks - self.gpu.num_free_among(hit.gpu_block_ids):
+            return False
+        self.gpu.touch(hit.gpu_block_ids)
+        seq.block_ids = [*hit.gpu_block_ids, *self.gpu.allocate(num_needed)]
+        seq.num_cached_blocks = hit.num_blocks
+        seq.is_freed = False
+        if hit.num_cpu_blocks:
+            assert self.cpu is not None
+            first = len(hit.gpu_block_ids)
+            hashes = seq.block_hashes[first : first + hit.num_cpu_blocks]
+            slots = self.cpu.pin(hashes)
+            seq.cpu_pinned = list(hashes)
+            dst = seq.block_ids[first : first + hit.num_cpu_blocks]
+            job_id = self._job_id()
+            metas = [self._cpu_meta(h) for h in hashes]
+            self._restore_jobs[job_id] = _RestoreJob(seq, dst, metas)
+            self._pending_restores.append(BlockCopy(job_id, tuple(slots), tuple(dst)))
+            seq.restore_job_id = job_id
+        return True
+
+    def _cpu_meta(self, h: BlockHash) -> BlockMeta:
+        assert self.cpu is not None
+        return self.cpu.meta(h)
+
+    def allocate_slots(self, seq: SequenceKV, num_tokens: int) -> bool:
+        """Grow ``seq``'s block table to cover ``num_tokens`` tokens.
+
+        Returns:
+            False (nothing allocated) when the free queue is too short; the scheduler then preempts.
+        """
+        num_needed = -(-num_tokens // self.block_size) - len(seq.block_ids)
+        if num_needed <= 0:
+            return True
+        if num_needed > self.gpu.num_free_blocks:
+            return False
+        seq.block_ids.extend(self.gpu.allocate(num_needed))
+        return True
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` could be allocated now."""
+        return num_blocks <= self.gpu.num_free_blocks
+
+    def cache_computed(
+        self, seq: SequenceKV, token_ids: Sequence[int], num_computed_tokens: int, num_prompt_tokens: int
+    ) -> None:
+        """Register the full blocks computed so far and issue write-through stores for them.
+
+        Args:
+            seq: the sequence.
+            token_ids: all known tokens of the sequence.
+            num_computed_tokens: tokens whose KV is now in ``seq.block_ids``.
+            num_prompt_tokens: prompt length (for the ``prompt_only`` store policy).
+        """
+        extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size)
+        end = min(num_computed_tokens // self.block_size, len(seq.block_hashes), len(seq.block_ids))
+        start = seq.num_cached_blocks
+        if end <= start:
+            return
+        bs = self.block_size
+        metas = [
+            BlockMeta(
+                block_hash=seq.block_hashes[i],
+                parent_block_hash=seq.block_hashes[i - 1] if i else None,
+                token_ids=tuple(token_ids[i * bs : (i + 1) * bs]),
+                depth=i,
+                lora_name=seq.lora_name,
+                cache_salt=seq.cache_salt,
+            )
+            for i in range(start, end)
+        ]
+        self.gpu.cache_blocks(seq.block_ids[start:end], metas)
+        seq.num_cached_blocks = end
+        if self._store_policy == "none":
+            return
+        if self._store_policy == "prompt_only":
+            metas = [m for m in metas if (m.depth + 1) * bs <= num_prompt_tokens]
+        if metas:
+            self._store(seq.block_ids[start : start + len(metas)], metas)
+
+    def _store(self, gpu_block_ids: Sequence[int], metas: Sequence[BlockMeta]) -> None:
+        assert self.cpu is not None
+        job_id = self._job_id()
+        by_hash = {m.block_hash: b for b, m in zip(gpu_block_ids, metas, strict=True)}
+        chosen = self.cpu.prepare_store(job_id, metas)
+        if chosen:
+            self._pending_stores.append(
+                BlockCopy(
+                    job_id, tuple(by_hash[m.block_hash] for m, _ in chosen), tuple(slot for _, slot in chosen)
+                )
+            )
+
+    def free(self, seq: SequenceKV) -> None:
+        """Drop ``seq``'s references, tail block first (so its tail is evicted first), and its own CPU pins.
+
+        A sequence whose restore is in flight keeps its blocks until ``complete_restore``. Idempotent.
+        """
+        if seq.is_freed:
+            return
+        seq.is_freed = True
+        if seq.restore_job_id is not None:
+            return
+        self._release(seq)
+
+    def _release(self, seq: SequenceKV) -> None:
+        self.gpu.free(reversed(seq.block_ids))
+        seq.block_ids = []
+        seq.num_cached_blocks = 0
+        if seq.cpu_pinned:
+            assert self.cpu is not None
+            self.cpu.unpin(seq.cpu_pinned)
+            seq.cpu_pinned = []
+
+    def complete_store(self, job_id: int) -> None:
+        """A store job landed (see ``CpuTier.complete_store``)."""
+        if self.cpu is None:
+            raise KVCacheError(f"store job {job_id} without a CPU tier")
+        self.cpu.complete_store(job_id)
+
+    def complete_restore(self, job_id: int) -> SequenceKV:
+        """A restore landed: register its blocks on GPU (``BlockStored`` GPU), unpin the CPU sources.
+
+        Returns:
+            The sequence it belongs to (now runnable, unless it was freed meanwhile: then its blocks are
+            released here).
+
+        Raises:
+            KVCacheError: an unknown job.
+        """
+        job = self._restore_jobs.pop(job_id, None)
+        if job is None:
+            raise KVCacheError(f"unknown restore job {job_id}")
+        seq = job.seq
+        self.gpu.cache_blocks(job.block_ids, job.metas)
+        self.num_restored_blocks += len(job.block_ids)
+        seq.restore_job_id = None
+        if seq.cpu_pinned:
+            assert self.cpu is not None
+            self.cpu.unpin(seq.cpu_pinned)
+            seq.cpu_pinned = []
+        if seq.is_freed:
+            self._release(seq)
+        return seq
+
+    # maintenance ---------------------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block on every tier and emit ``AllBlocksCleared``.
+
+        Returns:
+            False (nothing changed) while any GPU block is in use, as vLLM does.
+        """
+        if not self.gpu.reset():
+            return False
+        if self.cpu is not None:
+            self.cpu.reset()
+        self._events.append(AllBlocksCleared())
+        return True
+
+    def snapshot_events(self) -> list[KVEvent]:
+        """The current cache as KV events: ``AllBlocksCleared`` then ``BlockStored`` runs per tier (GPU, CPU),
+        parents before children. Applying them to an empty index reproduces this worker's state."""
+        events: list[KVEvent] = [AllBlocksCleared()]
+        events.extend(stored_events(self.gpu.cached_metas(), self.block_size, Medium.GPU))
+        if self.cpu is not None:
+            events.extend(stored_events(self.cpu.stored_metas(), self.block_size, Medium.CPU))
+        return events
+
+    def free_blocks_by_medium(self) -> dict[str, int]:
+        """Free blocks per tier (GPU: ref_cnt 0, cached or not; CPU: empty slots plus unpinned entries)."""
+        out = {Medium.GPU.value: self.gpu.num_free_blocks}
+        if self.cpu is not None:
+            out[Medium.CPU.value] = self.cpu.num_free_blocks + self.cpu.num_stored_blocks
+        return out
