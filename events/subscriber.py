@@ -1,0 +1,649 @@
+"""Asyncio subscriber of KV event streams: sequencing, replay, restart detection, bounded delivery.
+
+Topologies (both wire-compatible with vLLM / SGLang publishers, see ``events.publisher``)::
+
+    connect (default, several gateway replicas)      bound (llm-d style, ONE gateway replica)
+    gateway SUB --connect--> worker PUB (bound)      worker PUB --connect--> gateway SUB (bound)
+    one SUB per added WorkerSpec.endpoint            one SUB on SubscriberConfig.bind_endpoint; the worker is
+    worker id from the spec                          named by the topic kv@<worker>@<model> (prefix-matched, so
+                                                     SGLang's "\\x00sgl-kv-epoch=..." suffix is fine)
+
+An engine's PUB connects to one address only, so the bound topology serves one gateway replica. With several
+replicas, each replica connects its own SUB to every worker's PUB (PUB/SUB fans out); use the connect topology.
+
+Sequencing, per (worker_id, dp_rank) stream (dp_rank from the batch, else ``WorkerSpec.dp_rank``):
+
+    first batch (or after a Resync)       accepted as the baseline
+    seq == last + 1                       applied
+    seq == last                           dropped, counted ``duplicate_seq``
+    seq > last + 1 (gap), seq < last,     verified through replay: ask the worker's replay ROUTER (DEALER,
+    or any batch after a socket           ``[b"", last (8 B BE)]``) and compare the digest (xxh3-64) of the
+    disconnect                            replayed batch ``last`` with the one we applied. Same publisher: apply
+                                          each missing batch exactly once, in seq order (replies out of order or
+                                          repeated are deduplicated by seq), then the live one; an older or
+                                          repeated live seq is dropped (``non_monotonic_seq``/``duplicate_seq``).
+                                          Different publisher, missing batches, timeout, or no replay endpoint:
+                                          emit ``Resync(worker_id, reason)`` and take the live batch as the new
+                                          baseline.
+
+Reasons: ``seq_backwards``, ``gap_unrecoverable``, ``gap_no_replay``, ``reconnect`` (after a disconnect that
+replay could not vouch for), ``start_id_changed`` (``notify_start_id`` reported a new start id and replay could
+not show we already follow the new publisher). A ``Resync`` always reaches the sink BEFORE any later batch of that
+worker and means: clear everything known about the worker (all its dp ranks, all its own tiers). A worker with
+several dp ranks gets one ``Resync`` per rank stream that detected the restart.
+
+A publisher that restarts and publishes past the last seq we saw looks like a forward gap: replay shows the
+batch at ``last`` is not the one we applied (or is gone), so it is caught. ZMQ reconnects by itself
+(``reconnect_interval_s``); the socket monitor's disconnects mark the worker's streams suspect (bound topology:
+every stream, since a peer cannot be attributed).
+
+A malformed message never raises: it is counted by kind in ``counters`` (``events.counters.EventCounters``) and
+logged once per worker and kind. A batch whose payload is unusable still consumes its seq (nothing to replay it
+into). Batches whose events were all refused are not delivered.
+
+Delivery: ``sink(item)`` is a plain callable taking ``EventBatch | Resync``, called on the event loop thread. A
+batch carrying more than ``max_blocks_per_slice`` blocks is split into several ``EventBatch`` with the same seq,
+and the loop is yielded to (``await asyncio.sleep(0)``) after every ``max_blocks_per_slice`` blocks delivered,
+so the request path is never held for long. An exception from the sink is logged and the stream continues.
+
+Public API::
+
+    WorkerSpec(worker_id, endpoint=None, replay_endpoint=None, dp_rank=0, topic="", block_size=None)
+    SubscriberConfig(bind_endpoint=None, bind_topic_prefix="kv@", accept_unknown_workers=False,
+                     replay_timeout_s=2.0, max_replay_batches=10_000, reconnect_interval_s=0.1,
+                     reconnect_interval_max_s=5.0, rcvhwm=100_000, max_blocks_per_slice=4096,
+                     max_pending_batches=1024, default_block_size=None)
+    sub = KVEventSubscriber(config, sink, counters=None, context=None)
+    await sub.start()                       # binds (bound topology) and starts the specs added so far
+    sub.add_worker(spec)                    # at any time; one spec per (worker, dp rank) endpoint
+    sub.remove_worker(worker_id) -> bool    # closes its sockets and forgets its streams (no Resync emitted)
+    sub.notify_start_id(worker_id, start_id)   # from the gateway's load poller
+    sub.bound_endpoint -> str | None        # resolved bind address (ephemeral ports filled in)
+    sub.last_seq(worker_id, dp_rank=0) -> int | None
+    sub.counters                            # EventCounters, for Prometheus
+    await sub.aclose()
+
+Typical gateway wiring (aiohttp cleanup_ctx)::
+
+    sub = KVEventSubscriber(cfg, index.apply)      # index.apply(EventBatch | Resync) -> None
+    await sub.start()
+    for spec in specs: sub.add_worker(spec)
+    yield
+    await sub.aclose()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, cast
+
+import msgspec
+import xxhash
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from events.counters import DropKind, EventCounters
+from events.decode import EventDecoder
+from events.errors import EventsConfigError
+from events.publisher import SEQ_END_MARKER
+from events.types import AllBlocksCleared, EventBatch, KVEvent, Resync
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[EventBatch | Resync], None]
+"""Consumer of the subscriber's output, called on the event loop thread."""
+
+
+class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """One event source: a worker's publisher for one data-parallel rank."""
+
+    worker_id: str
+    """The worker this stream belongs to (the id the index and the policies use)."""
+    endpoint: str | None = None
+    """Connect topology: the worker's PUB address, e.g. ``tcp://10.0.0.5:5557`` (dp-rank offset already applied).
+    ``None`` in the bound topology (the worker connects to us with topic ``kv@<worker_id>@<model>``)."""
+    replay_endpoint: str | None = None
+    """The worker's replay ROUTER address for this rank, or ``None`` (gaps then force a resync)."""
+    dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Rank assumed for batches that carry none."""
+    topic: str = ""
+    """Connect topology: topic prefix to subscribe to (``""`` receives everything)."""
+    block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """The worker's GPU block size in tokens; GPU-tier stores with another size are refused. ``None``: use
+    ``SubscriberConfig.default_block_size``."""
+
+
+class SubscriberConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """Configuration of the subscriber."""
+
+    bind_endpoint: str | None = None
+    """Bound topology: address our SUB binds (e.g. ``tcp://*:5557``); ``None`` for the connect topology only."""
+    bind_topic_prefix: str = "kv@"
+    """Bound topology: topic prefix subscribed to; the worker id is the topic's next ``@``-separated part."""
+    accept_unknown_workers: bool = False
+    """Bound topology: accept batches from workers never added (with default settings) instead of dropping them."""
+    replay_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    """Longest wait for the next replay reply, in seconds."""
+    max_replay_batches: Annotated[int, msgspec.Meta(ge=1)] = 10_000
+    """A gap longer than this many batches is not replayed (resync instead)."""
+    reconnect_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.1
+    """First ZMQ reconnect interval, in seconds."""
+    reconnect_interval_max_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    """Upper bound of ZMQ's reconnect back-off, in seconds."""
+    rcvhwm: Annotated[int, msgspec.Meta(ge=0)] = 100_000
+    """ZMQ receive high-water mark, in messages (beyond it ZMQ drops; replay closes the gap)."""
+    max_blocks_per_slice: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    """Blocks delivered to the sink between two yields to the event loop."""
+    max_pending_batches: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    """Decoded batches queued per stream before the reader waits (backpressure to the socket)."""
+    default_block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """GPU block size for specs that give none; ``None`` accepts any (token counts are still checked)."""
+
+
+def _has_input(sock: zmq.asyncio.Socket) -> bool:
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+@dataclass(slots=True)
+class _Item:
+    seq: int
+    digest: int
+    batch: EventBatch | None  # None: unusable payload (counted), still consumes its seq
+
+
+@dataclass(slots=True)
+class _Marker:
+    kind: str  # "suspect" (socket disconnect) or "verify" (start id changed)
+
+
+@dataclass(slots=True)
+class _Stream:
+    worker_id: str
+    dp_rank: int
+    replay_endpoint: str | None
+    block_size: int | None
+    queue: asyncio.Queue[_Item | _Marker] = field(default_factory=asyncio.Queue)
+    space: asyncio.Event = field(default_factory=asyncio.Event)
+    last_seq: int | None = None
+    last_digest: int = 0
+    is_suspect: bool = False
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass(slots=True)
+class _Source:
+    endpoint: str
+    worker_id: str | None  # None: bound topology (worker named by topic)
+    socket: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket
+    task: asyncio.Task[None] | None = None
+    was_disconnected: bool = False
+
+
+class KVEventSubscriber:
+    """Receives KV event batches from many workers and hands normalized, sequenced records to a sink.
+
+    See the module docstring for the protocol, the topologies and the guarantees.
+
+    Args:
+        config: subscriber configuration.
+        sink: consumer of ``EventBatch`` and ``Resync`` records (sync, called on the loop thread).
+        counters: counters to update (a new ``EventCounters`` when ``None``); read them for metrics.
+        context: a ``zmq.asyncio.Context`` to share; a private one is made (and terminated) when ``None``.
+    """
+
+    def __init__(
+        self,
+        config: SubscriberConfig,
+        sink: Sink,
+        *,
+        counters: EventCounters | None = None,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.config = config
+        self.counters = EventCounters() if counters is None else counters
+        self._sink = sink
+        self._own_context = context is None
+        self._ctx = zmq.asyncio.Context() if context is None else context
+        self._decoder = EventDecoder(self.counters)
+        self._specs: dict[str, dict[int, WorkerSpec]] = {}
+        self._sources: dict[tuple[str, int], _Source] = {}
+        self._streams: dict[tuple[str, int], _Stream] = {}
+        self._start_ids: dict[str, object] = {}
+        self._bound: _Source | None = None
+        self.bound_endpoint: str | None = None
+        self._started = False
+        self._closed = False
+        self._blocks_since_yield = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind the shared SUB (bound topology) and start reading every spec added so far.
+
+        Raises:
+            EventsConfigError: if ``bind_endpoint`` cannot be bound.
+        """
+        if self._started:
+            return
+        self._started = True
+        if self.config.bind_endpoint is not None:
+            sock = self._new_sub()
+            try:
+                sock.bind(self.config.bind_endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                raise EventsConfigError(
+                    f"cannot bind {self.config.bind_endpoint}: {exc}", endpoint=self.config.bind_endpoint
+                ) from exc
+            sock.setsockopt(zmq.SUBSCRIBE, self.config.bind_topic_prefix.encode())
+            last = sock.getsockopt(zmq.LAST_ENDPOINT)
+            self.bound_endpoint = last.decode() if isinstance(last, bytes) else self.config.bind_endpoint
+            self._bound = self._start_source(sock, self.bound_endpoint, None)
+            logger.info("kv event subscriber bound on %s", self.bound_endpoint)
+        for by_rank in self._specs.values():
+            for spec in by_rank.values():
+                if spec.endpoint is not None:
+                    self._connect(spec)
+
+    async def aclose(self) -> None:
+        """Cancel every task and close every socket. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        sources = list(self._sources.values()) + ([self._bound] if self._bound is not None else [])
+        tasks = [s.task for s in sources if s.task is not None]
+        tasks += [s.task for s in self._streams.values() if s.task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for source in sources:
+            self._close_source(source)
+        self._sources.clear()
+        self._streams.clear()
+        if self._own_context:
+            self._ctx.term()
+
+    # -- workers -----------------------------------------------------------------------------------------------
+
+    def add_worker(self, spec: WorkerSpec) -> None:
+        """Start following one worker rank. Callable before or after ``start()`` (on the loop thread).
+
+        Raises:
+            EventsConfigError: if (worker_id, dp_rank) is already added, or the endpoint cannot be connected.
+        """
+        by_rank = self._specs.setdefault(spec.worker_id, {})
+        if spec.dp_rank in by_rank:
+            raise EventsConfigError(
+                f"worker {spec.worker_id} dp_rank {spec.dp_rank} already added", worker_id=spec.worker_id
+            )
+        by_rank[spec.dp_rank] = spec
+        if self._started and spec.endpoint is not None:
+            try:
+                self._connect(spec)
+            except EventsConfigError:
+                del by_rank[spec.dp_rank]
+                raise
+        logger.info("kv events: following worker %s rank %d at %s", spec.worker_id, spec.dp_rank, spec.endpoint)
+
+    def remove_worker(self, worker_id: str) -> bool:
+        """Stop following a worker: close its sockets and forget its streams. No ``Resync`` is emitted (the caller
+        drops the worker from the index itself).
+
+        Returns:
+            Whether the worker was known.
+        """
+        by_rank = self._specs.pop(worker_id, None)
+        self._start_ids.pop(worker_id, None)
+        for key in [k for k in self._sources if k[0] == worker_id]:
+            source = self._sources.pop(key)
+            if source.task is not None:
+                source.task.cancel()
+            self._close_source(source)
+        for key in [k for k in self._streams if k[0] == worker_id]:
+            stream = self._streams.pop(key)
+            if stream.task is not None:
+                stream.task.cancel()
+        if by_rank is not None:
+            logger.info("kv events: stopped following worker %s", worker_id)
+        return by_rank is not None
+
+    def notify_start_id(self, worker_id: str, start_id: object) -> None:
+        """Report the worker's current start id / epoch (from its load endpoint).
+
+        The first report is recorded. A different one means the worker restarted: each of its streams verifies
+        through replay that it already follows the new publisher, else emits ``Resync(worker_id,
+        "start_id_changed")`` before any later batch.
+        """
+        previous = self._start_ids.get(worker_id)
+        self._start_ids[worker_id] = start_id
+        if previous is None or previous == start_id:
+            return
+        logger.info("kv events: worker %s start id changed (%r -> %r)", worker_id, previous, start_id)
+        for stream in self._streams.values():
+            if stream.worker_id == worker_id:
+                stream.queue.put_nowait(_Marker("verify"))
+
+    def last_seq(self, worker_id: str, dp_rank: int = 0) -> int | None:
+        """The last seq applied for a stream, or ``None`` (no baseline yet, or just resynced)."""
+        stream = self._streams.get((worker_id, dp_rank))
+        return None if stream is None else stream.last_seq
+
+    # -- sockets -----------------------------------------------------------------------------------------------
+
+    def _new_sub(self) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, self.config.rcvhwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(self.config.reconnect_interval_s * 1000)))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.config.reconnect_interval_max_s * 1000))
+        return sock
+
+    def _connect(self, spec: WorkerSpec) -> None:
+        assert spec.endpoint is not None  # checked by the callers
+        sock = self._new_sub()
+        sock.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+        try:
+            sock.connect(spec.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise EventsConfigError(
+                f"cannot connect {spec.endpoint}: {exc}", worker_id=spec.worker_id, endpoint=spec.endpoint
+            ) from exc
+        self._sources[(spec.worker_id, spec.dp_rank)] = self._start_source(sock, spec.endpoint, spec.worker_id)
+
+    def _start_source(self, sock: zmq.asyncio.Socket, endpoint: str, worker_id: str | None) -> _Source:
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        source = _Source(endpoint=endpoint, worker_id=worker_id, socket=sock, monitor=monitor)
+        source.task = asyncio.get_running_loop().create_task(self._read(source), name=f"kv-events-read {endpoint}")
+        return source
+
+    @staticmethod
+    def _close_source(source: _Source) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            source.socket.disable_monitor()
+        source.monitor.close(linger=0)
+        source.socket.close(linger=0)
+
+    async def _read(self, source: _Source) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(source.monitor, zmq.POLLIN)
+        poller.register(source.socket, zmq.POLLIN)
+        while True:
+            ready = dict(await poller.poll())
+            # Monitor first: a disconnect must mark the streams before any message of the next connection.
+            if source.monitor in ready:
+                while _has_input(source.monitor):
+                    self._on_monitor(source, parse_monitor_message(await source.monitor.recv_multipart()))
+            if source.socket in ready:
+                for _ in range(64):
+                    if not _has_input(source.socket):
+                        break
+                    await self._on_message(source, await source.socket.recv_multipart())
+                await asyncio.sleep(0)
+
+    def _on_monitor(self, source: _Source, event: Mapping[str, object]) -> None:
+        kind = event.get("event")
+        if kind == zmq.EVENT_DISCONNECTED:
+            self.counters.num_disconnects[source.endpoint] += 1
+            source.was_disconnected = True
+            logger.info("kv events: disconnected from %s; its streams will be verified", source.endpoint)
+            for stream in self._streams.values():
+                if source.worker_id is None or stream.worker_id == source.worker_id:
+                    stream.queue.put_nowait(_Marker("suspect"))
+        elif kind in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED) and source.was_disconnected:
+            source.was_disconnected = False
+            self.counters.num_reconnects[source.endpoint] += 1
+            logger.info("kv events: reconnected to %s", source.endpoint)
+
+    # -- messages ----------------------------------------------------------------------------------------------
+
+    def _worker_of(self, source: _Source, topic: bytes) -> str | None:
+        if source.worker_id is not None:
+            return source.worker_id
+        prefix = self.config.bind_topic_prefix
+        try:
+            text = topic.split(b"\x00", 1)[0].decode("utf-8")
+        except UnicodeDecodeError:
+            text = ""
+        worker_id = text[len(prefix) :].split("@", 1)[0] if text.startswith(prefix) else ""
+        if not worker_id:
+            self.counters.drop("?", DropKind.BAD_TOPIC, f"topic {topic[:80]!r}")
+            return None
+        if worker_id not in self._specs:
+            if not self.config.accept_unknown_workers:
+                self.counters.drop(worker_id, DropKind.UNKNOWN_WORKER, f"topic {text!r} names no added worker")
+                return None
+            self._specs[worker_id] = {0: WorkerSpec(worker_id=worker_id)}
+        return worker_id
+
+    async def _on_message(self, source: _Source, frames: list[bytes]) -> None:
+        label = source.worker_id or "?"
+        if len(frames) != 3:
+            self.counters.drop(label, DropKind.FRAME_COUNT, f"{len(frames)} frames from {source.endpoint}")
+            return
+        topic, seq_frame, payload = frames
+        if len(seq_frame) != 8:
+            self.counters.drop(label, DropKind.BAD_SEQ_FRAME, f"seq frame of {len(seq_frame)} bytes")
+            return
+        worker_id = self._worker_of(source, topic)
+        if worker_id is None:
+            return
+        by_rank = self._specs[worker_id]
+        spec = by_rank.get(0) or next(iter(by_rank.values()))
+        seq = int.from_bytes(seq_frame, "big")
+        block_size = spec.block_size or self.config.default_block_size
+        batch = self._decoder.decode(
+            payload, worker_id=worker_id, seq=seq, block_size=block_size, default_dp_rank=spec.dp_rank
+        )
+        dp_rank = spec.dp_rank if batch is None else batch.dp_rank
+        stream = self._stream_for(worker_id, dp_rank)
+        stream.queue.put_nowait(_Item(seq=seq, digest=xxhash.xxh3_64_intdigest(payload), batch=batch))
+        if stream.queue.qsize() >= self.config.max_pending_batches:
+            stream.space.clear()
+            await stream.space.wait()
+
+    def _stream_for(self, worker_id: str, dp_rank: int) -> _Stream:
+        key = (worker_id, dp_rank)
+        stream = self._streams.get(key)
+        if stream is None:
+            by_rank = self._specs[worker_id]
+            spec = by_rank.get(dp_rank)
+            stream = _Stream(
+                worker_id=worker_id,
+                dp_rank=dp_rank,
+                replay_endpoint=None if spec is None else spec.replay_endpoint,
+                block_size=(spec.block_size if spec is not None else None) or self.config.default_block_size,
+            )
+            stream.space.set()
+            stream.task = asyncio.get_running_loop().create_task(
+                self._run_stream(stream), name=f"kv-events-stream {worker_id}/{dp_rank}"
+            )
+            self._streams[key] = stream
+        return stream
+
+    # -- per-stream sequencing ---------------------------------------------------------------------------------
+
+    async def _run_stream(self, stream: _Stream) -> None:
+        while True:
+            item = await stream.queue.get()
+            if stream.queue.qsize() < self.config.max_pending_batches // 2 + 1:
+                stream.space.set()
+            try:
+                if isinstance(item, _Marker):
+                    if item.kind == "suspect":
+                        stream.is_suspect = stream.last_seq is not None
+                    elif stream.last_seq is not None:
+                        await self._verify_start_id(stream)
+                else:
+                    await self._on_item(stream, item)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("kv events: stream %s/%d failed; resyncing", stream.worker_id, stream.dp_rank)
+                self._resync(stream, "internal_error")
+
+    async def _verify_start_id(self, stream: _Stream) -> None:
+        assert stream.last_seq is not None
+        if stream.replay_endpoint is not None:
+            replies, _ = await self._replay(stream, stream.last_seq)
+            got = replies.get(stream.last_seq)
+            if got is not None and got[0] == stream.last_digest:
+                return  # we already follow the new publisher (its restart was caught by seq)
+        self._resync(stream, "start_id_changed")
+
+    async def _on_item(self, stream: _Stream, item: _Item) -> None:
+        last = stream.last_seq
+        seq = item.seq
+        if last is None:
+            await self._apply(stream, item)
+            return
+        if not stream.is_suspect:
+            if seq == last + 1:
+                await self._apply(stream, item)
+                return
+            if seq == last:
+                self.counters.drop(stream.worker_id, DropKind.DUPLICATE_SEQ, f"seq {seq} seen twice")
+                return
+        if seq > last + 1:
+            self.counters.num_gaps[stream.worker_id] += 1
+        if stream.replay_endpoint is None:
+            reason = "seq_backwards" if seq < last else "reconnect" if stream.is_suspect else "gap_no_replay"
+            self._resync(stream, reason)
+            await self._apply(stream, item)
+            return
+        missing = max(0, seq - last - 1)
+        if missing > self.config.max_replay_batches:
+            self._resync(stream, "gap_unrecoverable")
+            await self._apply(stream, item)
+            return
+        replies, _ = await self._replay(stream, last, stop_before=seq)
+        anchor = replies.get(last)
+        if anchor is None or anchor[0] != stream.last_digest:
+            reason = "seq_backwards" if seq < last else "reconnect" if stream.is_suspect else "gap_unrecoverable"
+            self._resync(stream, reason)
+            await self._apply(stream, item)
+            return
+        stream.is_suspect = False
+        if seq <= last:
+            kind = DropKind.DUPLICATE_SEQ if seq == last else DropKind.NON_MONOTONIC_SEQ
+            self.counters.drop(stream.worker_id, kind, f"seq {seq} after {last}; replay shows no restart")
+            return
+        if any(q not in replies for q in range(last + 1, seq)):
+            self._resync(stream, "gap_unrecoverable")
+            await self._apply(stream, item)
+            return
+        for q in range(last + 1, seq):
+            digest, payload = replies[q]
+            batch = self._decoder.decode(
+                payload,
+                worker_id=stream.worker_id,
+                seq=q,
+                block_size=stream.block_size,
+                default_dp_rank=stream.dp_rank,
+            )
+            self.counters.num_replayed_batches[stream.worker_id] += 1
+            await self._apply(stream, _Item(seq=q, digest=digest, batch=batch))
+        await self._apply(stream, item)
+
+    async def _replay(
+        self, stream: _Stream, start_seq: int, stop_before: int | None = None
+    ) -> tuple[dict[int, tuple[int, bytes]], bool]:
+        """Ask the stream's replay ROUTER for every batch from ``start_seq``.
+
+        Returns:
+            ({seq: (xxh3-64 digest, payload)} for ``start_seq <= seq < stop_before``, first copy of each seq),
+            and whether the end marker arrived before ``replay_timeout_s`` of silence.
+        """
+        assert stream.replay_endpoint is not None
+        self.counters.num_replay_requests[stream.worker_id] += 1
+        replies: dict[int, tuple[int, bytes]] = {}
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(stream.replay_endpoint)
+            await dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
+            while True:
+                try:
+                    frames = await asyncio.wait_for(dealer.recv_multipart(), self.config.replay_timeout_s)
+                except TimeoutError:
+                    logger.warning(
+                        "kv events: replay from %s timed out after %d batches", stream.replay_endpoint, len(replies)
+                    )
+                    return replies, False
+                if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
+                    self.counters.drop(stream.worker_id, DropKind.FRAME_COUNT, f"replay reply of {len(frames)} frames")
+                    continue
+                if frames[1] == SEQ_END_MARKER:
+                    return replies, True
+                seq = int.from_bytes(frames[1], "big")
+                if seq >= start_seq and (stop_before is None or seq < stop_before) and seq not in replies:
+                    replies[seq] = (xxhash.xxh3_64_intdigest(frames[2]), frames[2])
+        except zmq.ZMQError as exc:
+            logger.warning("kv events: replay from %s failed: %s", stream.replay_endpoint, exc)
+            return replies, False
+        finally:
+            dealer.close(linger=0)
+
+    def _resync(self, stream: _Stream, reason: str) -> None:
+        logger.warning("kv events: resync worker %s (rank %d): %s", stream.worker_id, stream.dp_rank, reason)
+        self.counters.resyncs[(stream.worker_id, reason)] += 1
+        stream.last_seq = None
+        stream.is_suspect = False
+        self._emit(Resync(worker_id=stream.worker_id, reason=reason))
+
+    # -- delivery ----------------------------------------------------------------------------------------------
+
+    def _emit(self, record: EventBatch | Resync) -> None:
+        try:
+            self._sink(record)
+        except Exception:
+            logger.exception("kv events: sink failed on a record of worker %s", record.worker_id)
+
+    async def _apply(self, stream: _Stream, item: _Item) -> None:
+        stream.last_seq = item.seq
+        stream.last_digest = item.digest
+        batch = item.batch
+        if batch is None or not batch.events:
+            return
+        limit = self.config.max_blocks_per_slice
+        counters = self.counters
+        worker_id = batch.worker_id
+        counters.num_batches[worker_id] += 1
+        counters.num_events[worker_id] += len(batch.events)
+        chunk: list[KVEvent] = []
+        chunk_blocks = 0
+        for event in batch.events:
+            num_blocks = 1 if isinstance(event, AllBlocksCleared) else len(event.block_hashes)
+            if chunk and chunk_blocks + num_blocks > limit:
+                await self._deliver(batch, chunk, chunk_blocks)
+                chunk, chunk_blocks = [], 0
+            chunk.append(event)
+            chunk_blocks += num_blocks
+        await self._deliver(batch, chunk, chunk_blocks)
+
+    async def _deliver(self, batch: EventBatch, chunk: list[KVEvent], num_blocks: int) -> None:
+        if len(chunk) == len(batch.events):
+            self._emit(batch)
+        else:
+            self._emit(
+                EventBatch(
+                    worker_id=batch.worker_id,
+                    dp_rank=batch.dp_rank,
+                    seq=batch.seq,
+                    ts_s=batch.ts_s,
+                    events=tuple(chunk),
+                )
+            )
+        self.counters.num_blocks[batch.worker_id] += num_blocks
+        self._blocks_since_yield += num_blocks
+        if self._blocks_since_yield >= self.config.max_blocks_per_slice:
+            self._blocks_since_yield = 0
+            await asyncio.sleep(0)
