@@ -40,7 +40,7 @@ import array
 import logging
 import sys
 from collections.abc import Sequence
-from typing import NewType
+from typing import NewType, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -168,13 +168,13 @@ def hash_block_bytes(
     """
     step = 4 * block_size
     seed: int = namespace if parent is None else parent
-    out: list[BlockHash] = []
+    out: list[int] = []
     append = out.append
     end = len(data) - len(data) % step
     for start in range(0, end, step):
         seed = _xxh3_64(data[start : start + step], seed)
-        append(BlockHash(seed))
-    return out
+        append(seed)
+    return cast(list[BlockHash], out)
 
 
 def extend_block_hashes(

@@ -1,0 +1,53 @@
+"""The gateway's prefix index: which worker holds which prefix, on which tier (DESIGN.md section 4).
+
+Fed by the normalized events of ``events.types`` and read by the routing policies. Blocks are keyed by our own
+chained hash (``router.block_hash``); engine hashes are kept per (worker, dp_rank) only to apply removals and
+offload stores. See ``router.index.index`` for the layout, invariants and the child-before-parent rule.
+
+Public API (all synchronous; call from one event loop)::
+
+    index = PrefixIndex(IndexConfig(block_size=16), pool_members={Medium.MOONCAKE: ["w0", "w1"]})
+    index.apply(batch: EventBatch) -> None                 # BlockStored / BlockRemoved / AllBlocksCleared
+    index.apply_resync(resync: Resync) -> None             # drop a worker's own tiers, all dp ranks
+    index.match(block_hashes: Sequence[int]) -> MatchResult
+        # .workers[worker_id] = WorkerMatch(worker_id, dp_rank, num_gpu_blocks, num_cpu_blocks, num_pool_blocks)
+    index.insert_approximate(worker_id, block_hashes, now_s, dp_rank=0) -> None   # workers without events
+    index.expire(now_s) -> int                             # approximate blocks past their TTL
+    index.clear_worker(worker_id, medium=None) -> None     # one tier, or every tier including pools
+    index.remove_worker(worker_id) -> None                 # gone from the fleet
+    index.clear() -> None
+    index.set_pool_members(medium, worker_ids) -> None     # from config; replaces the set
+    index.set_group_spec(group_idx, GroupSpec(kind, sliding_window_tokens)) -> None   # hybrid models
+    index.stats() -> IndexStats                            # sizes per worker and medium, counters
+    index.dump_worker(worker_id) -> list[ChainDump]        # one worker's chains, for debugging
+
+Decisions:
+  * dp ranks are separate engines (separate caches, separate engine-hash spaces): one slot per
+    (worker_id, dp_rank); ``match`` reports each worker's best rank.
+  * Tiers: GPU first; CPU and DISK are the worker's own lower tiers; MOONCAKE is a shared pool, reachable by
+    every worker in ``set_pool_members`` (a non-member reaches only what it published itself).
+    ``AllBlocksCleared`` and ``Resync`` never clear a worker's pool holdings; ``clear_worker`` and
+    ``remove_worker`` do.
+  * Time is injected (``now_s``); nothing reads a clock.
+
+Measured by ``python -m router.index.bench`` (see that module's docstring for the figures).
+"""
+
+from router.index.config import GroupKind, GroupSpec, IndexConfig
+from router.index.errors import IndexConfigError, PrefixIndexError, UnknownWorkerError
+from router.index.index import PrefixIndex
+from router.index.result import ChainDump, IndexStats, MatchResult, WorkerMatch
+
+__all__ = [
+    "ChainDump",
+    "GroupKind",
+    "GroupSpec",
+    "IndexConfig",
+    "IndexConfigError",
+    "IndexStats",
+    "MatchResult",
+    "PrefixIndex",
+    "PrefixIndexError",
+    "UnknownWorkerError",
+    "WorkerMatch",
+]

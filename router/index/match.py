@@ -1,0 +1,131 @@
+"""Pure helpers of ``PrefixIndex.match``: prefix depths from per-position holder masks, and hybrid hit rules.
+
+A *slot* is one (worker, dp_rank) engine; it owns one bit of every holder mask. For a prompt of ``n`` blocks,
+``masks[i]`` is the set of slots holding block ``i`` (a Python int used as a bitset). The contiguous depth of a
+slot is the number of leading positions whose mask has its bit; the AND-accumulation of the masks is
+monotone (bits only leave), so every slot's depth is where its bit leaves the accumulation, and the walk
+stops at the first empty accumulation (early exit).
+
+Hybrid models are answered per slot with position bitsets ``P`` (bit ``i`` set when the slot holds block
+``i``) and one "usable lengths" bitset per group (bit ``L`` set when the group can serve a prefix of ``L``
+blocks); the usable prefix is the highest bit of their AND (see ``usable_lengths``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import accumulate, groupby, takewhile
+from operator import and_
+
+from router.index.config import GroupKind, GroupSpec
+
+
+def iter_bits(mask: int) -> Iterator[int]:
+    """Indices of the set bits of ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def prefix_depths(masks: Iterable[int]) -> tuple[dict[int, int], int]:
+    """Contiguous depth per slot from per-position holder masks.
+
+    Args:
+        masks: ``[n]`` holder masks in prefix order (lazy iterables are consumed only up to the first position
+            no slot continues through: the early exit).
+
+    Returns:
+        ``(depth_by_bit, max_depth)``: for every slot holding block 0, the number of leading blocks it holds;
+        ``max_depth`` is the largest of them (0 when nobody holds block 0).
+    """
+    acc = list(takewhile(bool, accumulate(masks, and_)))
+    depths: dict[int, int] = {}
+    if not acc:
+        return depths, 0
+    pos = 0
+    prev = 0
+    for value, run in groupby(acc):
+        if pos:
+            for bit in iter_bits(prev & ~value):
+                depths[bit] = pos
+        pos += len(list(run))
+        prev = value
+    for bit in iter_bits(prev):
+        depths[bit] = pos
+    return depths, pos
+
+
+def position_bitsets(masks: Sequence[int]) -> dict[int, int]:
+    """Transpose per-position holder masks into per-slot position bitsets.
+
+    Args:
+        masks: ``[n]`` holder masks.
+
+    Returns:
+        slot bit -> bitset of the positions it holds.
+    """
+    out: dict[int, int] = {}
+    for pos, mask in enumerate(masks):
+        if not mask:
+            continue
+        flag = 1 << pos
+        for bit in iter_bits(mask):
+            out[bit] = out.get(bit, 0) | flag
+    return out
+
+
+def _trailing_ones(bits: int) -> int:
+    return (~bits & (bits + 1)).bit_length() - 1
+
+
+def usable_lengths(held: int, spec: GroupSpec, num_blocks: int, block_size: int) -> int:
+    """Prefix lengths (in blocks) one cache group can serve, as a bitset over ``L in [0, num_blocks]``.
+
+    Args:
+        held: bitset of the positions the slot holds in this group.
+        spec: the group's kind (and window).
+        num_blocks: prompt length in blocks.
+        block_size: tokens per block.
+
+    Returns:
+        Bitset with bit ``L`` set when the group can serve the prefix of ``L`` blocks (bit 0 always set).
+    """
+    all_lengths = (1 << (num_blocks + 1)) - 1
+    depth = min(_trailing_ones(held), num_blocks)
+    if spec.kind is GroupKind.FULL:
+        return (1 << (depth + 1)) - 1
+    if spec.kind is GroupKind.RECURRENT:
+        return ((held << 1) | 1) & all_lengths
+    window = spec.num_window_blocks(block_size)
+    if window <= 0:
+        return all_lengths
+    # runs[j] set when blocks j .. j + window - 1 are all held (AND of shifts, by doubling).
+    runs = held
+    span = 1
+    while span < window:
+        step = min(span, window - span)
+        runs &= runs >> step
+        span += step
+    short = (1 << (min(depth, window - 1) + 1)) - 1
+    return ((runs << window) | short) & all_lengths
+
+
+def hybrid_prefix_len(
+    held_by_group: Sequence[int], specs: Sequence[GroupSpec], num_blocks: int, block_size: int
+) -> int:
+    """Longest prefix (in blocks) that every cache group can serve.
+
+    Args:
+        held_by_group: per group, the slot's position bitset.
+        specs: per group, its spec (same order).
+        num_blocks: prompt length in blocks.
+        block_size: tokens per block.
+
+    Returns:
+        The largest ``L`` usable by all groups (0 when none).
+    """
+    ok = (1 << (num_blocks + 1)) - 1
+    for held, spec in zip(held_by_group, specs, strict=True):
+        ok &= usable_lengths(held, spec, num_blocks, block_size)
+    return ok.bit_length() - 1

@@ -1,0 +1,79 @@
+"""Per-engine bookkeeping of the prefix index: one ``Slot`` per (worker, dp_rank).
+
+vLLM data-parallel ranks (and SGLang attention-DP ranks) are separate engines with separate caches and
+separate engine-hash spaces, so the index keeps one slot per (worker_id, dp_rank). Each slot owns one bit of
+every holder mask; ``match`` reports a worker's best rank.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from events.types import BlockStored, Medium
+
+LaneKey = tuple[int, Medium]
+"""(cache group index, medium): one holder-mask table of the index."""
+
+
+class Slot:
+    """What the index knows about one engine (worker, dp_rank).
+
+    Invariants:
+      * ``engine`` maps every engine hash the slot stored (and has not removed everywhere) to our block hash.
+        Every block the slot holds on a lane, except approximate ones and ancestors marked by a multi-block
+        offload store (``span_held``), is the value of at least one ``engine`` entry; clearing the slot
+        therefore visits ``engine.values()``, ``span_held`` and ``approx`` only: O(its blocks).
+      * ``copies[(lane, h)]`` is the number of physical copies beyond the first (absent when 1).
+      * ``num_held[lane]`` equals the number of lane entries with this slot's bit (kept incrementally).
+
+    Attributes:
+        worker_id: the worker.
+        dp_rank: the engine's data-parallel rank.
+        bit: bit index in holder masks.
+        engine: engine block hash (u64) -> our block hash.
+        spans: (medium, engine hash) -> number of index blocks one engine block covers, only when > 1.
+        span_held: (lane, our hash) pairs held only through a multi-block offload span.
+        copies: (lane, our hash) -> extra copies.
+        num_held: lane -> blocks held.
+        approx: our hash -> expiry time in seconds (approximate mode, group 0 GPU lane).
+        parked: parent engine hash -> stores waiting for it, and their order for dropping the oldest.
+        is_live: false once the slot is removed (stale expiry records skip it).
+    """
+
+    __slots__ = (
+        "worker_id",
+        "dp_rank",
+        "bit",
+        "engine",
+        "spans",
+        "span_held",
+        "copies",
+        "num_held",
+        "approx",
+        "parked",
+        "parked_order",
+        "is_live",
+    )
+
+    def __init__(self, worker_id: str, dp_rank: int, bit: int) -> None:
+        self.worker_id = worker_id
+        self.dp_rank = dp_rank
+        self.bit = bit
+        self.engine: dict[int, int] = {}
+        self.spans: dict[tuple[Medium, int], int] = {}
+        self.span_held: set[tuple[LaneKey, int]] = set()
+        self.copies: dict[tuple[LaneKey, int], int] = {}
+        self.num_held: dict[LaneKey, int] = {}
+        self.approx: dict[int, float] = {}
+        self.parked: dict[int, list[BlockStored]] = {}
+        self.parked_order: deque[tuple[int, BlockStored]] = deque()
+        self.is_live = True
+
+    @property
+    def mask(self) -> int:
+        """This slot's bit as a mask."""
+        return 1 << self.bit
+
+    def num_parked(self) -> int:
+        """Stores waiting for a parent."""
+        return len(self.parked_order)
