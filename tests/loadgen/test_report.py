@@ -1,0 +1,66 @@
+import json
+
+import pytest
+
+from loadgen.report import imbalance, markdown_table, percentile, summarize
+
+from .builders import make_record
+
+pytestmark = pytest.mark.unit
+
+
+def test_summary_on_known_records():
+    records = [
+        make_record(0, worker="w0", prompt=100, cached=0, predicted=0, ttft=0.1, itl=(0.01, 0.03)),
+        make_record(1, worker="w1", prompt=300, cached=200, predicted=200, ttft=0.2, itl=(0.02,)),
+        make_record(2, worker="w0", prompt=200, cached=100, predicted=96, ttft=0.3),
+        make_record(3, worker="w1", prompt=400, cached=400, predicted=None, ttft=0.4),
+        make_record(4, error="http_503", prompt=999, cached=999),
+        make_record(5, error="connect"),
+        make_record(6, error="connect"),
+    ]
+    s = summarize(
+        records, policy="p", ceiling_hit_ratio=0.8, duration_s=10.0, time_scale=2.0, workers=["w0", "w1", "w2"]
+    )
+    assert (s.requests_ok, s.requests_failed) == (4, 3)
+    assert s.errors_by_kind == {"http_503": 1, "connect": 2}
+    assert s.num_prompt_tokens == 1000 and s.num_cached_tokens == 700
+    assert s.hit_ratio == pytest.approx(0.7)
+    assert s.fraction_of_ceiling == pytest.approx(0.875)
+    # times scaled by 2: TTFTs 0.2, 0.4, 0.6, 0.8
+    assert s.ttft_p50_s == pytest.approx(0.5)
+    assert s.ttft_p99_s == pytest.approx(0.6 + 0.97 * 0.2)
+    assert s.itl_p50_s == pytest.approx(0.04)
+    assert s.output_tokens_per_s == pytest.approx(16 / 20.0)
+    assert s.requests_by_worker == {"w0": 2, "w1": 2, "w2": 0}
+    assert s.prompt_tokens_by_worker == {"w0": 300, "w1": 700, "w2": 0}
+    assert s.load_imbalance == pytest.approx(700 / (1000 / 3))
+    assert s.request_imbalance == pytest.approx(2 / (4 / 3))
+    # three requests carry a prediction; one of them (96 vs 100) differs
+    assert s.cached_tokens_mismatch_ratio == pytest.approx(1 / 3)
+    assert s.num_unpredicted == 1
+    assert s.duration_s == 20.0
+
+
+def test_helpers_and_empty_run():
+    assert percentile([], 50) is None
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert imbalance([]) is None and imbalance([0, 0]) is None
+    assert imbalance([1, 1, 4]) == 2.0
+    s = summarize([], policy="empty", ceiling_hit_ratio=0.0, duration_s=0.0)
+    assert (s.requests_ok, s.hit_ratio, s.ttft_p50_s, s.fraction_of_ceiling) == (0, 0.0, None, None)
+    with pytest.raises(ValueError, match="time_scale"):
+        summarize([], policy="x", ceiling_hit_ratio=0.0, duration_s=1.0, time_scale=0.0)
+
+
+def test_markdown_table_rows():
+    a = summarize([make_record(0, cached=50, predicted=50)], policy="cache_aware", ceiling_hit_ratio=0.5, duration_s=1)
+    b = summarize([make_record(0, error="timeout")], policy="round_robin", ceiling_hit_ratio=0.5, duration_s=1)
+    text = markdown_table([a, b])
+    lines = text.splitlines()
+    assert lines[0].startswith("| policy | ok | failed | hit ratio | of ceiling |")
+    assert lines[2].startswith("| cache_aware | 1 | 0 | 0.500 | 1.00 | 0.100 |")
+    assert lines[3].startswith("| round_robin | 0 | 1 | 0.000 | 0.00 | – |")
+    assert "Ceiling hit ratio of the slice (infinite cache): 0.500" in text
+    assert "round_robin: {'timeout': 1}" in text
+    json.dumps(a.errors_by_kind)
