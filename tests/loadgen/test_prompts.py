@@ -63,7 +63,7 @@ def test_synthetic_turns_extend_each_other_as_text():
     assert sorted(by_session) == ["syn0", "syn1"]
     for turns in by_session.values():
         texts = [builder.prompt(r) for r in turns]
-        for earlier, later in zip(texts, texts[1:]):
+        for earlier, later in zip(texts, texts[1:], strict=False):
             assert later.startswith(earlier)
     s0, s1 = by_session["syn0"][0], by_session["syn1"][0]
     # the system prompt's one full block is shared, the partial one (100 - 64 = 36 tokens) is per session
