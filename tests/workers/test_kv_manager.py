@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 
 from events.types import AllBlocksCleared, BlockRemoved, BlockStored, Medium
@@ -14,7 +16,9 @@ pytestmark = pytest.mark.unit
 BS = 4
 
 
-def make_manager(num_gpu_blocks: int = 8, num_cpu_blocks: int = 0, policy: str = "all") -> KVCacheManager:
+def make_manager(
+    num_gpu_blocks: int = 8, num_cpu_blocks: int = 0, policy: Literal["all", "prompt_only", "none"] = "all"
+) -> KVCacheManager:
     return KVCacheManager(
         KVCacheConfig(
             num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, block_size=BS, cpu_store_policy=policy

@@ -1,0 +1,137 @@
+"""The engine core: runs the schedule -> execute -> update loop and hands results to request streams.
+
+One asyncio task (``EngineCore.run``) per worker. It sleeps when idle (no CPU), and paces steps by the
+engine's step duration times ``time_scale`` against a wall-clock anchor, so simulated time tracks wall time
+without drift. KV events produced by a step are published once per step (one batch), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+from events.publisher import KVEventPublisher
+from events.types import KVEvent
+from workers.engines.base import Engine
+from workers.kv.manager import KVCacheManager
+from workers.scheduler import Request, RequestOutput, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """Outputs of one request, consumed by its HTTP handler."""
+
+    __slots__ = ("queue", "request")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+
+class EngineCore:
+    """Owns the scheduler, the KV manager, the engine and the event publisher."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        engine: Engine,
+        publisher: KVEventPublisher | None = None,
+        time_scale: float = 1.0,
+    ) -> None:
+        """Wire the parts.
+
+        Args:
+            scheduler: the scheduler (with its KV manager).
+            engine: executes steps.
+            publisher: where KV events go, or ``None`` (events are dropped after each step).
+            time_scale: wall seconds per simulated second (0: no pacing).
+        """
+        self.scheduler = scheduler
+        self.kv: KVCacheManager = scheduler.kv
+        self.engine = engine
+        self.publisher = publisher
+        self.time_scale = time_scale
+        self._streams: dict[str, RequestStream] = {}
+        self._wakeup = asyncio.Event()
+        self.num_steps = 0
+        self.last_published_seq = -1
+        self.num_events_published = 0
+
+    def add_request(self, request: Request) -> RequestStream:
+        """Queue ``request``; its outputs arrive on the returned stream."""
+        stream = RequestStream(request)
+        self.scheduler.add_request(request)
+        self._streams[request.request_id] = stream
+        self._wakeup.set()
+        return stream
+
+    def finish_request(self, request_id: str, reason: str = "abort") -> None:
+        """Finish a request now (disconnect, stop string); its blocks are freed at once."""
+        self._streams.pop(request_id, None)
+        if self.scheduler.finish_request(request_id, reason):
+            self._wakeup.set()
+
+    def flush_events(self) -> list[KVEvent]:
+        """Publish pending KV events as one batch (if any) and return them."""
+        events = self.kv.take_events()
+        if events and self.publisher is not None:
+            self.last_published_seq = self.publisher.publish(events)
+            self.num_events_published += len(events)
+        return events
+
+    def step(self) -> float:
+        """Run one step synchronously; returns its duration in (simulated) seconds (0: nothing could run)."""
+        step = self.scheduler.schedule()
+        result = self.engine.execute(step)
+        outputs = self.scheduler.update(result)
+        self._dispatch(outputs)
+        self.flush_events()
+        self.num_steps += 1
+        return result.duration_s
+
+    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
+        streams = self._streams
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(out)
+            if out.finish_reason is not None:
+                del streams[out.request_id]
+
+    def is_busy(self) -> bool:
+        """Whether the loop has work (requests or copies in flight)."""
+        return self.scheduler.has_work() or self.engine.has_pending_copies()
+
+    async def run(self) -> None:
+        """The loop; cancel the task to stop it."""
+        anchor_wall = time.monotonic()
+        sim_since_anchor = 0.0
+        while True:
+            if not self.is_busy():
+                self.flush_events()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                anchor_wall = time.monotonic()
+                sim_since_anchor = 0.0
+            try:
+                duration = self.step()
+            except Exception:
+                logger.exception("engine step failed")
+                raise
+            if duration == 0.0 and not self.engine.has_pending_copies():
+                # nothing could run (admission blocked): wait for a finish or a new request
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                anchor_wall = time.monotonic()
+                sim_since_anchor = 0.0
+                continue
+            sim_since_anchor += duration
+            if self.time_scale > 0:
+                delay = anchor_wall + sim_since_anchor * self.time_scale - time.monotonic()
+                await asyncio.sleep(max(0.0, delay))
+            else:
+                await asyncio.sleep(0)

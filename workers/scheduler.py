@@ -1,0 +1,331 @@
+"""Continuous-batching scheduler: FCFS, chunked prefill, preemption by recompute, restores from the CPU tier.
+
+Each step (``schedule`` then, after the engine ran it, ``update``)::
+
+    budget = max_num_batched_tokens
+    1. running requests, oldest first: each gets min(tokens it still has to compute, budget) tokens (a decode
+       is 1). When its blocks cannot grow, the newest running request is preempted (blocks freed, computed
+       tokens reset, pushed back to the front of the waiting queue) until they can, or it preempts itself.
+    2. if nothing was preempted: waiting requests, oldest first, while budget > 0 and running + restoring <
+       max_num_seqs: find the cached prefix (GPU, then CPU). A CPU continuation is admitted only when GPU blocks
+       can be reserved to receive it (plus its first chunk); the request then waits in RESTORING until the copy
+       lands and runs from the next step. Otherwise its first chunk is scheduled. The first request that cannot
+       be admitted stops the scan (FCFS: no one jumps the queue).
+
+``update`` advances computed tokens, registers full blocks (events, write-through stores), appends sampled
+tokens, finishes requests (EOS unless ``ignore_eos``, a stop token, ``max_tokens``, ``max_model_len``) and
+applies finished copies. ``finish_request`` (client disconnect, stop string) frees blocks at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from enum import StrEnum
+
+import msgspec
+
+from workers.config import SchedulerConfig
+from workers.engines.base import DecodeSeq, PrefillChunk, SamplingParams, ScheduledStep, StepResult
+from workers.errors import KVCacheError
+from workers.kv.manager import KVCacheManager, SequenceKV
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStatus(StrEnum):
+    """Life cycle of a request in the scheduler."""
+
+    WAITING = "waiting"
+    RESTORING = "restoring"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One generation request.
+
+    Attributes:
+        request_id: unique id.
+        prompt_token_ids: the prompt.
+        all_token_ids: prompt then outputs.
+        max_tokens: output tokens at most.
+        ignore_eos: keep generating past EOS.
+        stop_token_ids: tokens that end generation (not included in the output).
+        sampling: sampling parameters given to the engine.
+        num_computed_tokens: tokens whose KV is in the request's blocks.
+        num_cached_tokens: prompt tokens served from the cache at first admission (any tier), ``None`` before.
+        status: life cycle state.
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished.
+        num_preemptions: times preempted.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "all_token_ids",
+        "max_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "sampling",
+        "kv",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "status",
+        "finish_reason",
+        "num_preemptions",
+        "restore_job_id",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        ignore_eos: bool = False,
+        stop_token_ids: frozenset[int] = frozenset(),
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.all_token_ids = list(prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.ignore_eos = ignore_eos
+        self.stop_token_ids = stop_token_ids
+        self.sampling = sampling
+        self.kv = SequenceKV(request_id, lora_name, cache_salt)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.restore_job_id: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+
+class RequestOutput(msgspec.Struct, gc=False):
+    """What one step produced for one request.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens sampled this step (0 or 1).
+        finish_reason: set when the request finished this step.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+
+
+class Scheduler:
+    """FCFS continuous batching over a ``KVCacheManager`` (module docstring)."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_id: int | None) -> None:
+        """Build an empty scheduler.
+
+        Args:
+            config: batching limits.
+            kv: the KV manager (shared with nobody else).
+            eos_token_id: the tokenizer's EOS id, or ``None``.
+        """
+        self.config = config
+        self.kv = kv
+        self.eos_token_id = eos_token_id
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._restoring: dict[int, Request] = {}
+        self._scheduled: list[tuple[Request, int]] = []
+        self._freed: list[str] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self) -> int:
+        """Running plus restoring requests."""
+        return len(self.running) + len(self._restoring)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission."""
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        """Whether a step would compute anything or is waiting on a restore."""
+        return bool(self.running or self.waiting or self._restoring)
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request`` (FCFS).
+
+        Raises:
+            ValueError: a duplicate request id.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, reason: str = "abort") -> bool:
+        """Finish a request now (disconnect, stop string) and free its blocks at once.
+
+        Returns:
+            False if the request is unknown or already finished.
+        """
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.kv.free(req.kv)  # a restoring request keeps its blocks until the copy lands
+        self._freed.append(request_id)
+        return True
+
+    # scheduling ----------------------------------------------------------------------------------------------
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.kv)
+        req.kv = SequenceKV(req.request_id, req.kv.lora_name, req.kv.cache_salt)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> ScheduledStep:
+        """Pick this step's work (module docstring) and collect copies to issue."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req.kv, req.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                preempted = True
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            scheduled.append((req, num_new))
+            budget -= num_new
+            i += 1
+        if not preempted:
+            self._admit_waiting(budget, scheduled)
+        self._scheduled = scheduled
+        prefills: list[PrefillChunk] = []
+        decodes: list[DecodeSeq] = []
+        for req, num_new in scheduled:
+            start = req.num_computed_tokens
+            end = start + num_new
+            if num_new == 1 and req.num_output_tokens > 0 and end == len(req.all_token_ids):
+                decodes.append(
+                    DecodeSeq(req.request_id, req.all_token_ids[start], start, tuple(req.kv.block_ids), req.sampling)
+                )
+            else:
+                prefills.append(
+                    PrefillChunk(
+                        req.request_id,
+                        tuple(req.all_token_ids[start:end]),
+                        start,
+                        tuple(req.kv.block_ids),
+                        end == len(req.all_token_ids),
+                        req.sampling,
+                    )
+                )
+        stores, restores = self.kv.take_copies()
+        freed, self._freed = tuple(self._freed), []
+        return ScheduledStep(tuple(prefills), tuple(decodes), stores, restores, freed)
+
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
+        while self.waiting and budget > 0 and self.num_running < self.config.max_num_seqs:
+            req = self.waiting[0]
+            tokens = req.all_token_ids
+            hit = self.kv.find_prefix(req.kv, tokens, len(tokens))
+            num_cached = hit.num_cached_tokens
+            num_new = min(len(tokens) - num_cached, budget)
+            if not self.kv.admit(req.kv, hit, num_cached + num_new):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
+            req.num_computed_tokens = num_cached
+            if req.kv.restore_job_id is not None:
+                req.status = RequestStatus.RESTORING
+                self._restoring[req.kv.restore_job_id] = req
+                continue
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, num_new))
+            budget -= num_new
+
+    # results -------------------------------------------------------------------------------------------------
+
+    def update(self, result: StepResult) -> list[RequestOutput]:
+        """Apply an engine step's result (module docstring).
+
+        Returns:
+            One output per request that sampled a token or finished this step, in scheduling order.
+
+        Raises:
+            KVCacheError: a finished copy job the KV manager does not know.
+        """
+        outputs: list[RequestOutput] = []
+        sampled = result.sampled_token_ids
+        max_len = self.config.max_model_len
+        eos = self.eos_token_id
+        for req, num_new in self._scheduled:
+            if req.status is not RequestStatus.RUNNING:
+                continue  # finished (aborted) while the step ran
+            req.num_computed_tokens += num_new
+            self.kv.cache_computed(req.kv, req.all_token_ids, req.num_computed_tokens, req.num_prompt_tokens)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            reason: str | None = None
+            if (token == eos and not req.ignore_eos) or token in req.stop_token_ids:
+                reason = "stop"
+                new: list[int] = []
+            else:
+                req.all_token_ids.append(token)
+                new = [token]
+                if req.num_output_tokens >= req.max_tokens or len(req.all_token_ids) >= max_len:
+                    reason = "length"
+            if reason is not None:
+                self.finish_request(req.request_id, reason)
+            outputs.append(RequestOutput(req.request_id, new, reason))
+        self._scheduled = []
+        for job_id in result.finished_store_job_ids:
+            self.kv.complete_store(job_id)
+        for job_id in result.finished_restore_job_ids:
+            self._restore_done(job_id)
+        return outputs
+
+    def _restore_done(self, job_id: int) -> None:
+        seq = self.kv.complete_restore(job_id)
+        req = self._restoring.pop(job_id, None)
+        if req is None:
+            raise KVCacheError(f"restore job {job_id} has no request")
+        if seq.is_freed or req.status is RequestStatus.FINISHED:
+            return
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
