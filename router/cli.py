@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     # (name, module, one-line help)
+    ("serve", "router.serve", "Run the cache-aware gateway (OpenAI API) from a YAML config."),
     ("loadgen", "loadgen.cli", "Replay a trace against an OpenAI-compatible endpoint and report."),
     ("demo", "loadgen.demo", "Sim workers + gateway on 127.0.0.1, one trace replay per routing policy."),
 )

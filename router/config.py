@@ -152,16 +152,13 @@ class EventsConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
 
     Attributes:
         bind_endpoint: the SUB endpoint workers with ``topology: bind`` connect to, or ``None`` if none do.
-        approximate_ttl_s: how long an approximate-mode entry (inserted from a routing decision) lives.
         warmup_from_snapshot: warm a worker's index entries from its snapshot endpoint at start and on resync.
+        subscriber: further ``events.subscriber.SubscriberConfig`` keys (kebab-case, e.g. ``replay-timeout-s``).
     """
 
     bind_endpoint: str | None = None
-    approximate_ttl_s: float = 120.0
     warmup_from_snapshot: bool = True
-
-    def __post_init__(self) -> None:
-        _positive("approximate_ttl_s", self.approximate_ttl_s)
+    subscriber: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class TimeoutsConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -343,10 +340,10 @@ class GatewayConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True
         admin: admin API auth.
         ready_timeout_s: ``/ready`` turns true at the latest this long after start, even if some worker's index
             entries are not warm yet.
-        session_headers: request headers read for the session key, in order of precedence.
-        use_body_user_as_session: take the body's ``user`` as the session key when no header names one.
-        num_session_key_blocks: without an explicit key, the session key is the hash of the conversation's first
-            this many blocks (0 = no implicit sessions).
+        index: prefix index settings (``router.index.config.IndexConfig`` keys, kebab-case, without
+            ``block-size``, which comes from each model): one index per model.
+        session_key_sources: where the session key comes from when the policy is not ``session_sticky`` (which
+            has its own ``key_sources``): ``x-session-id``, ``x-smg-routing-key``, ``user``, ``opening_blocks``.
     """
 
     models: tuple[ModelConfig, ...]
@@ -363,9 +360,9 @@ class GatewayConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True
     load_poll: LoadPollConfig = msgspec.field(default_factory=LoadPollConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
     ready_timeout_s: float = 30.0
-    session_headers: tuple[str, ...] = ("x-session-id", "x-smg-routing-key")
-    use_body_user_as_session: bool = True
-    num_session_key_blocks: int = 0
+    index: dict[str, Any] = msgspec.field(default_factory=dict)
+    session_key_sources: tuple[Literal["x-session-id", "x-smg-routing-key", "user", "opening_blocks"], ...] = (
+        "x-session-id", "x-smg-routing-key", "user")
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -384,7 +381,6 @@ class GatewayConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True
             if worker.topology == "bind" and self.events.bind_endpoint is None:
                 raise ValueError(f"workers: worker {worker.id!r} uses topology bind but events.bind_endpoint is unset")
         _positive("ready_timeout_s", self.ready_timeout_s)
-        _non_negative("num_session_key_blocks", self.num_session_key_blocks)
 
     def model(self, name: str) -> ModelConfig | None:
         """The model config serving ``name`` (a base model name or one of its LoRA adapters)."""
@@ -434,6 +430,20 @@ def validate_sessions(obj: dict[str, Any]) -> Any:
         raise ConfigError(f"sessions: {exc}") from exc
 
 
+def index_config(config: GatewayConfig, model: ModelConfig) -> Any:
+    """The ``IndexConfig`` of ``model``'s prefix index (the ``index`` section with the model's block size).
+
+    Raises:
+        ConfigError: naming the bad key and the reason.
+    """
+    from router.index.config import IndexConfig
+
+    try:
+        return msgspec.convert({**config.index, "block-size": model.block_size}, IndexConfig)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ConfigError(f"index: {exc}") from exc
+
+
 def parse_config(obj: object, *, validate_sections: bool = True) -> GatewayConfig:
     """Decode a parsed YAML/JSON mapping.
 
@@ -454,6 +464,8 @@ def parse_config(obj: object, *, validate_sections: bool = True) -> GatewayConfi
     if validate_sections:
         validate_policy(config.policy)
         validate_sessions(config.sessions)
+        for model in config.models:
+            index_config(config, model)
         config.admin.resolve_token()
     return config
 

@@ -28,8 +28,9 @@ from collections import OrderedDict
 from typing import Any, Literal
 
 import msgspec
+import xxhash
 
-from router.block_hash import BlockHash, Namespace, hash_token_blocks, make_namespace
+from router.block_hash import BlockHash, Namespace, hash_token_blocks, make_namespace, tokens_to_bytes
 from router.config import ModelConfig
 from router.errors import InvalidFieldError, InvalidJSONError
 from workers.errors import InvalidRequestError as WorkerInvalidRequestError
@@ -218,11 +219,15 @@ class PromptState(msgspec.Struct, frozen=True, gc=False):
         num_tokens: tokens in the prefix.
         block_hashes: chained hashes of its full blocks, root-most first (``num_tokens // block_size`` items).
         tail: the tokens after the last full block (fewer than ``block_size``).
+        opening_hash: identity of the conversation's opening (system prompt and first user message): the
+            chained hash of its last full block, else an xxh3-64 of its tokens seeded by the namespace; ``None``
+            until the opening is complete.
     """
 
     num_tokens: int
     block_hashes: tuple[BlockHash, ...]
     tail: tuple[int, ...]
+    opening_hash: int | None = None
 
 
 EMPTY_STATE = PromptState(0, (), ())
@@ -247,12 +252,22 @@ def extend_state(
     combined = state.tail + tuple(token_ids) if state.tail else tuple(token_ids)
     num_full = len(combined) // block_size * block_size
     if num_full == 0:
-        return PromptState(state.num_tokens + len(token_ids), state.block_hashes, combined)
+        return PromptState(state.num_tokens + len(token_ids), state.block_hashes, combined, state.opening_hash)
     parent = state.block_hashes[-1] if state.block_hashes else None
     new_hashes = hash_token_blocks(combined[:num_full], block_size, namespace, parent)
     return PromptState(
-        state.num_tokens + len(token_ids), state.block_hashes + tuple(new_hashes), combined[num_full:]
+        state.num_tokens + len(token_ids), state.block_hashes + tuple(new_hashes), combined[num_full:],
+        state.opening_hash,
     )
+
+
+def with_opening_hash(state: PromptState, namespace: Namespace) -> PromptState:
+    """``state`` with ``opening_hash`` set from its current end (see ``PromptState``)."""
+    if state.block_hashes:
+        opening: int = state.block_hashes[-1]
+    else:
+        opening = xxhash.xxh3_64_intdigest(tokens_to_bytes(state.tail), namespace)
+    return PromptState(state.num_tokens, state.block_hashes, state.tail, opening)
 
 
 class PrefixStateCache:
@@ -298,12 +313,14 @@ class PromptView(msgspec.Struct, frozen=True, gc=False):
         block_hashes: chained hashes of the full blocks.
         block_size: tokens per block.
         num_reused_blocks: blocks taken from the prefix cache (not re-hashed) this time.
+        opening_hash: identity of a chat's opening (``PromptState.opening_hash``); ``None`` for completions.
     """
 
     num_tokens: int
     block_hashes: tuple[BlockHash, ...]
     block_size: int
     num_reused_blocks: int = 0
+    opening_hash: int | None = None
 
     @property
     def num_cacheable_blocks(self) -> int:
@@ -403,11 +420,14 @@ class ModelTokenizer:
         else:
             self.prefixes.num_misses += 1
         encode = self.tokenizer.encode
+        opening_index = 1 if num_messages >= 2 and messages[0].role == "system" else 0
         for i in range(start, num_messages):
             if segments[i]:
                 state = extend_state(state, encode(segments[i]), bs, ns)
+            if i == opening_index:
+                state = with_opening_hash(state, ns)
         if num_messages and start < num_messages:
             self.prefixes.put(keys[num_messages - 1], state)
         if segments[-1]:
             state = extend_state(state, encode(segments[-1]), bs, ns)
-        return PromptView(state.num_tokens, state.block_hashes, bs, num_reused_blocks)
+        return PromptView(state.num_tokens, state.block_hashes, bs, num_reused_blocks, state.opening_hash)

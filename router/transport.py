@@ -95,6 +95,15 @@ class Transport(Protocol):
         ...
 
 
+def _json_or_none(body: bytes) -> object:
+    if not body:
+        return None
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+
+
 class _AiohttpResponse:
     """Adapts ``aiohttp.ClientResponse`` to ``UpstreamResponse``."""
 
@@ -181,11 +190,11 @@ class AiohttpTransport:
             ) from exc
         return _AiohttpResponse(resp, request.worker_id, url)
 
-    async def get_json(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, object]:
-        """GET ``url`` on the worker's pool and decode JSON (health, load, snapshot endpoints).
+    async def get_bytes(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, bytes]:
+        """GET ``url`` on the worker's pool (health, load, snapshot endpoints).
 
         Returns:
-            ``(status, decoded body or None)``.
+            ``(status, body)``.
 
         Raises:
             TransportError: connect error or timeout.
@@ -194,7 +203,7 @@ class AiohttpTransport:
         try:
             async with asyncio.timeout(timeout_s):
                 async with session.get(url) as resp:
-                    body = await resp.read()
+                    return resp.status, await resp.read()
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise TransportTimeoutError(
                 f"GET {url} timed out", worker_id=worker_id, endpoint=url, is_before_first_byte=True
@@ -204,10 +213,11 @@ class AiohttpTransport:
                 f"GET {url} failed: {exc.__class__.__name__}", worker_id=worker_id, endpoint=url,
                 is_before_first_byte=True,
             ) from exc
-        try:
-            return resp.status, msgspec.json.decode(body) if body else None
-        except msgspec.DecodeError:
-            return resp.status, None
+
+    async def get_json(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, object]:
+        """``get_bytes`` with the body decoded as JSON (``None`` when empty or not JSON)."""
+        status, body = await self.get_bytes(worker_id, url, timeout_s)
+        return status, _json_or_none(body)
 
     async def remove_worker(self, worker_id: str) -> None:
         session = self._sessions.pop(worker_id, None)
@@ -279,11 +289,15 @@ class MockTransport:
         self.responses.append(resp)
         return resp
 
-    async def get_json(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, object]:
-        """Health/load/snapshot GETs through the handler (body decoded as JSON)."""
+    async def get_bytes(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, bytes]:
+        """Health/load/snapshot GETs through the handler."""
         resp = await self.send(UpstreamRequest(worker_id, "", "GET", url, (), b""))
-        body = await resp.read()
-        return resp.status, msgspec.json.decode(body) if body else None
+        return resp.status, await resp.read()
+
+    async def get_json(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, object]:
+        """``get_bytes`` decoded as JSON."""
+        status, body = await self.get_bytes(worker_id, url, timeout_s)
+        return status, _json_or_none(body)
 
     async def remove_worker(self, worker_id: str) -> None:
         return None

@@ -1,0 +1,213 @@
+"""Admin REST API under ``/admin``, guarded by a bearer token (``Authorization: Bearer <token>``).
+
+Routes (JSON in and out; errors are OpenAI-style JSON)::
+
+    GET    /admin/workers                     list workers with health, load, circuit and warm state
+    POST   /admin/workers                     add a worker (body: a ``workers[]`` entry of the YAML)
+    DELETE /admin/workers/{id}                remove: index entries cleared, sessions dropped at once
+    POST   /admin/workers/{id}/drain          no new requests (in-flight streams finish)
+    POST   /admin/workers/{id}/undrain
+    GET    /admin/sessions?limit=N            live sessions, most recently used first
+    DELETE /admin/sessions/{key}              forget one session
+    GET    /admin/index                       index stats per model
+    POST   /admin/index/clear                 clear every worker's entries (body ``{"worker_id": ...}`` for one)
+    GET    /admin/policy                      the policy config and learned speed factors
+    PUT    /admin/policy                      replace the policy (validated first; the old one stays on error)
+    GET    /admin/decisions?limit=N           recent decisions with every candidate's score
+
+With ``admin.disable_auth: true`` the token check is skipped (local use only).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from policies import PolicyError, build_policy, decode_policy_config, encode_policy_config
+from router.config import decode_worker
+from router.errors import AuthError, ConfigError, GatewayError, InvalidJSONError, NotFoundError
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(obj: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(obj), content_type="application/json")
+
+
+def _limit(request: web.Request, default: int = 100) -> int:
+    try:
+        return max(1, min(10_000, int(request.query.get("limit", default))))
+    except ValueError:
+        return default
+
+
+async def _body(request: web.Request) -> object:
+    raw = await request.read()
+    try:
+        return msgspec.json.decode(raw) if raw else {}
+    except msgspec.DecodeError as exc:
+        raise InvalidJSONError(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _guard(token: str | None, handler: Handler) -> Handler:
+    expected = f"Bearer {token}".encode() if token is not None else None
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        from router.app import error_response
+
+        try:
+            if expected is not None:
+                got = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(got, expected):
+                    raise AuthError("missing or wrong admin bearer token")
+            return await handler(request)
+        except GatewayError as exc:
+            return error_response(exc)
+
+    return guarded
+
+
+async def list_workers(request: web.Request) -> web.StreamResponse:
+    from router.app import GATEWAY
+
+    gw = request.app[GATEWAY]
+    now_s = gw.clock()
+    return _json({"workers": [w.info(now_s) for w in gw.fleet.workers.values()]})
+
+
+async def add_worker(request: web.Request) -> web.StreamResponse:
+    from router.app import GATEWAY
+
+    gw = request.app[GATEWAY]
+    worker = await gw.fleet.add(decode_worker(await _body(request)))
+    return _json(worker.info(gw.clock()), status=201)
+
+
+async def remove_worker(request: web.Request) -> web.StreamResponse:
+    from router.app import GATEWAY
+
+    gw = request.app[GATEWAY]
+    worker = await gw.fleet.remove(request.match_info["worker_id"])
+    return _json({"removed": worker.worker_id})
+
+
+async def drain_worker(request: web.Request) -> web.StreamResponse:
+    from router.app import GATEWAY
+
+    gw = request.app[GATEWAY]
+    worker = gw.fleet.set_draining(request.match_info["worker_id"], True)
+    return _json(worker.info(gw.clock()))
+
+
+async def undrain_worker(request: web.Request) -> web.StreamResponse:
+    from router.app import GATEWAY
+
+    gw = request.app[GATEWAY]
+    worker = gw.fleet.set_draining(request.match_info["worker_id"], False)
+    return _json(worker.info(gw.clock()))
+
+
+async def list_sessions(request: web.Request) -> web.StreamResponse:
+    from router.app import GATEWAY
+
+    gw = request.app[GATEWAY]
+    entries = await gw.sessions.list_sessions(_limit(request))
+    return _json({"num_sessions": await gw.sessions.num_sessions(),
+                  "sessions": [msgspec.to_builtins(e) for e in entries]})
+
+
+async def drop_session(request: web.Request) -> web.StreamResponse:
+    from router.app import GATEWAY
+
+    gw = request.app[GATEWAY]
+    key = request.match_info["key"]
+    if not await gw.sessions.drop(key):
+        raise NotFoundError(f"no session {key!r}")
+    return _json({"dropped": key})
+
+
+async def index_stats(request: web.Request) -> web.StreamResponse:
+    from router.app import GATEWAY
+
+    gw = request.app[GATEWAY]
+    return _json({name: msgspec.to_builtins(index.stats()) for name, index in gw.indexes.items()})
+
+
+async def clear_index(request: web.Request) -> web.StreamResponse:
+    from router.app import GATEWAY
+
+    gw = request.app[GATEWAY]
+    body = await _body(request)
+    worker_id = body.get("worker_id") if isinstance(body, dict) else None
+    if worker_id is not None:
+        worker = gw.fleet.get(str(worker_id))
+        index = gw.index_for(worker)
+        if index is not None:
+            index.clear_worker(worker.worker_id)
+        return _json({"cleared": [worker.worker_id]})
+    cleared = []
+    for worker in gw.fleet.workers.values():
+        index = gw.index_for(worker)
+        if index is not None:
+            index.clear_worker(worker.worker_id)
+            cleared.append(worker.worker_id)
+    return _json({"cleared": cleared})
+
+
+async def get_policy(request: web.Request) -> web.StreamResponse:
+    from router.app import GATEWAY
+
+    gw = request.app[GATEWAY]
+    calibrator = gw.holder.calibrator
+    return _json({
+        "policy": encode_policy_config(gw.holder.config),
+        "speed_factors": calibrator.speed_factors() if calibrator is not None else {},
+    })
+
+
+async def put_policy(request: web.Request) -> web.StreamResponse:
+    """Validate, build and install a new policy; on any error the old one keeps serving."""
+    from router.app import GATEWAY
+
+    gw = request.app[GATEWAY]
+    raw = await request.read()
+    try:
+        config = decode_policy_config(raw)
+        policy = build_policy(config, previous=gw.holder.policy)
+    except PolicyError as exc:
+        raise ConfigError(f"policy: {exc}", param=getattr(exc, "key", None)) from exc
+    gw.holder.set(config, policy)
+    logger.info("policy replaced: %s", policy.name)
+    return _json({"policy": encode_policy_config(config)})
+
+
+async def recent_decisions(request: web.Request) -> web.StreamResponse:
+    from router.app import GATEWAY
+
+    gw = request.app[GATEWAY]
+    records = list(gw.router.recent)[-_limit(request):]
+    records.reverse()
+    return _json({"decisions": [msgspec.to_builtins(r) for r in records]})
+
+
+def add_admin_routes(app: web.Application, token: str | None) -> None:
+    """Register every admin route, each guarded by ``token`` (``None``: auth disabled)."""
+    r = app.router
+    r.add_get("/admin/workers", _guard(token, list_workers))
+    r.add_post("/admin/workers", _guard(token, add_worker))
+    r.add_delete("/admin/workers/{worker_id}", _guard(token, remove_worker))
+    r.add_post("/admin/workers/{worker_id}/drain", _guard(token, drain_worker))
+    r.add_post("/admin/workers/{worker_id}/undrain", _guard(token, undrain_worker))
+    r.add_get("/admin/sessions", _guard(token, list_sessions))
+    r.add_delete("/admin/sessions/{key}", _guard(token, drop_session))
+    r.add_get("/admin/index", _guard(token, index_stats))
+    r.add_post("/admin/index/clear", _guard(token, clear_index))
+    r.add_get("/admin/policy", _guard(token, get_policy))
+    r.add_put("/admin/policy", _guard(token, put_policy))
+    r.add_get("/admin/decisions", _guard(token, recent_decisions))

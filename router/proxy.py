@@ -1,0 +1,267 @@
+"""Forwarding a routed request to its worker: retries before the first byte, passthrough, accounting, honesty.
+
+``Proxy.forward`` walks the plan's workers best first. An attempt that fails **before the first byte** (connect
+error, first-byte timeout, or a 5xx status, all before anything was written to the client) is abandoned and
+the next worker is tried after a backoff (``RetryConfig``); once the response has started, it is relayed to the
+end and never retried. The body is relayed exactly as received: SSE chunks are written as they arrive (never
+re-decoded or re-encoded), a non-streaming body is written as one block.
+
+Accounting per worker (released on every exit path, including client disconnect, which cancels the handler and
+closes the upstream request)::
+
+    num_inflight_requests        +1 at send         -1 at the end
+    num_pending_prefill_tokens   +uncached at send  -uncached at the first byte (or the end)
+    num_decoding_requests        +1 at first byte   -1 at the end
+
+Honesty check (DESIGN.md §7b): ``usage.prompt_tokens_details.cached_tokens`` is read from the non-streamed body
+or from the last SSE ``data:`` event that carries ``usage`` (found by scanning a bounded tail of the stream, no
+re-encoding) and compared with the cached tokens predicted for the worker that served the request. The observed
+time to first byte is fed to the policy's TTFT calibrator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+import msgspec
+from aiohttp import web
+
+from router.config import RetryConfig
+from router.errors import TransportError, TransportTimeoutError, UpstreamError, UpstreamTimeoutError
+from router.fleet import WorkerRuntime
+from router.metrics import GatewayMetrics
+from router.routing import PolicyHolder, RoutePlan
+from router.transport import HOP_BY_HOP_HEADERS, Transport, UpstreamRequest, UpstreamResponse
+
+logger = logging.getLogger(__name__)
+
+SSE_TAIL_BYTES = 16384
+"""How much of a stream's end is kept to find the final usage event."""
+
+WORKER_HEADER = "x-kvgate-worker"
+PREDICTED_HEADER = "x-kvgate-predicted-cached-tokens"
+DECISION_HEADER = "x-kvgate-decision"
+REQUEST_ID_HEADER = "x-request-id"
+
+
+class _PromptTokensDetails(msgspec.Struct, gc=False):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct, gc=False):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_tokens_details: _PromptTokensDetails | None = None
+
+
+class _WithUsage(msgspec.Struct, gc=False):
+    usage: _Usage | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_WithUsage)
+
+
+def usage_from_body(body: bytes) -> _Usage | None:
+    """The ``usage`` of a non-streamed completion body, or ``None``."""
+    try:
+        return _usage_decoder.decode(body).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def usage_from_sse_tail(tail: bytes) -> _Usage | None:
+    """The ``usage`` of the last SSE ``data:`` event in ``tail`` that has one, or ``None``."""
+    end = len(tail)
+    while True:
+        start = tail.rfind(b"data:", 0, end)
+        if start < 0:
+            return None
+        line_end = tail.find(b"\n", start)
+        payload = tail[start + 5 : line_end if line_end >= 0 else len(tail)].strip()
+        if payload and payload != b"[DONE]" and b'"usage"' in payload:
+            usage = usage_from_body(payload)
+            if usage is not None:
+                return usage
+        end = start
+
+
+def cached_tokens_of(usage: _Usage | None) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` (0 when usage has no details), ``None`` without usage."""
+    if usage is None:
+        return None
+    details = usage.prompt_tokens_details
+    return details.cached_tokens or 0 if details is not None else 0
+
+
+def _response_headers(upstream: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    headers = {k: v for k, v in upstream.items() if k.lower() not in HOP_BY_HOP_HEADERS}
+    headers.update(extra)
+    return headers
+
+
+class Proxy:
+    """Sends requests along a ``RoutePlan`` and relays the response."""
+
+    def __init__(
+        self, transport: Transport, retry: RetryConfig, metrics: GatewayMetrics, holder: PolicyHolder,
+        *, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._transport = transport
+        self._retry = retry
+        self._metrics = metrics
+        self._holder = holder
+        self._clock = clock
+        self.num_honesty_checks = 0
+        self.num_honesty_mismatches = 0
+
+    async def forward(
+        self, request: web.Request, body: bytes, plan: RoutePlan, *, is_stream: bool, request_id: str,
+        policy_name: str,
+    ) -> web.StreamResponse:
+        """Send ``body`` to the plan's workers (best first, retrying before the first byte) and relay the answer.
+
+        Raises:
+            UpstreamError: every attempt failed before the first byte (502; 504 if the last one timed out).
+        """
+        forward_headers = [
+            (k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP_HEADERS
+        ]
+        forward_headers.append((REQUEST_ID_HEADER, request_id))
+        attempts = plan.workers[: 1 + self._retry.max_retries]
+        last_exc: Exception | None = None
+        for attempt, worker in enumerate(attempts):
+            if attempt:
+                self._metrics.retries_total.labels(attempts[attempt - 1].worker_id, type(last_exc).__name__).inc()
+                await asyncio.sleep(self._retry.backoff_s(attempt))
+                if worker.is_draining or not worker.breaker.allows(self._clock()):
+                    continue
+            upstream_req = UpstreamRequest(
+                worker.worker_id, worker.config.url, request.method, request.path_qs, forward_headers, body
+            )
+            uncached = max(0, plan.num_prompt_tokens - plan.predicted_cached_tokens.get(worker.worker_id, 0))
+            worker.num_inflight_requests += 1
+            worker.num_pending_prefill_tokens += uncached
+            self._metrics.inflight_requests.labels(worker.worker_id).inc()
+            is_relayed = False
+            resp: UpstreamResponse | None = None
+            try:
+                worker.breaker.on_attempt()
+                sent_at = time.perf_counter()
+                try:
+                    resp = await self._transport.send(upstream_req)
+                except TransportError as exc:
+                    worker.breaker.record_failure(self._clock())
+                    last_exc = exc
+                    logger.warning("request %s: worker %s failed before the first byte: %s",
+                                   request_id, worker.worker_id, exc.message)
+                    continue
+                if resp.status >= 500 and attempt + 1 < len(attempts):
+                    worker.breaker.record_failure(self._clock())
+                    last_exc = UpstreamError(f"worker answered {resp.status}", worker_id=worker.worker_id)
+                    logger.warning("request %s: worker %s answered %d before the first byte; retrying",
+                                   request_id, worker.worker_id, resp.status)
+                    continue
+                if resp.status >= 500:
+                    worker.breaker.record_failure(self._clock())
+                else:
+                    worker.breaker.record_success()
+                extra = {
+                    WORKER_HEADER: worker.worker_id,
+                    PREDICTED_HEADER: str(plan.predicted_cached_tokens.get(worker.worker_id, 0)),
+                    DECISION_HEADER: plan.decision.reason if attempt == 0 else "retry",
+                    REQUEST_ID_HEADER: request_id,
+                }
+                is_relayed = True  # from here the relay settles the pending prefill on every path
+                if is_stream and resp.status == 200:
+                    out = await self._relay_stream(request, resp, extra, worker, plan, sent_at, uncached)
+                else:
+                    out = await self._relay_body(request, resp, extra, worker, plan, sent_at, uncached)
+                self._metrics.requests_total.labels(worker.worker_id, policy_name, str(out.status)).inc()
+                return out
+            finally:
+                if resp is not None:
+                    resp.release()
+                worker.num_inflight_requests -= 1
+                self._metrics.inflight_requests.labels(worker.worker_id).dec()
+                if not is_relayed:
+                    # Abandoned before the relay (failure, retry, or cancellation): undo the pending prefill.
+                    worker.num_pending_prefill_tokens -= uncached
+        if isinstance(last_exc, TransportTimeoutError):
+            raise UpstreamTimeoutError(f"no worker answered in time: {last_exc.message}",
+                                       worker_id=last_exc.worker_id, endpoint=last_exc.endpoint) from last_exc
+        worker_id = attempts[-1].worker_id if attempts else None
+        message = last_exc.message if isinstance(last_exc, TransportError | UpstreamError) else "no worker reachable"
+        raise UpstreamError(f"every attempt failed: {message}", worker_id=worker_id) from last_exc
+
+    def _first_byte(self, worker: WorkerRuntime, plan: RoutePlan, sent_at: float, uncached: int,
+                    is_stream: bool) -> None:
+        """Move the request from pending prefill to decoding and feed the observed TTFT to the calibrator."""
+        ttft_s = time.perf_counter() - sent_at
+        worker.num_pending_prefill_tokens -= uncached
+        worker.num_decoding_requests += 1
+        if not is_stream:
+            return
+        self._metrics.ttft_s.labels(worker.worker_id).observe(ttft_s)
+        calibrator = self._holder.calibrator
+        if calibrator is None or worker.worker_id != plan.decision.worker_id:
+            return
+        predicted = plan.decision.scores.get(worker.worker_id)
+        if predicted is not None:
+            calibrator.observe(worker.worker_id, predicted, ttft_s, speed_factor_used=plan.speed_factor_used)
+
+    async def _relay_stream(
+        self, request: web.Request, resp: UpstreamResponse, extra: Mapping[str, str], worker: WorkerRuntime,
+        plan: RoutePlan, sent_at: float, uncached: int,
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(status=resp.status, headers=_response_headers(resp.headers, extra))
+        is_first = True
+        tail = b""
+        try:
+            await out.prepare(request)
+            async for chunk in resp.iter_chunks():
+                if is_first:
+                    self._first_byte(worker, plan, sent_at, uncached, True)
+                    is_first = False
+                await out.write(chunk)
+                tail = (tail + chunk)[-SSE_TAIL_BYTES:] if len(chunk) < SSE_TAIL_BYTES else chunk[-SSE_TAIL_BYTES:]
+            await out.write_eof()
+        except TransportError:
+            logger.warning("worker %s broke the stream after the first byte; closing the client stream",
+                           worker.worker_id)
+            out.force_close()
+        except ConnectionResetError:
+            logger.info("client went away during the stream from worker %s", worker.worker_id)
+        finally:
+            if is_first:
+                worker.num_pending_prefill_tokens -= uncached
+            else:
+                worker.num_decoding_requests -= 1
+        self._check_honesty(worker, plan, cached_tokens_of(usage_from_sse_tail(tail)))
+        return out
+
+    async def _relay_body(
+        self, request: web.Request, resp: UpstreamResponse, extra: Mapping[str, str], worker: WorkerRuntime,
+        plan: RoutePlan, sent_at: float, uncached: int,
+    ) -> web.StreamResponse:
+        self._first_byte(worker, plan, sent_at, uncached, False)
+        try:
+            body = await resp.read()
+        finally:
+            worker.num_decoding_requests -= 1
+        out = web.Response(status=resp.status, body=body, headers=_response_headers(resp.headers, extra))
+        if resp.status == 200:
+            self._check_honesty(worker, plan, cached_tokens_of(usage_from_body(body)))
+        return out
+
+    def _check_honesty(self, worker: WorkerRuntime, plan: RoutePlan, reported: int | None) -> None:
+        if reported is None:
+            return
+        predicted = plan.predicted_cached_tokens.get(worker.worker_id, 0)
+        self.num_honesty_checks += 1
+        if predicted != reported:
+            self.num_honesty_mismatches += 1
+            logger.debug("cached tokens: predicted %d, worker %s reported %d", predicted, worker.worker_id, reported)
+        self._metrics.record_honesty(worker.worker_id, predicted, reported)

@@ -1,0 +1,211 @@
+"""One routing decision: request view -> snapshot -> policy (-> session store) -> an ordered plan of workers.
+
+``Router.route`` is the request path's decision step (DESIGN.md §2):
+
+1. the candidates are the workers serving the request's model, in registration order;
+2. one ``index.match(block_hashes)`` gives each worker's GPU / CPU / pool depth in blocks; each is capped at
+   ``(num_prompt_tokens - 1) // block_size`` blocks (vLLM always computes the last prompt token), then turned into
+   tokens, so the predicted cached tokens equal what the worker reports;
+3. a forced worker (``X-SMG-Target-Worker`` / ``x-kvgate-worker``) bypasses the policy;
+4. ``session_sticky``: inner best -> ``store.claim_or_touch(key, best)`` -> pure ``resolve`` -> ``store.move``
+   compare-and-set only when ownership changes (on a lost race, the owner the store returns wins);
+   other policies: ``policy.select(view, snapshot)``;
+5. approximate-mode workers get the request's blocks inserted for the chosen worker (with the index's TTL);
+6. the decision (every candidate's score) goes to a bounded ring for ``/admin/decisions``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+from policies import SessionStickyPolicy, derive_session_key, find_calibrator
+from policies.base import Decision, Policy, RequestView, Snapshot, WorkerState
+from policies.config import KeySource, PolicyConfig
+from router.config import ModelConfig
+from router.errors import InvalidFieldError, NoWorkerError
+from router.fleet import Fleet, WorkerRuntime
+from router.index.result import MatchResult
+from router.request_view import ParsedRequest, PromptView
+from router.sessions.base import SessionStore
+
+logger = logging.getLogger(__name__)
+
+FORCE_WORKER_HEADERS = ("x-kvgate-worker", "x-smg-target-worker")
+DEFAULT_KEY_SOURCES: tuple[KeySource, ...] = ("x-session-id", "x-smg-routing-key", "user")
+
+
+class IndexLike(Protocol):
+    """The part of ``router.index.PrefixIndex`` the request path uses."""
+
+    def match(self, block_hashes: Sequence[int]) -> MatchResult: ...
+
+    def insert_approximate(self, worker_id: str, block_hashes: Sequence[int], now_s: float) -> Any: ...
+
+
+class PolicyHolder:
+    """The live policy and its config; the admin API swaps both at once (no restart)."""
+
+    def __init__(self, config: PolicyConfig, policy: Policy) -> None:
+        self.config = config
+        self.policy = policy
+        self.key_sources: tuple[KeySource, ...] = DEFAULT_KEY_SOURCES
+        self.set(config, policy)
+
+    def set(self, config: PolicyConfig, policy: Policy) -> None:
+        """Install a new policy (already validated and built)."""
+        self.config = config
+        self.policy = policy
+        self.sticky = policy if isinstance(policy, SessionStickyPolicy) else None
+        self.calibrator = find_calibrator(policy)
+        self.key_sources = self.sticky.config.key_sources if self.sticky is not None else DEFAULT_KEY_SOURCES
+
+
+class RoutePlan(msgspec.Struct, gc=False):
+    """What the proxy needs to serve one request.
+
+    Attributes:
+        decision: the policy's decision.
+        workers: workers to try, best first (the chosen one, then the rest of the ranking).
+        predicted_cached_tokens: per worker id, cached prompt tokens predicted (honesty check).
+        num_prompt_tokens: prompt tokens.
+        session_key: the session key, or ``None``.
+        speed_factor_used: the chosen worker's calibration factor at decision time (1.0 without one).
+        decision_s: time the decision took, seconds.
+    """
+
+    decision: Decision
+    workers: list[WorkerRuntime]
+    predicted_cached_tokens: dict[str, int]
+    num_prompt_tokens: int
+    session_key: str | None
+    speed_factor_used: float = 1.0
+    decision_s: float = 0.0
+
+
+class DecisionRecord(msgspec.Struct, frozen=True, gc=False):
+    """One entry of ``/admin/decisions``."""
+
+    request_id: str
+    model: str
+    worker_id: str | None
+    reason: str
+    detail: str
+    session_key: str | None
+    num_prompt_tokens: int
+    predicted_cached_tokens: int
+    scores: dict[str, float]
+    cached_tokens: dict[str, int]
+    decision_s: float
+    at_s: float
+
+
+class Router:
+    """Turns a parsed request and its prompt view into a ``RoutePlan``."""
+
+    def __init__(
+        self, fleet: Fleet, indexes: Mapping[str, IndexLike], sessions: SessionStore, holder: PolicyHolder,
+        *, num_recent_decisions: int = 256, default_max_tokens: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._fleet = fleet
+        self._indexes = indexes
+        self._sessions = sessions
+        self.holder = holder
+        self._clock = clock
+        self.recent: deque[DecisionRecord] = deque(maxlen=num_recent_decisions)
+
+    def session_key(self, headers: Mapping[str, str], parsed: ParsedRequest, view: PromptView) -> str | None:
+        """The request's session key from the configured sources (``policies.derive_session_key``)."""
+        return derive_session_key(self.holder.key_sources, headers, parsed.user, view.opening_hash)
+
+    def states(
+        self, candidates: Sequence[WorkerRuntime], model: ModelConfig, view: PromptView, now_s: float,
+        max_inflight: int,
+    ) -> tuple[WorkerState, ...]:
+        """Each candidate's ``WorkerState`` with cached tokens from one index match (capped, see module doc)."""
+        index = self._indexes.get(model.name)
+        match = index.match(view.block_hashes) if index is not None and view.block_hashes else None
+        cap = view.num_cacheable_blocks
+        bs = view.block_size
+        out: list[WorkerState] = []
+        for worker in candidates:
+            m = match.workers.get(worker.worker_id) if match is not None else None
+            if m is None:
+                out.append(worker.state(now_s, max_inflight=max_inflight))
+                continue
+            gpu = min(m.num_gpu_blocks, cap)
+            cpu = min(m.num_gpu_blocks + m.num_cpu_blocks, cap) - gpu
+            pool = min(m.num_blocks, cap) - gpu - cpu
+            out.append(worker.state(now_s, gpu * bs, cpu * bs, pool * bs, max_inflight))
+        return tuple(out)
+
+    async def route(
+        self, request_id: str, parsed: ParsedRequest, model: ModelConfig, view: PromptView,
+        headers: Mapping[str, str], *, max_inflight_per_worker: int = 0,
+    ) -> RoutePlan:
+        """Decide where the request goes.
+
+        Raises:
+            NoWorkerError: no worker serves the model, or none is healthy and undrained (503 with the reason).
+            InvalidFieldError: a forced worker that does not exist or does not serve the model.
+        """
+        t0 = time.perf_counter()
+        now_s = self._clock()
+        candidates = self._fleet.candidates(model.name)
+        if not candidates:
+            raise NoWorkerError(f"no worker serves model {parsed.model!r}", reason="no_workers")
+        states = self.states(candidates, model, view, now_s, max_inflight_per_worker)
+        session_key = self.session_key(headers, parsed, view)
+        req = RequestView(
+            request_id=request_id, model=parsed.model, num_prompt_tokens=view.num_tokens,
+            num_max_output_tokens=parsed.max_tokens or model.default_max_tokens, block_size=view.block_size,
+            session_key=session_key,
+        )
+        snapshot = Snapshot(workers=states, now_s=now_s)
+        forced = next((headers[h] for h in FORCE_WORKER_HEADERS if h in headers), None)
+        holder = self.holder
+        if forced is not None:
+            if forced not in {w.worker_id for w in candidates}:
+                raise InvalidFieldError(f"forced worker {forced!r} does not serve model {parsed.model!r}",
+                                        param="x-kvgate-worker")
+            cached = next(s.num_cached_tokens for s in states if s.worker_id == forced)
+            decision = Decision(forced, "forced", {}, cached, (forced,))
+        elif holder.sticky is not None and session_key is not None:
+            sticky = holder.sticky
+            inner = sticky.select_inner(req, snapshot)
+            if inner.worker_id is None:
+                decision = inner
+            else:
+                entry = await self._sessions.claim_or_touch(session_key, inner.worker_id)
+                decision = sticky.resolve(entry.worker_id, inner, snapshot, is_new=entry.is_new)
+                if decision.reason == "sticky_moved" and decision.worker_id is not None:
+                    if not await self._sessions.move(session_key, entry.worker_id, decision.worker_id):
+                        entry = await self._sessions.claim_or_touch(session_key, decision.worker_id)
+                        decision = sticky.resolve(entry.worker_id, inner, snapshot, is_new=entry.is_new)
+        else:
+            decision = holder.policy.select(req, snapshot)
+        if decision.worker_id is None:
+            raise NoWorkerError(f"no worker available for model {parsed.model!r}: {decision.reason}",
+                                reason=decision.reason)
+        by_id = {w.worker_id: w for w in candidates}
+        chosen = by_id[decision.worker_id]
+        order = [chosen] + [by_id[w] for w in decision.ranking if w != decision.worker_id and w in by_id]
+        predicted = {s.worker_id: s.num_cached_tokens for s in states}
+        if chosen.is_approximate and view.block_hashes:
+            index = self._indexes.get(model.name)
+            if index is not None:
+                index.insert_approximate(chosen.worker_id, view.block_hashes, now_s)
+        calibrator = holder.calibrator
+        factor = calibrator.speed_factor(chosen.worker_id) if calibrator is not None else 1.0
+        decision_s = time.perf_counter() - t0
+        self.recent.append(DecisionRecord(
+            request_id, parsed.model, decision.worker_id, decision.reason, decision.detail, session_key,
+            view.num_tokens, predicted[decision.worker_id], dict(decision.scores), predicted, decision_s, now_s,
+        ))
+        return RoutePlan(decision, order, predicted, view.num_tokens, session_key, factor, decision_s)
