@@ -1,15 +1,373 @@
-"""``kvgate demo``: placeholder until the fleet runner lands (next commit)."""
+"""``kvgate demo``: a sim fleet and the gateway on 127.0.0.1, one replay of a real trace slice per policy.
+
+Steps:
+
+1. Read a slice of ``conversation_trace.jsonl`` (Mooncake FAST'25), derive its sessions (``loadgen.sessions``)
+   and compute its infinite-cache ceiling (``loadgen.ceiling``).
+2. Size the fleet from the slice: the smallest single LRU cache reaching ``lru_target`` (0.97) of the ceiling,
+   in the workers' blocks, times ``headroom`` (room for output tokens and running requests), split evenly over
+   the workers. Each worker then holds a fraction of the slice's distinct blocks (reported; well under half with
+   4 workers), so where requests go decides the hit ratio.
+3. Start the sim workers (``kvgate worker --engine sim``) running ``time_scale`` times faster than real time,
+   then for each policy: reset the workers' prefix caches, start ``kvgate serve`` with that policy, replay the
+   slice open-loop on its timestamps (``time_scale`` times faster; times reported in simulated seconds), stop
+   the gateway.
+4. Print the comparison table and the acceptance checks, write ``results.json``, ``results.md``,
+   ``records.jsonl`` and the plots to ``--out``; stop every process it started, also on Ctrl-C or SIGTERM.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import math
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from loadgen.ceiling import CacheBound, ceiling, lru_bound
+from loadgen.errors import LoadgenError
+from loadgen.fleet import Fleet, WorkerSpec
+from loadgen.prompts import PromptBuilder
+from loadgen.replay import ReplayConfig
+from loadgen.report import MARKDOWN_COLUMNS, RunSummary, table_rows
+from loadgen.runner import RunOutcome, replay_with_progress, write_results
+from loadgen.sessions import derive_sessions
+from loadgen.traces import TraceRequest, read_mooncake
+
+logger = logging.getLogger(__name__)
+
+POLICIES: dict[str, dict[str, Any]] = {
+    "round_robin": {"name": "round_robin"},
+    "least_loaded": {"name": "least_loaded"},
+    "cache_aware": {"name": "cache_aware"},
+    "session_sticky+cache_aware": {"name": "session_sticky", "inner": {"name": "cache_aware"}},
+}
+"""The demo's runs: label -> gateway ``policy`` section."""
+
+DEFAULT_TRACE_CANDIDATES = ("../shared/traces/conversation_trace.jsonl", "shared/traces/conversation_trace.jsonl")
+"""Where the trace is looked for, relative to the repository root, when ``--trace`` is not given."""
+
+
+DEFAULT_MAX_REQUESTS = 400
+"""Requests in the default slice."""
+QUICK_MAX_REQUESTS = 150
+"""Requests in the ``--quick`` slice."""
+
+
+class DemoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """Settings of one demo run (from the command line)."""
+
+    trace: str
+    """The Mooncake ``conversation_trace.jsonl``."""
+    out: str = "out/demo"
+    """Directory for results, plots and process logs."""
+    num_workers: int = 4
+    """Sim workers in the fleet."""
+    start_s: float = 0.0
+    """Trace time where the slice starts, seconds."""
+    max_requests: int = DEFAULT_MAX_REQUESTS
+    """Requests in the slice."""
+    time_scale: float = 10.0
+    """Simulated seconds per wall second (workers run ``--time-scale 1/this``)."""
+    max_output_tokens: int = 16
+    """Cap on each request's output tokens."""
+    block_size: int = 16
+    """Tokens per KV block of the workers and the gateway."""
+    lru_target: float = 0.97
+    """Fleet sizing: one LRU with the fleet's capacity must reach this share of the ceiling."""
+    headroom: float = 1.25
+    """Fleet sizing: capacity multiplier for output tokens and running requests."""
+    num_cpu_blocks: int = 0
+    """CPU-tier blocks per worker."""
+    policies: tuple[str, ...] = tuple(POLICIES)
+    """Runs, by label (``POLICIES``)."""
+    request_timeout_s: float = 60.0
+    """Wall limit per request, seconds."""
+    startup_timeout_s: float = 60.0
+    """Wall limit for a process to answer its health endpoint, seconds."""
+    show_progress: bool = True
+    """Live progress bars."""
+    write_plots: bool = True
+    """Write the PNG plots."""
+
+
+class FleetSizing(msgspec.Struct, frozen=True):
+    """How the fleet was sized from the slice (all block counts in the workers' blocks unless named trace).
+
+    Attributes:
+        ceiling: the slice's infinite-cache bound.
+        fleet_lru: one LRU cache with the fleet's total capacity (without headroom), on the slice.
+        num_lru_trace_blocks: smallest single-LRU capacity reaching the target, in trace blocks.
+        num_gpu_blocks_per_worker: each worker's GPU blocks.
+        num_distinct_blocks: the slice's distinct blocks, in worker blocks.
+        worker_share_of_distinct: one worker's capacity ÷ the slice's distinct blocks.
+    """
+
+    ceiling: CacheBound
+    fleet_lru: CacheBound
+    num_lru_trace_blocks: int
+    num_gpu_blocks_per_worker: int
+    num_distinct_blocks: int
+    worker_share_of_distinct: float
+
+
+def size_fleet(requests: Sequence[TraceRequest], config: DemoConfig) -> FleetSizing:
+    """Size the workers from the slice (module docstring, step 2)."""
+    bound = ceiling(requests)
+    target = config.lru_target * bound.hit_ratio
+    lo, hi = 1, max(1, bound.num_distinct_blocks)
+    while lo < hi:  # smallest capacity whose LRU hit ratio reaches the target (LRU is a stack algorithm)
+        mid = (lo + hi) // 2
+        if lru_bound(requests, mid).hit_ratio >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    trace_block_size = requests[0].block_size
+    per_trace_block = math.ceil(trace_block_size / config.block_size)
+    max_prompt_blocks = max(math.ceil(r.num_prompt_tokens / config.block_size) for r in requests)
+    per_worker = math.ceil(lo * per_trace_block * config.headroom / config.num_workers)
+    per_worker = max(per_worker, 2 * max_prompt_blocks)
+    fleet_trace_blocks = per_worker * config.num_workers // per_trace_block
+    distinct = bound.num_distinct_blocks * per_trace_block
+    return FleetSizing(
+        ceiling=bound,
+        fleet_lru=lru_bound(requests, int(fleet_trace_blocks / config.headroom)),
+        num_lru_trace_blocks=lo,
+        num_gpu_blocks_per_worker=per_worker,
+        num_distinct_blocks=distinct,
+        worker_share_of_distinct=per_worker / distinct if distinct else 0.0,
+    )
+
+
+class AcceptanceCheck(msgspec.Struct, frozen=True):
+    """One acceptance criterion on the demo's results."""
+
+    name: str
+    value: float | None
+    limit: float
+    passed: bool
+
+
+def acceptance(summaries: Sequence[RunSummary]) -> list[AcceptanceCheck]:
+    """The issue's acceptance checks of ``cache_aware`` against ``round_robin`` (empty without both)."""
+    by = {s.policy: s for s in summaries}
+    ca, rr = by.get("cache_aware"), by.get("round_robin")
+    if ca is None or rr is None:
+        return []
+    checks: list[tuple[str, float | None, float, bool]] = []
+    frac = ca.hit_ratio / ca.ceiling_hit_ratio if ca.ceiling_hit_ratio else None
+    checks.append(("cache_aware hit ratio ÷ ceiling >= 0.9", frac, 0.9, frac is not None and frac >= 0.9))
+    rel = ca.hit_ratio / rr.hit_ratio if rr.hit_ratio else None
+    checks.append(("cache_aware ÷ round_robin hit ratio >= 1.5", rel, 1.5, rel is not None and rel >= 1.5))
+    ttft = ca.ttft_p50_s / rr.ttft_p50_s if ca.ttft_p50_s and rr.ttft_p50_s else None
+    checks.append(("cache_aware ÷ round_robin TTFT p50 <= 0.7", ttft, 0.7, ttft is not None and ttft <= 0.7))
+    imb = ca.load_imbalance
+    checks.append(("cache_aware load imbalance <= 1.3", imb, 1.3, imb is not None and imb <= 1.3))
+    mis = ca.cached_tokens_mismatch_ratio
+    checks.append(("cache_aware cached-tokens mismatch <= 1%", mis, 0.01, mis is not None and mis <= 0.01))
+    failed = sum(s.requests_failed for s in summaries)
+    checks.append(("no failed request (all runs)", float(failed), 0.0, failed == 0))
+    return [AcceptanceCheck(n, v, lim, ok) for n, v, lim, ok in checks]
+
+
+async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcome], FleetSizing]:
+    """Run the whole demo (module docstring); stops every process it started before returning or raising.
+
+    Raises:
+        LoadgenError: bad trace, a process that does not start, a failed cache reset.
+    """
+    raw = read_mooncake(config.trace, start_s=config.start_s, max_requests=config.max_requests)
+    if not raw:
+        raise LoadgenError(f"the slice of {config.trace} holds no requests")
+    requests = derive_sessions(raw)
+    sizing = size_fleet(requests, config)
+    console.print(
+        f"slice: {len(requests)} requests, {len({r.session_id for r in requests})} sessions, "
+        f"{requests[-1].arrival_s:.0f} s of trace, {sizing.ceiling.num_prompt_tokens} prompt tokens; "
+        f"ceiling hit ratio {sizing.ceiling.hit_ratio:.3f}"
+    )
+    console.print(
+        f"fleet: {config.num_workers} sim workers × {sizing.num_gpu_blocks_per_worker} GPU blocks of "
+        f"{config.block_size} tokens; one LRU of the fleet's capacity reaches {sizing.fleet_lru.hit_ratio:.3f} "
+        f"({sizing.fleet_lru.hit_ratio / max(sizing.ceiling.hit_ratio, 1e-12):.2f} of the ceiling); each worker "
+        f"holds {sizing.worker_share_of_distinct:.2f} of the slice's {sizing.num_distinct_blocks} distinct blocks"
+    )
+    out_dir = Path(config.out)
+    fleet = Fleet(out_dir / "logs", startup_timeout_s=config.startup_timeout_s)
+    prompts = PromptBuilder()
+    outcomes: list[RunOutcome] = []
+    try:
+        specs = [
+            WorkerSpec(
+                f"worker-{i}",
+                sizing.num_gpu_blocks_per_worker,
+                config.num_cpu_blocks,
+                config.block_size,
+                1.0 / config.time_scale,
+            )
+            for i in range(config.num_workers)
+        ]
+        fleet.start_workers(specs)
+        await fleet.wait_ready()
+        for label in config.policies:
+            await fleet.reset_caches()
+            fleet.start_gateway(POLICIES[label], config.block_size)
+            await fleet.wait_ready()
+            assert fleet.gateway is not None
+            replay = ReplayConfig(
+                url=fleet.gateway.url,
+                time_scale=config.time_scale,
+                max_output_tokens=config.max_output_tokens,
+                request_timeout_s=config.request_timeout_s,
+            )
+            outcome = await replay_with_progress(
+                requests,
+                replay,
+                prompts,
+                label=label,
+                workers=[s.worker_id for s in specs],
+                console=console,
+                show_progress=config.show_progress,
+            )
+            outcomes.append(outcome)
+            fleet.stop_gateway()
+    finally:
+        fleet.stop()
+    return outcomes, sizing
+
+
+def _print_results(console: Console, summaries: Sequence[RunSummary], checks: Sequence[AcceptanceCheck]) -> None:
+    table = Table(title="kvgate demo: one replay per routing policy (times in simulated seconds)")
+    for column in MARKDOWN_COLUMNS:
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for row in table_rows(summaries):
+        table.add_row(*row)
+    console.print(table)
+    if summaries:
+        console.print(f"ceiling hit ratio of the slice: {summaries[0].ceiling_hit_ratio:.3f}")
+    for c in checks:
+        value = "–" if c.value is None else f"{c.value:.3f}"
+        console.print(f"{'[green]PASS[/green]' if c.passed else '[red]FAIL[/red]'} {c.name}: {value}")
+
+
+def find_default_trace() -> str | None:
+    """The bundled trace next to the repository (``DEFAULT_TRACE_CANDIDATES``), or ``None``."""
+    root = Path(__file__).resolve().parent.parent
+    for candidate in DEFAULT_TRACE_CANDIDATES:
+        path = (root / candidate).resolve()
+        if path.is_file():
+            return str(path)
+    return None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvgate demo``."""
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    d = DemoConfig(trace="")
+    parser.add_argument(
+        "--trace", default=None, help="conversation_trace.jsonl (default: ../shared/traces/ next to the repository)"
+    )
+    parser.add_argument("--out", default=d.out, help="directory for results.json, results.md, plots and logs")
+    parser.add_argument("--quick", action="store_true", help="a smaller slice (under a minute)")
+    parser.add_argument("--num-workers", type=int, default=d.num_workers, help="sim workers")
+    parser.add_argument("--start-s", type=float, default=d.start_s, help="trace time where the slice starts (s)")
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        default=None,
+        help=f"requests in the slice (default {DEFAULT_MAX_REQUESTS}, --quick {QUICK_MAX_REQUESTS})",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=d.time_scale,
+        help="simulated seconds per wall second (sim workers and the replay)",
+    )
+    parser.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens, help="cap on output tokens")
+    parser.add_argument("--headroom", type=float, default=d.headroom, help="fleet capacity multiplier")
+    parser.add_argument("--num-cpu-blocks", type=int, default=d.num_cpu_blocks, help="CPU-tier blocks per worker")
+    parser.add_argument(
+        "--policies", default=",".join(d.policies), help="comma-separated runs, from: " + ", ".join(POLICIES)
+    )
+    parser.add_argument(
+        "--startup-timeout-s", type=float, default=d.startup_timeout_s, help="wall limit for a process to come up (s)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no live progress bars")
+    parser.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
+
+
+def _demo_config(args: argparse.Namespace) -> DemoConfig:
+    trace = args.trace or find_default_trace()
+    if trace is None:
+        raise LoadgenError("conversation_trace.jsonl not found next to the repository; pass --trace PATH")
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise LoadgenError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    max_requests = args.max_requests or (QUICK_MAX_REQUESTS if args.quick else DEFAULT_MAX_REQUESTS)
+    if args.num_workers < 1 or max_requests < 1 or args.time_scale <= 0 or args.max_output_tokens < 1:
+        raise LoadgenError("--num-workers, --max-requests, --time-scale and --max-output-tokens must be positive")
+    if args.headroom < 1.0:
+        raise LoadgenError("--headroom must be >= 1")
+    return DemoConfig(
+        trace=trace,
+        out=args.out,
+        num_workers=args.num_workers,
+        start_s=args.start_s,
+        max_requests=max_requests,
+        time_scale=args.time_scale,
+        max_output_tokens=args.max_output_tokens,
+        headroom=args.headroom,
+        num_cpu_blocks=args.num_cpu_blocks,
+        policies=policies,
+        startup_timeout_s=args.startup_timeout_s,
+        show_progress=not args.no_progress,
+        write_plots=not args.no_plots,
+    )
+
+
+def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def main(args: argparse.Namespace) -> int:
-    """Not wired yet."""
-    print("kvgate demo: not available yet")
-    return 2
+    """Run ``kvgate demo``: 0 when every request succeeded, 1 when some failed, 2 on bad input or startup
+    failure, 130 when interrupted (everything started is stopped in every case)."""
+    console = Console()
+    try:
+        config = _demo_config(args)
+    except LoadgenError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    t0 = time.monotonic()
+    try:
+        outcomes, sizing = asyncio.run(run_demo(config, console))
+    except LoadgenError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    except KeyboardInterrupt:
+        console.print("interrupted; every process the demo started was stopped")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    summaries = [o.summary for o in outcomes]
+    checks = acceptance(summaries)
+    _print_results(console, summaries, checks)
+    paths = write_results(
+        Path(config.out),
+        outcomes,
+        extra={"config": config, "sizing": sizing, "acceptance": checks, "wall_s": time.monotonic() - t0},
+        plots=config.write_plots,
+    )
+    console.print(f"wrote {', '.join(str(p) for p in paths)} in {time.monotonic() - t0:.0f} s")
+    return 0 if all(s.requests_failed == 0 for s in summaries) else 1

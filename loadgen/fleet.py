@@ -1,0 +1,241 @@
+"""Local processes for the demo: sim workers and the gateway on 127.0.0.1, each in its own process group.
+
+A ``Fleet`` starts ``kvgate worker --engine sim`` processes and one ``kvgate serve`` at a time, waits for their
+HTTP endpoints, resets the workers' prefix caches between runs, and stops everything it started: SIGTERM to the
+process group, then SIGKILL after a grace period. ``stop()`` is idempotent and safe to call from a ``finally``
+after Ctrl-C. Nothing here listens on anything but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import yaml
+
+from loadgen.errors import FleetError
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+
+
+class WorkerSpec(msgspec.Struct, frozen=True):
+    """How to start one sim worker.
+
+    Attributes:
+        worker_id: id in the gateway config.
+        num_gpu_blocks: GPU KV blocks.
+        num_cpu_blocks: CPU-tier blocks (0: none).
+        block_size: tokens per block.
+        time_scale: wall seconds per simulated second (the worker's ``--time-scale``).
+    """
+
+    worker_id: str
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    time_scale: float
+
+
+class ManagedProcess(msgspec.Struct):
+    """A started process: its name, HTTP base URL, log file and handle."""
+
+    name: str
+    url: str
+    log_path: Path
+    popen: Any
+    events_endpoint: str | None = None
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _kvgate_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "router.cli", *args]
+
+
+class Fleet:
+    """Sim workers plus a gateway, started and stopped as one.
+
+    Args:
+        log_dir: where each process's stdout/stderr goes (``<name>.log``).
+        model: the served model name.
+        startup_timeout_s: how long to wait for a process's HTTP endpoint.
+        reset_path: the worker endpoint that clears its prefix cache (POST).
+    """
+
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        model: str = "sim",
+        startup_timeout_s: float = 30.0,
+        reset_path: str = "/reset_prefix_cache",
+    ) -> None:
+        self._log_dir = log_dir
+        self._model = model
+        self._startup_timeout_s = startup_timeout_s
+        self._reset_path = reset_path
+        self.workers: list[ManagedProcess] = []
+        self.gateway: ManagedProcess | None = None
+
+    def _spawn(self, name: str, argv: list[str], url: str) -> ManagedProcess:
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self._log_dir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(  # noqa: S603 - our own console script, no shell
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # own process group: stopped as a group, spared the terminal's Ctrl-C
+                cwd=Path(__file__).resolve().parent.parent,
+            )
+        logger.info("started %s (pid %d): %s", name, popen.pid, " ".join(argv))
+        return ManagedProcess(name=name, url=url, log_path=log_path, popen=popen)
+
+    def start_workers(self, specs: Sequence[WorkerSpec], extra_args: Sequence[str] = ()) -> None:
+        """Start one sim worker per spec (not waiting; see ``wait_ready``)."""
+        for spec in specs:
+            port = free_port()
+            events_port = free_port()
+            argv = _kvgate_command(
+                "worker",
+                "--engine",
+                "sim",
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--kv-events-endpoint",
+                f"tcp://{HOST}:{events_port}",
+                "--num-gpu-blocks",
+                str(spec.num_gpu_blocks),
+                "--num-cpu-blocks",
+                str(spec.num_cpu_blocks),
+                "--block-size",
+                str(spec.block_size),
+                "--time-scale",
+                repr(spec.time_scale),
+                *extra_args,
+            )
+            proc = self._spawn(spec.worker_id, argv, f"http://{HOST}:{port}")
+            proc.events_endpoint = f"tcp://{HOST}:{events_port}"
+            self.workers.append(proc)
+
+    def gateway_config(self, policy: dict[str, Any], port: int, block_size: int) -> dict[str, Any]:
+        """The gateway YAML (as builtins) for the running workers and ``policy``."""
+        return {
+            "listen": {"host": HOST, "port": port},
+            "models": [{"name": self._model, "block_size": block_size}],
+            "workers": [
+                {"id": w.name, "url": w.url, "model": self._model, "events_endpoint": w.events_endpoint}
+                for w in self.workers
+            ],
+            "policy": policy,
+            "admin": {"disable_auth": True},
+        }
+
+    def start_gateway(self, policy: dict[str, Any], block_size: int) -> ManagedProcess:
+        """Write the gateway config for ``policy`` and start ``kvgate serve`` (stopping a previous gateway)."""
+        self.stop_gateway()
+        port = free_port()
+        config_path = self._log_dir / f"gateway-{policy.get('name', 'policy')}.yaml"
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(yaml.safe_dump(self.gateway_config(policy, port, block_size), sort_keys=False))
+        self.gateway = self._spawn(
+            "gateway", _kvgate_command("serve", "--config", str(config_path)), f"http://{HOST}:{port}"
+        )
+        return self.gateway
+
+    async def _wait_http(self, session: aiohttp.ClientSession, proc: ManagedProcess, path: str) -> None:
+        deadline = time.monotonic() + self._startup_timeout_s
+        last_error = "no answer"
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise FleetError(
+                    f"exited with status {proc.popen.returncode} during startup; see {proc.log_path}", name=proc.name
+                )
+            try:
+                async with session.get(proc.url + path, timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                    if resp.status == 200:
+                        return
+                    last_error = f"HTTP {resp.status}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                last_error = type(exc).__name__
+            await asyncio.sleep(0.2)
+        raise FleetError(
+            f"not ready after {self._startup_timeout_s} s ({last_error}); see {proc.log_path}", name=proc.name
+        )
+
+    async def wait_ready(self) -> None:
+        """Wait until every worker answers ``/health`` and the gateway (if started) answers ``/ready``.
+
+        Raises:
+            FleetError: a process exited or did not answer in time.
+        """
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(self._wait_http(session, w, "/health") for w in self.workers))
+            if self.gateway is not None:
+                await self._wait_http(session, self.gateway, "/ready")
+
+    async def reset_caches(self) -> None:
+        """Clear every worker's prefix cache (POST ``reset_path``).
+
+        Raises:
+            FleetError: a worker refused or could not be reached.
+        """
+        async with aiohttp.ClientSession() as session:
+            for w in self.workers:
+                try:
+                    async with session.post(w.url + self._reset_path, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                        if resp.status != 200:
+                            raise FleetError(f"cache reset answered HTTP {resp.status}", name=w.name)
+                except aiohttp.ClientError as exc:
+                    raise FleetError(f"cache reset failed: {exc}", name=w.name) from exc
+
+    @staticmethod
+    def _stop(proc: ManagedProcess, grace_s: float = 5.0) -> None:
+        popen = proc.popen
+        if popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(popen.pid, signal.SIGTERM)
+        try:
+            popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop within %.1f s; killing", proc.name, grace_s)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait(timeout=grace_s)
+
+    def stop_gateway(self) -> None:
+        """Stop the gateway if one runs."""
+        if self.gateway is not None:
+            self._stop(self.gateway)
+            self.gateway = None
+
+    def stop(self) -> None:
+        """Stop everything this fleet started (idempotent)."""
+        self.stop_gateway()
+        for w in self.workers:
+            self._stop(w)
+        self.workers = []
