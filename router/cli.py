@@ -15,6 +15,7 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     # (name, module, one-line help)
     ("serve", "router.serve", "Run the cache-aware gateway (OpenAI API) from a YAML config."),
     ("loadgen", "loadgen.cli", "Replay a trace against an OpenAI-compatible endpoint and report."),
+    ("worker", "workers.cli", "Run a reference worker (OpenAI API, paged KV manager, KV events; sim engine)."),
     ("demo", "loadgen.demo", "Sim workers + gateway on 127.0.0.1, one trace replay per routing policy."),
 )
 

@@ -1,0 +1,578 @@
+"""The worker's HTTP server (aiohttp): OpenAI API plus the endpoints the gateway uses.
+
+Endpoints::
+
+    POST /v1/completions, /v1/chat/completions   OpenAI, streaming (SSE) or not
+    GET  /v1/models                               the served model
+    POST /tokenize                                {"prompt": str | [ids]} or {"messages": [...]} -> {"tokens", "count"}
+    GET  /health                                  200 while the engine loop runs
+    GET  /metrics                                 Prometheus text (a registry per app)
+    GET  /load                                    JSON: running/waiting requests, KV usage, free blocks per tier,
+                                                  start id (random per process start: a change means a restart)
+    GET  /kv/snapshot                             the cached blocks as one KV event batch (see below)
+    POST /reset_prefix_cache                      drop every cached block (409 while requests hold blocks)
+
+SSE framing (as vLLM): each chunk is ``data: <json>\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``. With
+``stream_options.include_usage`` a last chunk with ``"choices": []`` carries ``usage``, and earlier chunks carry
+``"usage": null``.
+
+``usage.prompt_tokens_details.cached_tokens``: prompt tokens served from any KV tier at admission, following
+vLLM's rule ``block_size * min(hit_blocks, (prompt_tokens - 1) // block_size)`` (``workers.kv.manager``).
+
+Snapshot: the body is an ``events/encode.py`` batch (msgpack, vLLM wire shape, decodable by ``events/decode.py``)
+holding ``AllBlocksCleared`` then ``BlockStored`` runs for the GPU tier then the CPU tier, parents first. Headers:
+``x-kvgate-last-seq`` is the seq of the last batch published on the live stream *before* the snapshot was taken
+(-1: none yet), ``x-kvgate-start-id`` the worker's start id. A subscriber splices: apply the snapshot, then apply
+live batches with ``seq > last_seq`` (drop those ``<= last_seq``; replay ``last_seq + 1 ..`` if it missed any).
+
+Errors are OpenAI JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input, 404 for an
+unknown model. A client that disconnects cancels its handler (``handler_cancellation``) and the request's
+blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+import prometheus_client
+from aiohttp import web
+
+from events.encode import BatchEncoder
+from events.publisher import KVEventPublisher, PublisherConfig
+from workers.config import WorkerConfig
+from workers.core import EngineCore, RequestStream
+from workers.engines.base import SamplingParams
+from workers.engines.sim import SimEngine
+from workers.errors import ContextLengthError, InvalidRequestError
+from workers.kv.manager import KVCacheManager
+from workers.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    IncrementalDetokenizer,
+    SamplingFields,
+    TokenizeRequest,
+    decode_request,
+    error_body,
+    stop_strings,
+    validate_sampling,
+)
+from workers.scheduler import Request, Scheduler
+from workers.tokenization import (
+    ByteTokenizer,
+    ChatTemplate,
+    Tokenizer,
+    check_template,
+    encode_chat,
+    encode_prompt,
+    load_tokenizer,
+    normalize_messages,
+)
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_TEXT = " the of and to a in is it you that he was for on are with as I his they be at one have this from"
+
+
+class WorkerMetrics:
+    """Prometheus metrics of one worker, in their own registry."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.registry = prometheus_client.CollectorRegistry(auto_describe=True)
+        labels = ["worker_id"]
+        r = self.registry
+        self.requests = prometheus_client.Counter(
+            "kvgate_worker_requests", "Finished requests", [*labels, "finish_reason"], registry=r
+        )
+        self.prompt_tokens = prometheus_client.Counter(
+            "kvgate_worker_prompt_tokens", "Prompt tokens", labels, registry=r
+        )
+        self.cached_tokens = prometheus_client.Counter(
+            "kvgate_worker_cached_prompt_tokens", "Prompt tokens served from any KV tier", labels, registry=r
+        )
+        self.generation_tokens = prometheus_client.Counter(
+            "kvgate_worker_generation_tokens", "Generated tokens", labels, registry=r
+        )
+        self.bad_requests = prometheus_client.Counter(
+            "kvgate_worker_bad_requests", "Requests refused with 4xx", labels, registry=r
+        )
+        self.running = prometheus_client.Gauge("kvgate_worker_running_requests", "Running", labels, registry=r)
+        self.waiting = prometheus_client.Gauge("kvgate_worker_waiting_requests", "Waiting", labels, registry=r)
+        self.kv_usage = prometheus_client.Gauge(
+            "kvgate_worker_kv_usage", "GPU KV blocks in use, 0..1", labels, registry=r
+        )
+        self.free_blocks = prometheus_client.Gauge(
+            "kvgate_worker_free_blocks", "Free blocks per tier", [*labels, "medium"], registry=r
+        )
+        self.evicted_blocks = prometheus_client.Gauge(
+            "kvgate_worker_gpu_evicted_blocks", "GPU blocks evicted since start", labels, registry=r
+        )
+        self.restored_blocks = prometheus_client.Gauge(
+            "kvgate_worker_restored_blocks", "Blocks restored from CPU since start", labels, registry=r
+        )
+        self.preemptions = prometheus_client.Gauge(
+            "kvgate_worker_preemptions", "Preemptions since start", labels, registry=r
+        )
+        self.worker_id = worker_id
+
+
+class Worker:
+    """Everything one worker process runs, built from its config (``build_worker``)."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        core: EngineCore,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.template = template
+        self.core = core
+        self.start_id = uuid.uuid4().hex
+        self.metrics = WorkerMetrics(config.worker_id)
+        self.encoder = BatchEncoder("vllm")
+        self._next_id = 0
+
+    def next_request_id(self, prefix: str) -> str:
+        """A request id unique within the process."""
+        self._next_id += 1
+        return f"{prefix}-{self.start_id[:8]}-{self._next_id}"
+
+
+WORKER_KEY = web.AppKey("worker", Worker)
+
+
+def build_worker(config: WorkerConfig, publisher: KVEventPublisher | None = None) -> Worker:
+    """Build the tokenizer, KV manager, scheduler and engine of ``config`` (sim engine).
+
+    Raises:
+        TokenizerLoadError: the tokenizer cannot be loaded.
+        ConfigError: an engine this build cannot run.
+    """
+    tokenizer, template = load_tokenizer(config.tokenizer)
+    check_template(tokenizer, template)
+    kv = KVCacheManager(config.kv_cache)
+    scheduler = Scheduler(config.scheduler, kv, tokenizer.eos_token_id)
+    if isinstance(tokenizer, ByteTokenizer):
+        vocab = list(b"abcdefghijklmnopqrstuvwxyz ")
+    else:
+        vocab = sorted(set(tokenizer.encode(SAMPLE_TEXT))) or [0]
+    if config.engine != "sim":
+        from workers.errors import ConfigError
+
+        raise ConfigError(f"engine {config.engine!r} is not available in this build")
+    engine = SimEngine(config.timing, config.kv_cache.block_size, vocab, tokenizer.eos_token_id)
+    core = EngineCore(scheduler, engine, publisher, config.time_scale)
+    return Worker(config, tokenizer, template, core)
+
+
+# helpers ---------------------------------------------------------------------------------------------------------
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(data), status=status, content_type="application/json")
+
+
+def _error(
+    worker: Worker, status: int, message: str, param: str | None = None, code: str | None = None
+) -> web.Response:
+    worker.metrics.bad_requests.labels(worker.config.worker_id).inc()
+    err_type = "invalid_request_error" if status == 400 else "not_found_error" if status == 404 else "error"
+    return _json(error_body(message, err_type, param, code), status)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn ``InvalidRequestError`` into OpenAI error JSON (400)."""
+    worker = request.app[WORKER_KEY]
+    try:
+        return await handler(request)
+    except InvalidRequestError as exc:
+        return _error(worker, 400, exc.message, exc.param, exc.code)
+
+
+def _check_model(worker: Worker, model: str | None) -> web.Response | None:
+    if model is not None and model != worker.config.model:
+        return _error(worker, 404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    return None
+
+
+def _make_request(
+    worker: Worker, request_id: str, prompt_ids: list[int], req: SamplingFields, max_tokens: int | None
+) -> Request:
+    """Validate limits and build the scheduler request.
+
+    Raises:
+        InvalidRequestError: empty prompt, bad ``max_tokens``, over the context limit.
+    """
+    validate_sampling(req)
+    sched = worker.config.scheduler
+    if not prompt_ids:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    if max_tokens is not None and max_tokens <= 0:
+        raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+    n = len(prompt_ids)
+    if n >= sched.max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {sched.max_model_len} tokens; the prompt has {n} tokens.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and n + max_tokens > sched.max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {sched.max_model_len} tokens; {n} prompt tokens plus "
+            f"max_tokens {max_tokens} exceed it.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    kvc = worker.config.kv_cache
+    if -(-(n + 1) // kvc.block_size) > kvc.num_gpu_blocks:
+        raise ContextLengthError(
+            f"the prompt needs more KV blocks than the worker has ({kvc.num_gpu_blocks})", param="prompt"
+        )
+    limit = max_tokens if max_tokens is not None else min(sched.default_max_tokens, sched.max_model_len - n)
+    stop_ids = frozenset(req.stop_token_ids or ())
+    vocab = worker.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in stop_ids):
+        raise InvalidRequestError("stop_token_ids out of range", param="stop_token_ids")
+    seed = req.seed if req.seed is not None else worker.config.timing.seed
+    sampling = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        seed=seed,
+    )
+    return Request(
+        request_id,
+        prompt_ids,
+        limit,
+        sampling,
+        ignore_eos=req.ignore_eos,
+        stop_token_ids=stop_ids,
+        cache_salt=req.cache_salt,
+    )
+
+
+def _usage(req: Request) -> dict[str, Any]:
+    completion = req.num_output_tokens
+    return {
+        "prompt_tokens": req.num_prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": req.num_prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": req.num_cached_tokens or 0},
+    }
+
+
+async def _generate(
+    worker: Worker,
+    http_request: web.Request,
+    req: Request,
+    body: SamplingFields,
+    is_chat: bool,
+) -> web.StreamResponse:
+    core = worker.core
+    stream = core.add_request(req)
+    detok = IncrementalDetokenizer(worker.tokenizer, stop_strings(body.stop))
+    created = int(time.time())
+    model = worker.config.model
+    rid = req.request_id
+    finished = False
+    try:
+        if body.stream:
+            return await _stream_response(worker, http_request, stream, detok, body, is_chat, created)
+        text_parts: list[str] = []
+        finish_reason = "abort"
+        while True:
+            out = await stream.queue.get()
+            done = out.finish_reason is not None
+            text_parts.append(detok.add(out.new_token_ids, done))
+            if detok.stopped and not done:
+                core.finish_request(rid, "stop")
+                done, out.finish_reason = True, "stop"
+            if done:
+                finish_reason = out.finish_reason or "stop"
+                break
+        finished = True
+        _record(worker, req, finish_reason)
+        text = "".join(text_parts)
+        if is_chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            obj = "text_completion"
+        return _json(
+            {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": _usage(req)}
+        )
+    finally:
+        if not finished:
+            core.finish_request(rid, "abort")
+
+
+def _record(worker: Worker, req: Request, finish_reason: str) -> None:
+    m, wid = worker.metrics, worker.config.worker_id
+    m.requests.labels(wid, finish_reason).inc()
+    m.prompt_tokens.labels(wid).inc(req.num_prompt_tokens)
+    m.cached_tokens.labels(wid).inc(req.num_cached_tokens or 0)
+    m.generation_tokens.labels(wid).inc(req.num_output_tokens)
+
+
+async def _stream_response(
+    worker: Worker,
+    http_request: web.Request,
+    stream: RequestStream,
+    detok: IncrementalDetokenizer,
+    body: SamplingFields,
+    is_chat: bool,
+    created: int,
+) -> web.StreamResponse:
+    req = stream.request
+    rid = req.request_id
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(http_request)
+    base: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk" if is_chat else "text_completion",
+        "created": created,
+        "model": worker.config.model,
+    }
+    enc = msgspec.json.encode
+
+    def chunk(delta_text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
+        if is_chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if delta_text is not None:
+                delta["content"] = delta_text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish_reason}
+        payload = {**base, "choices": [choice]}
+        if include_usage:
+            payload["usage"] = None
+        return b"data: " + enc(payload) + b"\n\n"
+
+    if is_chat:
+        await resp.write(chunk("", None, role=True))
+    while True:
+        out = await stream.queue.get()
+        done = out.finish_reason is not None
+        text = detok.add(out.new_token_ids, done)
+        if detok.stopped and not done:
+            worker.core.finish_request(rid, "stop")
+            done, out.finish_reason = True, "stop"
+        if text and not done:
+            await resp.write(chunk(text, None))
+        if done:
+            if text:
+                await resp.write(chunk(text, None))
+            await resp.write(chunk(None if is_chat else "", out.finish_reason))
+            _record(worker, req, out.finish_reason or "stop")
+            break
+    if include_usage:
+        await resp.write(b"data: " + enc({**base, "choices": [], "usage": _usage(req)}) + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+# handlers --------------------------------------------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``."""
+    worker = request.app[WORKER_KEY]
+    body = decode_request(await request.read(), CompletionRequest)
+    if (bad := _check_model(worker, body.model)) is not None:
+        return bad
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        elif not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt must be a string, a list of token ids, or one string", param="prompt")
+    ids = encode_prompt(worker.tokenizer, prompt)
+    req = _make_request(worker, worker.next_request_id("cmpl"), ids, body, body.max_tokens)
+    return await _generate(worker, request, req, body, is_chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``."""
+    worker = request.app[WORKER_KEY]
+    body = decode_request(await request.read(), ChatCompletionRequest)
+    if (bad := _check_model(worker, body.model)) is not None:
+        return bad
+    messages = normalize_messages(body.messages)
+    ids = encode_chat(worker.tokenizer, worker.template, messages, body.add_generation_prompt)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    req = _make_request(worker, worker.next_request_id("chatcmpl"), ids, body, max_tokens)
+    return await _generate(worker, request, req, body, is_chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models``."""
+    worker = request.app[WORKER_KEY]
+    entry = {
+        "id": worker.config.model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "kvgate",
+        "root": worker.config.model,
+        "max_model_len": worker.config.scheduler.max_model_len,
+    }
+    return _json({"object": "list", "data": [entry]})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """``POST /tokenize``: the exact prompt tokens the worker would use."""
+    worker = request.app[WORKER_KEY]
+    body = decode_request(await request.read(), TokenizeRequest)
+    if (bad := _check_model(worker, body.model)) is not None:
+        return bad
+    if body.messages is not None:
+        ids = encode_chat(
+            worker.tokenizer, worker.template, normalize_messages(body.messages), body.add_generation_prompt
+        )
+    elif body.prompt is not None:
+        if isinstance(body.prompt, list) and not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in body.prompt
+        ):
+            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        ids = encode_prompt(worker.tokenizer, body.prompt)
+    else:
+        raise InvalidRequestError("give 'prompt' or 'messages'", param="prompt")
+    return _json({"tokens": ids, "count": len(ids), "max_model_len": worker.config.scheduler.max_model_len})
+
+
+async def health(request: web.Request) -> web.Response:
+    """``GET /health``: 200 while the engine loop runs, 503 otherwise."""
+    task = request.app.get(LOOP_KEY)
+    if task is None or task.done():
+        return web.Response(status=503)
+    return web.Response(status=200)
+
+
+def load_info(worker: Worker) -> dict[str, Any]:
+    """The load endpoint's JSON (also used by the bench)."""
+    core = worker.core
+    kv = core.kv
+    total = {"GPU": kv.gpu.num_blocks}
+    if kv.cpu is not None:
+        total["CPU"] = kv.cpu.num_blocks
+    return {
+        "worker_id": worker.config.worker_id,
+        "model": worker.config.model,
+        "start_id": worker.start_id,
+        "num_running_requests": core.scheduler.num_running,
+        "num_waiting_requests": core.scheduler.num_waiting,
+        "kv_usage": kv.gpu.usage,
+        "num_free_blocks": kv.free_blocks_by_medium(),
+        "num_total_blocks": total,
+        "num_gpu_cached_blocks": kv.gpu.num_cached_blocks,
+        "block_size": kv.block_size,
+        "last_event_seq": core.last_published_seq,
+    }
+
+
+async def load(request: web.Request) -> web.Response:
+    """``GET /load``."""
+    return _json(load_info(request.app[WORKER_KEY]))
+
+
+async def snapshot(request: web.Request) -> web.Response:
+    """``GET /kv/snapshot`` (module docstring)."""
+    worker = request.app[WORKER_KEY]
+    core = worker.core
+    core.flush_events()
+    events = core.kv.snapshot_events()
+    body = worker.encoder.encode(events, time.time(), 0)
+    headers = {
+        "x-kvgate-last-seq": str(core.last_published_seq),
+        "x-kvgate-start-id": worker.start_id,
+        "x-kvgate-block-size": str(core.kv.block_size),
+    }
+    return web.Response(body=body, content_type="application/msgpack", headers=headers)
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """``POST /reset_prefix_cache``: 200 when cleared, 409 while requests hold blocks."""
+    worker = request.app[WORKER_KEY]
+    if not worker.core.kv.reset_prefix_cache():
+        return _json(error_body("requests are using KV blocks; retry when idle", "conflict", None, None), 409)
+    worker.core.flush_events()
+    return _json({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics`` (Prometheus text format)."""
+    worker = request.app[WORKER_KEY]
+    m, wid, core = worker.metrics, worker.config.worker_id, worker.core
+    m.running.labels(wid).set(core.scheduler.num_running)
+    m.waiting.labels(wid).set(core.scheduler.num_waiting)
+    m.kv_usage.labels(wid).set(core.kv.gpu.usage)
+    for medium, n in core.kv.free_blocks_by_medium().items():
+        m.free_blocks.labels(wid, medium).set(n)
+    m.evicted_blocks.labels(wid).set(core.kv.gpu.num_evicted_blocks)
+    m.restored_blocks.labels(wid).set(core.kv.num_restored_blocks)
+    m.preemptions.labels(wid).set(core.scheduler.num_preemptions)
+    return web.Response(
+        body=prometheus_client.generate_latest(m.registry),
+        headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST},
+    )
+
+
+LOOP_KEY = web.AppKey("engine_loop", asyncio.Task[None])
+
+
+async def _engine_loop_ctx(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(app[WORKER_KEY].core.run(), name="engine-loop")
+    app[LOOP_KEY] = task
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def build_app(worker: Worker) -> web.Application:
+    """The aiohttp app of ``worker``; the engine loop starts and stops with the app."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
+    app[WORKER_KEY] = worker
+    app.cleanup_ctx.append(_engine_loop_ctx)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/load", load)
+    app.router.add_get("/kv/snapshot", snapshot)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    return app
+
+
+def make_publisher(config: WorkerConfig) -> KVEventPublisher | None:
+    """The KV event publisher of ``config``, or ``None`` without an endpoint."""
+    if config.kv_events_endpoint is None:
+        return None
+    return KVEventPublisher(
+        PublisherConfig(
+            endpoint=config.kv_events_endpoint, replay_endpoint=config.replay_endpoint, topic=config.kv_events_topic
+        )
+    )
