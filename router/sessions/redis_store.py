@@ -43,6 +43,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from router.sessions import redis_scripts as scripts
@@ -139,7 +140,9 @@ class RedisSessionStore:
         self._index_key = scripts.index_key_name(config.key_prefix)
         self._channel = scripts.channel_name(config.key_prefix)
         kwargs: dict[str, Any] = {
-            "socket_timeout": config.command_timeout_s,
+            # Timeouts are applied per call with asyncio.timeout (below): redis-py's own socket_timeout wraps every
+            # write in asyncio.wait_for, a task per command, which costs more than the round trip itself.
+            "socket_timeout": None,
             "socket_connect_timeout": config.connect_timeout_s,
             "retry": Retry(NoBackoff(), 0),
             "max_connections": config.max_connections,
@@ -188,6 +191,15 @@ class RedisSessionStore:
         """True when the local cache is configured and its invalidation subscription is live."""
         return self._config.enable_local_cache and self._is_subscribed
 
+    async def _call(self, script: AsyncScript, keys: list[str], args: list[str | int]) -> Any:
+        """Run one script, bounded by ``command_timeout_s``. Raises RedisError or OSError (TimeoutError)."""
+        async with asyncio.timeout(self._config.command_timeout_s):
+            return await script(keys=keys, args=args)
+
+    async def _ping(self) -> None:
+        async with asyncio.timeout(self._config.command_timeout_s):
+            await self._client.ping()
+
     # -- failure handling ---------------------------------------------------------------------------------------
 
     def _translate(self, exc: BaseException) -> SessionBackendError:
@@ -223,7 +235,7 @@ class RedisSessionStore:
         while True:
             await asyncio.sleep(self._config.reconnect_interval_s)
             try:
-                await self._client.ping()
+                await self._ping()
                 num_written = await self._converge()
             except (RedisError, OSError) as exc:
                 self._num_backend_errors_total += 1
@@ -249,7 +261,8 @@ class RedisSessionStore:
                 break
             for start in range(0, len(pending), _WRITE_BACK_BATCH):
                 batch = pending[start:start + _WRITE_BACK_BATCH]
-                async with self._client.pipeline(transaction=False) as pipe:
+                async with (asyncio.timeout(self._config.command_timeout_s * 4),
+                            self._client.pipeline(transaction=False) as pipe):
                     for session_key, worker_id in batch:
                         await self._claim_script(
                             keys=[scripts.session_key_name(self._prefix, session_key), self._index_key],
@@ -326,7 +339,7 @@ class RedisSessionStore:
             self._listener_task = asyncio.get_running_loop().create_task(self._listen_loop())
         if not self._is_degraded:
             try:
-                await self._client.ping()
+                await self._ping()
             except (RedisError, OSError) as exc:
                 self._on_backend_error(exc)
 
@@ -353,9 +366,9 @@ class RedisSessionStore:
                 return SessionEntry(session_key, cached[0], cached[1], False)
         seq = self._invalidation_seq
         try:
-            owner_raw, last_ms, is_new = await self._claim_script(
-                keys=[scripts.session_key_name(self._prefix, session_key), self._index_key],
-                args=[proposed_worker_id, self._idle_ms, "1" if needs_refresh else "0", session_key, self._prefix])
+            owner_raw, last_ms, is_new = await self._call(
+                self._claim_script, [scripts.session_key_name(self._prefix, session_key), self._index_key],
+                [proposed_worker_id, self._idle_ms, "1" if needs_refresh else "0", session_key, self._prefix])
         except (RedisError, OSError) as exc:
             self._on_backend_error(exc)
             return self._fallback_claim(session_key, proposed_worker_id)
@@ -389,10 +402,9 @@ class RedisSessionStore:
             raise ValueError("session_key, expected_worker_id and new_worker_id must be non-empty strings")
         if not self._is_degraded:
             try:
-                is_moved = bool(await self._move_script(
-                    keys=[scripts.session_key_name(self._prefix, session_key), self._index_key],
-                    args=[expected_worker_id, new_worker_id, self._idle_ms, session_key, self._prefix,
-                          self._channel]))
+                is_moved = bool(await self._call(
+                    self._move_script, [scripts.session_key_name(self._prefix, session_key), self._index_key],
+                    [expected_worker_id, new_worker_id, self._idle_ms, session_key, self._prefix, self._channel]))
             except (RedisError, OSError) as exc:
                 self._on_backend_error(exc)
             else:
@@ -420,9 +432,9 @@ class RedisSessionStore:
             self._num_dropped_total += int(is_local)
             return is_local
         try:
-            existed = bool(await self._drop_script(
-                keys=[scripts.session_key_name(self._prefix, session_key), self._index_key],
-                args=[session_key, self._prefix, self._channel]))
+            existed = bool(await self._call(
+                self._drop_script, [scripts.session_key_name(self._prefix, session_key), self._index_key],
+                [session_key, self._prefix, self._channel]))
         except (RedisError, OSError) as exc:
             self._on_backend_error(exc)
             existed = False
@@ -431,9 +443,9 @@ class RedisSessionStore:
         return existed
 
     async def _run_drop_worker(self, worker_id: str) -> int:
-        return int(await self._drop_worker_script(
-            keys=[scripts.worker_key_name(self._prefix, worker_id), self._index_key],
-            args=[worker_id, self._prefix, self._channel]))
+        return int(await self._call(
+            self._drop_worker_script, [scripts.worker_key_name(self._prefix, worker_id), self._index_key],
+            [worker_id, self._prefix, self._channel]))
 
     async def drop_worker(self, worker_id: str) -> int:
         """Forget every session of ``worker_id`` on every replica (replayed on Redis if it is down now)."""
@@ -458,8 +470,8 @@ class RedisSessionStore:
             raise ValueError(f"limit must be >= 0, got {limit!r}")
         if not self._is_degraded:
             try:
-                flat: Sequence[Any] = await self._list_script(keys=[self._index_key],
-                                                               args=[limit, self._idle_ms, self._prefix])
+                flat: Sequence[Any] = await self._call(self._list_script, [self._index_key],
+                                                       [limit, self._idle_ms, self._prefix])
             except (RedisError, OSError) as exc:
                 self._on_backend_error(exc)
             else:
@@ -471,7 +483,7 @@ class RedisSessionStore:
         """Live sessions of every replica (this replica's own while degraded)."""
         if not self._is_degraded:
             try:
-                return int(await self._count_script(keys=[self._index_key], args=[self._idle_ms]))
+                return int(await self._call(self._count_script, [self._index_key], [self._idle_ms]))
             except (RedisError, OSError) as exc:
                 self._on_backend_error(exc)
         return self._fallback.num_sessions_sync()
