@@ -90,30 +90,61 @@ class CacheAwarePolicy:
         candidates = eligible_workers(snapshot)
         if not candidates:
             return no_worker_decision(snapshot)
-        num_prompt_tokens = view.num_prompt_tokens
-        work_s = self.cost_model.work_s
-        overhead_s = self.cost_model.overhead_s
-        calibrator = self.calibrator
+        # The cost model's formula (TTFTCostModel.work_s), inlined: this loop is the hot path.
+        model = self.cost_model
+        n = view.num_prompt_tokens
+        n_sq = n * n
+        s_per_token, s_per_token_sq = model.s_per_token, model.s_per_token_sq
+        host_s_per_token, pool_s_per_token = model.host_s_per_token, model.pool_s_per_token
+        per_waiting_s, per_running_s, overhead_s = (
+            model.per_waiting_request_s,
+            model.per_running_request_s,
+            model.overhead_s,
+        )
+        config = self.config
+        max_running = config.max_running_requests
+        max_kv_usage = config.max_kv_usage
+        max_pending = config.max_pending_prefill_tokens
+        has_thresholds = max_running is not None or max_kv_usage is not None or max_pending is not None
+        factors = self.calibrator.log_speed_factors_view() if self.calibrator is not None else None
         scores: dict[str, float] = {}
-        competing: list[tuple[int, int, int, int, WorkerState]] = []
-        saturated: list[tuple[int, int, int, int, WorkerState]] = []
-        for index, worker in enumerate(candidates):
-            factor = 1.0 if calibrator is None else calibrator.speed_factor(worker.worker_id)
-            score = overhead_s + factor * work_s(worker, num_prompt_tokens)
-            scores[worker.worker_id] = score
-            key = (
-                round(score * _SCORE_RESOLUTION_PER_S),
-                -worker.num_gpu_cached_tokens,
-                worker.num_running_requests,
-                index,
-                worker,
+        competing: list[tuple[int, int, int, int]] = []
+        saturated: list[tuple[int, int, int, int]] = []
+        for index, w in enumerate(candidates):
+            k_gpu = w.num_gpu_cached_tokens
+            if k_gpu > n:
+                k_gpu = n
+            k_cpu = w.num_cpu_cached_tokens
+            if k_cpu > n - k_gpu:
+                k_cpu = n - k_gpu
+            k_pool = w.num_pool_cached_tokens
+            if k_pool > n - k_gpu - k_cpu:
+                k_pool = n - k_gpu - k_cpu
+            k = k_gpu + k_cpu + k_pool
+            work = (
+                (w.num_pending_prefill_tokens + n - k) * s_per_token
+                + w.num_waiting_requests * per_waiting_s
+                + w.num_running_requests * per_running_s
+                + (n_sq - k * k) * s_per_token_sq
+                + k_cpu * host_s_per_token
+                + k_pool * pool_s_per_token
             )
-            (saturated if self.is_saturated(worker) else competing).append(key)
+            if factors is not None:
+                log_factor = factors.get(w.worker_id)
+                if log_factor is not None:
+                    work *= math.exp(log_factor)
+            score = overhead_s + work
+            scores[w.worker_id] = score
+            key = (round(score * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, w.num_running_requests, index)
+            if has_thresholds and self.is_saturated(w):
+                saturated.append(key)
+            else:
+                competing.append(key)
         suffix = ""
         if not competing:
             competing, suffix = saturated, "_all_saturated"
-        competing.sort(key=_sort_key)
-        ranked = [entry[4] for entry in competing]
+        competing.sort()
+        ranked = [candidates[key[3]] for key in competing]
         reason = "min_ttft"
         if self.config.temperature > 0.0 and len(ranked) > 1:
             pick = self._softmax_index([scores[w.worker_id] for w in ranked])
@@ -144,8 +175,3 @@ class CacheAwarePolicy:
             if threshold < cumulative:
                 return i
         return len(weights) - 1
-
-
-def _sort_key(entry: tuple[int, int, int, int, WorkerState]) -> tuple[int, int, int, int]:
-    """Tie-break order: rounded score, more GPU-cached tokens, fewer running requests, configuration order."""
-    return entry[0], entry[1], entry[2], entry[3]

@@ -13,6 +13,10 @@ ids (not on their order), so an unhealthy or draining worker's keys move to thei
 back when it recovers, and adding or removing one worker of N moves about 1/N of the keys. Hashes are xxh3
 (stable across processes; never Python's ``hash()``).
 
+Ranking (retries): the first ``NUM_RING_FALLBACKS`` distinct eligible workers clockwise (where the key would
+go if the ones before it failed), then the other candidates in configuration order; walking the whole ring for
+a full clockwise order would cost a coupon-collector's ~N ln N steps per request for little use.
+
 Requests without a session key fall back to ``least_loaded`` (reason ``"no_session_key"``).
 """
 
@@ -30,7 +34,10 @@ from policies.config import ConsistentHashConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ConsistentHashPolicy", "HashRing", "key_hash"]
+__all__ = ["NUM_RING_FALLBACKS", "ConsistentHashPolicy", "HashRing", "key_hash"]
+
+NUM_RING_FALLBACKS = 4
+"""Ranking entries taken from the ring walk; the rest of the ranking follows configuration order."""
 
 
 def key_hash(session_key: str) -> int:
@@ -64,20 +71,24 @@ class HashRing:
         self.points: list[int] = [p for p, _ in pairs]
         self.owners: list[str] = [w for _, w in pairs]
 
-    def walk(self, position: int, eligible: set[str]) -> list[str]:
+    def walk(self, position: int, eligible: set[str], max_num_workers: int | None = None) -> list[str]:
         """Distinct ``eligible`` workers clockwise from ``position``, nearest first.
 
         Args:
             position: a ring position in [0, 2**64).
             eligible: worker ids that may be returned (others are skipped).
+            max_num_workers: stop after this many (``None``: all).
 
         Returns:
-            Every eligible worker on the ring, in clockwise order from ``position``; empty if none is on it.
+            Eligible workers on the ring in clockwise order from ``position`` (at most ``max_num_workers``);
+            empty if none is on it.
         """
         num_points = len(self.points)
         if num_points == 0:
             return []
         wanted = len(eligible & self.worker_ids)
+        if max_num_workers is not None:
+            wanted = min(wanted, max_num_workers)
         found: list[str] = []
         seen: set[str] = set()
         start = bisect.bisect_right(self.points, position)
@@ -103,24 +114,30 @@ class ConsistentHashPolicy:
     def __init__(self, config: ConsistentHashConfig) -> None:
         self.config = config
         self._ring = HashRing((), config.num_virtual_nodes)
+        self._ring_ids: tuple[str, ...] = ()
 
     def ring_for(self, snapshot: Snapshot) -> HashRing:
-        """The ring over ``snapshot``'s workers (cached until the set of ids changes)."""
-        ids = frozenset(w.worker_id for w in snapshot.workers)
-        if ids != self._ring.worker_ids:
-            self._ring = HashRing(tuple(sorted(ids)), self.config.num_virtual_nodes)
-            logger.debug("hash ring rebuilt: %d workers, %d points", len(ids), len(self._ring.points))
+        """The ring over ``snapshot``'s workers (cached until the ids change; reordering alone reuses the ring)."""
+        ids = tuple(w.worker_id for w in snapshot.workers)
+        if ids != self._ring_ids:
+            self._ring_ids = ids
+            if frozenset(ids) != self._ring.worker_ids:
+                self._ring = HashRing(ids, self.config.num_virtual_nodes)
+                logger.debug("hash ring rebuilt: %d workers, %d points", len(set(ids)), len(self._ring.points))
         return self._ring
 
     def select(self, view: RequestView, snapshot: Snapshot) -> Decision:
-        """Choose the key's owner on the ring; ranking is the clockwise order of the other candidates."""
+        """Choose the key's owner on the ring; ranking as in the module docstring."""
         candidates = eligible_workers(snapshot)
         if not candidates:
             return no_worker_decision(snapshot)
         if view.session_key is None:
             return least_loaded_decision(candidates, "no_session_key")
         by_id: dict[str, WorkerState] = {w.worker_id: w for w in candidates}
-        ranking = self.ring_for(snapshot).walk(key_hash(view.session_key), set(by_id))
+        ranking = self.ring_for(snapshot).walk(key_hash(view.session_key), set(by_id), NUM_RING_FALLBACKS)
+        if len(ranking) < len(by_id):
+            on_ring = set(ranking)
+            ranking.extend(w for w in by_id if w not in on_ring)
         chosen = by_id[ranking[0]]
         return Decision(
             worker_id=chosen.worker_id,

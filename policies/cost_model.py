@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import msgspec
 
@@ -156,6 +158,7 @@ class TTFTCalibrator:
     def __init__(self, config: CacheAwareConfig, initial_speed_factors: dict[str, float] | None = None) -> None:
         self.config = config
         self._log_factors: dict[str, float] = {}
+        self._log_view: Mapping[str, float] = MappingProxyType(self._log_factors)
         self._log_min = math.log(config.min_speed_factor)
         self._log_max = math.log(config.max_speed_factor)
         self.num_observations = 0
@@ -169,6 +172,10 @@ class TTFTCalibrator:
         """The worker's current factor (1.0 until observed)."""
         log_factor = self._log_factors.get(worker_id)
         return 1.0 if log_factor is None else math.exp(log_factor)
+
+    def log_speed_factors_view(self) -> Mapping[str, float]:
+        """Read-only live view of the learned factors **in log space** (for the policy's hot loop)."""
+        return self._log_view
 
     def speed_factors(self) -> dict[str, float]:
         """Every learned factor, by worker id (for the admin API and metrics)."""

@@ -111,3 +111,15 @@ def test_forget_and_initial_factors():
     assert calibrator.speed_factors() == pytest.approx({"w0": 2.0, "w1": 4.0})
     calibrator.forget("w0")
     assert calibrator.speed_factor("w0") == 1.0
+
+
+def test_select_applies_the_learned_factor_exactly_as_explain_does():
+    policy = CacheAwarePolicy(CacheAwareConfig(calibration_alpha=1.0))
+    assert policy.calibrator is not None
+    policy.calibrator.observe("w0", predicted_ttft_s=0.103, observed_ttft_s=0.303)  # factor 3
+    view, snapshot = make_view(4096), make_snapshot(make_worker("w0", num_cpu_cached_tokens=1024), make_worker("w1"))
+    decision = policy.select(view, snapshot)
+    explained = policy.explain(view, snapshot)
+    assert explained["w0"].speed_factor == pytest.approx(3.0)
+    assert decision.scores == pytest.approx({w: b.ttft_s for w, b in explained.items()}, rel=1e-12)
+    assert decision.scores["w0"] == pytest.approx(0.003 + 3.0 * policy.cost_model.work_s(snapshot.workers[0], 4096))

@@ -94,3 +94,15 @@ def test_no_session_key_falls_back_to_least_loaded():
 def test_hash_ring_rejects_zero_virtual_nodes():
     with pytest.raises(ValueError, match="num_virtual_nodes"):
         HashRing(("w0",), 0)
+
+
+def test_ranking_is_four_ring_successors_then_configuration_order():
+    workers = make_fleet(8)
+    ids = [w.worker_id for w in workers]
+    decision = build(num_virtual_nodes=4).select(make_view(session_key="sid:x"), make_snapshot(*workers))
+    # reference ring walk: distinct owners clockwise from the key
+    position = xxhash.xxh3_64_intdigest(b"sid:x")
+    points = sorted((xxhash.xxh3_64_intdigest(f"{w}#{i}".encode()), w) for w in ids for i in range(4))
+    clockwise = [w for p, w in points if p > position] + [w for p, w in points if p <= position]
+    successors = list(dict.fromkeys(clockwise))[:4]
+    assert decision.ranking == (*successors, *(w for w in ids if w not in successors))
