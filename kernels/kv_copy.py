@@ -46,12 +46,14 @@ def _kv_block_copy_kernel(
     pool_ptr,  # [num_layers, 2, num_blocks, chunk_numel] as same-width integers
     buffer_ptr,  # [num_ids, num_layers, 2, chunk_numel]
     block_ids_ptr,  # [num_ids] int32 or int64
+    buffer_ids_ptr,  # [num_ids] buffer block of each entry (read only when HAS_BUFFER_IDS)
     num_layers_x2,  # num_layers * 2
     num_pool_blocks,
     chunk_numel,  # block_size * num_kv_heads * head_size
     TILE: tl.constexpr,
     TO_BUFFER: tl.constexpr,  # True: gather pool -> buffer; False: scatter buffer -> pool
     EVEN: tl.constexpr,  # chunk_numel % TILE == 0: no masks needed
+    HAS_BUFFER_IDS: tl.constexpr,  # False: entry i is buffer block i
 ):
     unit = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
@@ -59,7 +61,11 @@ def _kv_block_copy_kernel(
     layer_kv = unit % num_layers_x2
     block_id = tl.load(block_ids_ptr + entry).to(tl.int64)
     pool_base = (layer_kv * num_pool_blocks + block_id) * chunk_numel
-    buffer_base = unit * chunk_numel
+    if HAS_BUFFER_IDS:
+        buffer_block = tl.load(buffer_ids_ptr + entry).to(tl.int64)
+    else:
+        buffer_block = entry
+    buffer_base = (buffer_block * num_layers_x2 + layer_kv) * chunk_numel
     offs = tile * TILE + tl.arange(0, TILE).to(tl.int64)
     if TO_BUFFER:
         src = pool_ptr + pool_base + offs
@@ -94,18 +100,31 @@ def _check_pool_and_ids(kv_pool: torch.Tensor, block_ids: torch.Tensor) -> None:
             raise ValueError(f"block_ids must lie in [0, {kv_pool.shape[2]}), got range [{low}, {high}]")
 
 
-def _check_buffer(kv_pool: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor, name: str) -> None:
-    expected = (block_ids.numel(), kv_pool.shape[0], 2, *kv_pool.shape[3:])
+def _check_buffer(
+    kv_pool: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor, buffer_ids: torch.Tensor | None, name: str
+) -> None:
+    num_entries = buffer.shape[0] if buffer_ids is not None and buffer.dim() == POOL_NDIM else block_ids.numel()
+    expected = (num_entries, kv_pool.shape[0], 2, *kv_pool.shape[3:])
     check_tensor(name, buffer, ndim=POOL_NDIM, dtypes=(kv_pool.dtype,))
     if tuple(buffer.shape) != expected:
         raise ValueError(f"{name}: expected shape {expected}, got {tuple(buffer.shape)}")
     check_launchable(name, buffer, allow_pinned_host=True)
+    if buffer_ids is None:
+        return
+    check_tensor(f"{name}_block_ids", buffer_ids, ndim=1, dtypes=(torch.int32, torch.int64))
+    if buffer_ids.shape != block_ids.shape or buffer_ids.device != block_ids.device:
+        raise ValueError(f"{name}_block_ids must match block_ids in length and device")
+    if buffer_ids.device.type == "cpu" and buffer_ids.numel() > 0:
+        low, high = int(buffer_ids.min()), int(buffer_ids.max())
+        if low < 0 or high >= buffer.shape[0]:
+            raise ValueError(f"{name}_block_ids must lie in [0, {buffer.shape[0]}), got range [{low}, {high}]")
 
 
 def _launch(
     kv_pool: torch.Tensor,
     block_ids: torch.Tensor,
     buffer: torch.Tensor,
+    buffer_ids: torch.Tensor | None,
     *,
     to_buffer: bool,
     tile_numel: int,
@@ -124,12 +143,14 @@ def _launch(
         pool_ptr=_as_bits(kv_pool),
         buffer_ptr=_as_bits(buffer),
         block_ids_ptr=block_ids,
+        buffer_ids_ptr=block_ids if buffer_ids is None else buffer_ids,
         num_layers_x2=num_layers * 2,
         num_pool_blocks=kv_pool.shape[2],
         chunk_numel=chunk_numel,
         TILE=tile,
         TO_BUFFER=to_buffer,
         EVEN=chunk_numel % tile == 0,
+        HAS_BUFFER_IDS=buffer_ids is not None,
         num_warps=num_warps,
     )
 
@@ -139,6 +160,7 @@ def gather_kv_blocks(
     block_ids: torch.Tensor,
     out: torch.Tensor | None = None,
     *,
+    out_block_ids: torch.Tensor | None = None,
     tile_numel: int = DEFAULT_TILE_NUMEL,
     num_warps: int = DEFAULT_NUM_WARPS,
 ) -> torch.Tensor:
@@ -149,7 +171,10 @@ def gather_kv_blocks(
         block_ids: ``[num_ids]`` int32/int64 on the pool's device, each in ``[0, num_blocks)``.
         out: ``[num_ids, num_layers, 2, block_size, num_kv_heads, head_size]``, the pool's dtype, contiguous; on
             CUDA or in pinned host memory (the kernel then writes across PCIe directly, no staging copy).
-            Allocated on the pool's device when omitted.
+            Allocated on the pool's device when omitted. With ``out_block_ids``, ``out`` is a block pool of
+            its own, ``[num_out_blocks, num_layers, 2, ...]`` (the CPU tier's layout).
+        out_block_ids: ``[num_ids]`` ids on the pool's device: entry ``i`` goes to ``out[out_block_ids[i]]``
+            instead of ``out[i]``.
         tile_numel: elements each program copies (a power of two; clipped to one chunk).
         num_warps: warps per program.
 
@@ -162,11 +187,13 @@ def gather_kv_blocks(
     """
     _check_pool_and_ids(kv_pool, block_ids)
     if out is None:
+        if out_block_ids is not None:
+            raise ValueError("out_block_ids needs out")
         out = torch.empty(
             (block_ids.numel(), kv_pool.shape[0], 2, *kv_pool.shape[3:]), dtype=kv_pool.dtype, device=kv_pool.device
         )
-    _check_buffer(kv_pool, block_ids, out, "out")
-    _launch(kv_pool, block_ids, out, to_buffer=True, tile_numel=tile_numel, num_warps=num_warps)
+    _check_buffer(kv_pool, block_ids, out, out_block_ids, "out")
+    _launch(kv_pool, block_ids, out, out_block_ids, to_buffer=True, tile_numel=tile_numel, num_warps=num_warps)
     return out
 
 
@@ -175,6 +202,7 @@ def scatter_kv_blocks(
     block_ids: torch.Tensor,
     src: torch.Tensor,
     *,
+    src_block_ids: torch.Tensor | None = None,
     tile_numel: int = DEFAULT_TILE_NUMEL,
     num_warps: int = DEFAULT_NUM_WARPS,
 ) -> None:
@@ -186,7 +214,10 @@ def scatter_kv_blocks(
         block_ids: ``[num_ids]`` int32/int64 on the pool's device, each in ``[0, num_blocks)`` and distinct
             (two entries naming one block race).
         src: ``[num_ids, num_layers, 2, block_size, num_kv_heads, head_size]``, the pool's dtype, contiguous; on
-            CUDA or in pinned host memory (read across PCIe directly).
+            CUDA or in pinned host memory (read across PCIe directly). With ``src_block_ids``, ``src`` is a
+            block pool of its own, ``[num_src_blocks, num_layers, 2, ...]``.
+        src_block_ids: ``[num_ids]`` ids on the pool's device: block ``block_ids[i]`` receives
+            ``src[src_block_ids[i]]`` instead of ``src[i]``.
         tile_numel: elements each program copies (a power of two; clipped to one chunk).
         num_warps: warps per program.
 
@@ -194,5 +225,5 @@ def scatter_kv_blocks(
         ValueError: on a wrong shape, dtype, device, contiguity or (for CPU ids) an out-of-range block id.
     """
     _check_pool_and_ids(kv_pool, block_ids)
-    _check_buffer(kv_pool, block_ids, src, "src")
-    _launch(kv_pool, block_ids, src, to_buffer=False, tile_numel=tile_numel, num_warps=num_warps)
+    _check_buffer(kv_pool, block_ids, src, src_block_ids, "src")
+    _launch(kv_pool, block_ids, src, src_block_ids, to_buffer=False, tile_numel=tile_numel, num_warps=num_warps)

@@ -93,3 +93,17 @@ def test_launcher_rejects_bad_arguments(mutate, message, device):
     p, i, b = mutate(pool, ids, buf)
     with pytest.raises(ValueError, match=message):
         gather_kv_blocks(p, i, b)
+
+
+def test_gather_and_scatter_through_a_second_block_pool(device):
+    """The CPU tier's layout: the buffer is a pool of its own, addressed by its own block ids."""
+    pool = make_pool((2, 10, 4, 2, 16, 3), torch.bfloat16, device)
+    ids = make_ids(10, 3, device)
+    tier_ids = torch.tensor([6, 0, 3], dtype=torch.int64, device=device)
+    tier = poison(torch.empty((7, 2, 2, 4, 2, 16), dtype=torch.bfloat16, device=device))
+    gather_kv_blocks(pool, ids, tier, out_block_ids=tier_ids)
+    assert torch.equal(tier[tier_ids], gather_kv_blocks_ref(pool, ids))
+    other = make_ids(10, 3, device)
+    ref = scatter_kv_blocks_ref(pool, other, tier[tier_ids])
+    scatter_kv_blocks(pool, other, tier, src_block_ids=tier_ids)
+    assert torch.equal(pool, ref)
