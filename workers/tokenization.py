@@ -259,9 +259,7 @@ def normalize_messages(raw: object) -> list[ChatMessage]:
         elif isinstance(content, list):
             parts: list[str] = []
             for part in content:
-                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(
-                    part.get("text"), str
-                ):
+                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise InvalidRequestError(
                         f"messages[{i}].content parts must be {{'type': 'text', 'text': str}}", param="messages"
                     )

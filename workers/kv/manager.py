@@ -132,9 +132,7 @@ class KVCacheManager:
         self._events: list[KVEvent] = []
         self.gpu = BlockPool(config.num_gpu_blocks, config.block_size, self._emit)
         self.cpu: CpuTier | None = (
-            CpuTier(config.num_cpu_blocks, config.block_size, self._emit)
-            if config.num_cpu_blocks > 0
-            else None
+            CpuTier(config.num_cpu_blocks, config.block_size, self._emit) if config.num_cpu_blocks > 0 else None
         )
         self._store_policy = config.cpu_store_policy if self.cpu is not None else "none"
         self._next_job_id = 0
@@ -294,9 +292,7 @@ class KVCacheManager:
         chosen = self.cpu.prepare_store(job_id, metas)
         if chosen:
             self._pending_stores.append(
-                BlockCopy(
-                    job_id, tuple(by_hash[m.block_hash] for m, _ in chosen), tuple(slot for _, slot in chosen)
-                )
+                BlockCopy(job_id, tuple(by_hash[m.block_hash] for m, _ in chosen), tuple(slot for _, slot in chosen))
             )
 
     def free(self, seq: SequenceKV) -> None:
