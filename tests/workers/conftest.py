@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import pytest
@@ -40,7 +40,7 @@ def make_config(**overrides: object) -> WorkerConfig:
 
 
 @pytest.fixture
-async def start_worker() -> AsyncIterator:
+async def start_worker() -> AsyncIterator[Callable[..., Awaitable[RunningWorker]]]:
     runners: list[web.AppRunner] = []
     publishers: list[KVEventPublisher] = []
 

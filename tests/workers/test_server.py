@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 
 
-def chat_ids(messages=MESSAGES) -> list[int]:
+def chat_ids(messages: list[dict[str, str]] = MESSAGES) -> list[int]:
     return encode_chat(ByteTokenizer(), DefaultChatTemplate(), normalize_messages(messages))
 
 
