@@ -121,8 +121,9 @@ def add_replay_arguments(parser: argparse._ActionsContainer) -> None:
         "--time-scale",
         type=_positive_float,
         default=1.0,
-        help="trace time runs this many times faster than wall time; reported times are multiplied by it (use the "
-        "sim workers' --time-scale to read results in simulated seconds)",
+        help="trace time runs this many times faster than wall time and reported times are multiplied by it; "
+        "against sim workers started with --time-scale 1/X (wall seconds per simulated second), pass X to read "
+        "results in simulated seconds",
     )
     parser.add_argument(
         "--max-output-tokens",
@@ -278,7 +279,7 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         console.print("interrupted")
         return 130
-    console.print(markdown_table([outcome.summary]))
+    console.print(markdown_table([outcome.summary]), markup=False, highlight=False, soft_wrap=True)
     if args.out:
         paths = write_results(
             Path(args.out),

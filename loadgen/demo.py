@@ -31,14 +31,13 @@ from typing import Any
 
 import msgspec
 from rich.console import Console
-from rich.table import Table
 
 from loadgen.ceiling import CacheBound, ceiling, lru_bound
 from loadgen.errors import LoadgenError
 from loadgen.fleet import Fleet, WorkerSpec
 from loadgen.prompts import PromptBuilder
 from loadgen.replay import ReplayConfig
-from loadgen.report import MARKDOWN_COLUMNS, RunSummary, table_rows
+from loadgen.report import RunSummary, markdown_table
 from loadgen.runner import RunOutcome, replay_with_progress, write_results
 from loadgen.sessions import derive_sessions
 from loadgen.traces import TraceRequest, read_mooncake
@@ -105,7 +104,7 @@ class FleetSizing(msgspec.Struct, frozen=True):
 
     Attributes:
         ceiling: the slice's infinite-cache bound.
-        fleet_lru: one LRU cache with the fleet's total capacity (without headroom), on the slice.
+        fleet_lru: one LRU cache with the fleet's total capacity, on the slice.
         num_lru_trace_blocks: smallest single-LRU capacity reaching the target, in trace blocks.
         num_gpu_blocks_per_worker: each worker's GPU blocks.
         num_distinct_blocks: the slice's distinct blocks, in worker blocks.
@@ -140,7 +139,7 @@ def size_fleet(requests: Sequence[TraceRequest], config: DemoConfig) -> FleetSiz
     distinct = bound.num_distinct_blocks * per_trace_block
     return FleetSizing(
         ceiling=bound,
-        fleet_lru=lru_bound(requests, int(fleet_trace_blocks / config.headroom)),
+        fleet_lru=lru_bound(requests, fleet_trace_blocks),
         num_lru_trace_blocks=lo,
         num_gpu_blocks_per_worker=per_worker,
         num_distinct_blocks=distinct,
@@ -246,14 +245,8 @@ async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcom
 
 
 def _print_results(console: Console, summaries: Sequence[RunSummary], checks: Sequence[AcceptanceCheck]) -> None:
-    table = Table(title="kvgate demo: one replay per routing policy (times in simulated seconds)")
-    for column in MARKDOWN_COLUMNS:
-        table.add_column(column, justify="left" if column == "policy" else "right")
-    for row in table_rows(summaries):
-        table.add_row(*row)
-    console.print(table)
-    if summaries:
-        console.print(f"ceiling hit ratio of the slice: {summaries[0].ceiling_hit_ratio:.3f}")
+    """The comparison table (Markdown, readable in any terminal width) and the acceptance checks."""
+    console.print(markdown_table(summaries), markup=False, highlight=False, soft_wrap=True)
     for c in checks:
         value = "–" if c.value is None else f"{c.value:.3f}"
         console.print(f"{'[green]PASS[/green]' if c.passed else '[red]FAIL[/red]'} {c.name}: {value}")

@@ -119,6 +119,10 @@ class Fleet:
             events_port = free_port()
             argv = _kvgate_command(
                 "worker",
+                "--worker-id",
+                spec.worker_id,
+                "--model",
+                self._model,
                 "--engine",
                 "sim",
                 "--host",
@@ -205,12 +209,20 @@ class Fleet:
         """
         async with aiohttp.ClientSession() as session:
             for w in self.workers:
-                try:
-                    async with session.post(w.url + self._reset_path, timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                        if resp.status != 200:
-                            raise FleetError(f"cache reset answered HTTP {resp.status}", name=w.name)
-                except aiohttp.ClientError as exc:
-                    raise FleetError(f"cache reset failed: {exc}", name=w.name) from exc
+                status = 0
+                for _ in range(50):  # 409 while requests still hold blocks: retry for up to ~10 s
+                    try:
+                        async with session.post(
+                            w.url + self._reset_path, timeout=aiohttp.ClientTimeout(total=10)
+                        ) as resp:
+                            status = resp.status
+                    except aiohttp.ClientError as exc:
+                        raise FleetError(f"cache reset failed: {exc}", name=w.name) from exc
+                    if status != 409:
+                        break
+                    await asyncio.sleep(0.2)
+                if status != 200:
+                    raise FleetError(f"cache reset answered HTTP {status}", name=w.name)
 
     @staticmethod
     def _stop(proc: ManagedProcess, grace_s: float = 5.0) -> None:
