@@ -156,6 +156,11 @@ class Gateway:
             out.append(("counter", "kvgate_sessions_expired", "Sessions expired.", {}, float(s.num_expired_total)))
             out.append(("counter", "kvgate_sessions_moved", "Sessions moved.", {}, float(s.num_moved_total)))
             out.append(("counter", "kvgate_sessions_created", "Sessions created.", {}, float(s.num_created_total)))
+            out.append(("gauge", "kvgate_sessions_store_degraded",
+                        "1 while the shared session store is unreachable and the local fallback answers.", {},
+                        float(s.is_degraded)))
+            out.append(("counter", "kvgate_sessions_store_fallbacks", "Switches to the local session fallback.", {},
+                        float(s.num_fallbacks_total)))
         out.append(("gauge", "kvgate_admission_inflight", "Admitted requests in flight.", {},
                     float(self.admission.num_inflight)))
         out.append(("gauge", "kvgate_admission_waiting", "Requests waiting for admission.", {},
