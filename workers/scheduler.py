@@ -161,8 +161,8 @@ class Scheduler:
         return len(self.waiting)
 
     def has_work(self) -> bool:
-        """Whether a step would compute anything or is waiting on a restore."""
-        return bool(self.running or self.waiting or self._restoring)
+        """Whether a step would compute anything, is waiting on a restore, or has copies to issue."""
+        return bool(self.running or self.waiting or self._restoring or self.kv.has_pending_copies())
 
     def add_request(self, request: Request) -> None:
         """Queue ``request`` (FCFS).

@@ -159,6 +159,10 @@ class KVCacheManager:
         self._pending_restores.clear()
         return stores, restores
 
+    def has_pending_copies(self) -> bool:
+        """Whether copy jobs wait to be issued (``take_copies``)."""
+        return bool(self._pending_stores or self._pending_restores)
+
     def _job_id(self) -> int:
         self._next_job_id += 1
         return self._next_job_id
