@@ -275,3 +275,28 @@ async def test_bad_arguments_raise_value_error(make) -> None:
         await a.move("s", "w1", "")
     with pytest.raises(ValueError):
         await a.list_sessions(-1)
+
+
+async def test_hung_redis_times_out_to_fallback_and_replays_worker_drop(make, raw, redis_key_prefix) -> None:
+    a = await make(command_timeout_s=0.1)
+    b = await make()
+    assert (await b.claim_or_touch("kept", "w2")).is_new
+    assert (await b.claim_or_touch("gone", "w1")).is_new
+    assert (await a.claim_or_touch("kept", "w9")).worker_id == "w2"
+    await raw.execute_command("CLIENT", "PAUSE", 800, "ALL")  # Redis stops answering (data stays)
+
+    entry = await a.claim_or_touch("kept", "w9")  # times out after 0.1 s; the fallback answers
+    assert (entry.worker_id, a.is_degraded) == ("w2", True)
+    assert await a.move("kept", "w2", "w3") is True  # a local move while apart
+    assert await a.drop_worker("w1") == 0  # a never saw "gone": replayed on Redis later
+    assert (await a.claim_or_touch("fresh", "w4")).is_new
+
+    async def converged() -> bool:
+        return not a.is_degraded
+
+    await eventually(converged, "a to reconnect")
+    stored = {k: await raw.hget(f"{redis_key_prefix}s:{k}", "w") for k in ("kept", "gone", "fresh")}
+    # Redis's owner wins over a's local move; the worker drop was replayed; a's new session was written back.
+    assert stored == {"kept": b"w2", "gone": None, "fresh": b"w4"}
+    assert (await b.claim_or_touch("fresh", "w0")).worker_id == "w4"
+    assert a.stats().num_fallbacks_total == 1
