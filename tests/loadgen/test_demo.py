@@ -1,0 +1,64 @@
+import json
+
+import pytest
+
+from loadgen.demo import DemoConfig, acceptance, size_fleet
+from loadgen.sessions import derive_sessions
+from loadgen.traces import read_mooncake
+from router.cli import main as kvgate
+
+TRACE = "/work/shared/traces/conversation_trace.jsonl"
+
+
+@pytest.mark.unit
+def test_fleet_sizing_reaches_the_lru_target_and_splits_capacity():
+    requests = derive_sessions(read_mooncake(TRACE, max_requests=300))
+    config = DemoConfig(trace=TRACE)
+    sizing = size_fleet(requests, config)
+    assert sizing.fleet_lru.hit_ratio >= 0.97 * sizing.ceiling.hit_ratio
+    assert sizing.worker_share_of_distinct < 0.5
+    assert sizing.num_gpu_blocks_per_worker * 16 >= 2 * max(r.num_prompt_tokens for r in requests)
+
+
+@pytest.mark.unit
+def test_acceptance_checks_on_known_summaries():
+    from loadgen.report import summarize
+
+    from .builders import make_record
+
+    rr = summarize(
+        [make_record(i, worker=f"w{i}", cached=20, predicted=20, ttft=1.0) for i in range(2)],
+        policy="round_robin", ceiling_hit_ratio=0.5, duration_s=1.0,
+    )  # fmt: skip
+    ca = summarize(
+        [make_record(i, worker=f"w{i}", cached=50, predicted=50, ttft=0.5) for i in range(2)],
+        policy="cache_aware", ceiling_hit_ratio=0.5, duration_s=1.0,
+    )  # fmt: skip
+    checks = {c.name: (c.value, c.passed) for c in acceptance([rr, ca])}
+    assert checks["cache_aware hit ratio ÷ ceiling >= 0.9"] == (1.0, True)
+    assert checks["cache_aware ÷ round_robin hit ratio >= 1.5"] == (2.5, True)
+    assert checks["cache_aware ÷ round_robin TTFT p50 <= 0.7"] == (0.5, True)
+    assert checks["cache_aware load imbalance <= 1.3"] == (1.0, True)
+    assert checks["no failed request (all runs)"] == (0.0, True)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_quick_demo_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    rc = kvgate(
+        ["demo", "--trace", TRACE, "--out", str(out), "--max-requests", "60", "--num-workers", "2",
+         "--policies", "round_robin,cache_aware", "--no-progress", "--time-scale", "10"]
+    )  # fmt: skip
+    data = json.loads((out / "results.json").read_text())
+    runs = {r["policy"]: r for r in data["runs"]}
+    assert sorted(runs) == ["cache_aware", "round_robin"]
+    for run in runs.values():
+        assert run["requests_ok"] == 60 and run["requests_failed"] == 0
+        assert 0 < run["hit_ratio"] <= run["ceiling_hit_ratio"] + 0.05
+        assert run["ttft_p50_s"] > 0 and set(run["requests_by_worker"]) == {"worker-0", "worker-1"}
+        assert sum(run["requests_by_worker"].values()) == 60
+    assert rc == 0
+    assert (out / "ttft_cdf.png").stat().st_size > 1000
+    assert data["sizing"]["worker_share_of_distinct"] < 0.5
