@@ -136,7 +136,11 @@ class CacheAwarePolicy:
             score = overhead_s + work
             scores[w.worker_id] = score
             key = (round(score * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, w.num_running_requests, index)
-            if has_thresholds and self.is_saturated(w):
+            if has_thresholds and (
+                (max_running is not None and w.num_running_requests >= max_running)
+                or (max_kv_usage is not None and w.kv_usage >= max_kv_usage)
+                or (max_pending is not None and w.num_pending_prefill_tokens >= max_pending)
+            ):  # is_saturated(w), inlined
                 saturated.append(key)
             else:
                 competing.append(key)

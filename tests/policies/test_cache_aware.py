@@ -269,3 +269,22 @@ def _cumsum(values):
         total += v
         out.append(total)
     return out
+
+
+@pytest.mark.parametrize(
+    ("fields", "saturated"),
+    [
+        ({"num_running_requests": 7}, False),
+        ({"num_running_requests": 8}, True),
+        ({"kv_usage": 0.9}, True),
+        ({"kv_usage": 0.89}, False),
+        ({"num_pending_prefill_tokens": 4096}, True),
+        ({"num_pending_prefill_tokens": 4095}, False),
+    ],
+)
+def test_is_saturated_agrees_with_select(fields, saturated):
+    p = policy(max_running_requests=8, max_kv_usage=0.9, max_pending_prefill_tokens=4096)
+    worker = make_worker("w0", num_gpu_cached_tokens=1024, **fields)
+    assert p.is_saturated(worker) is saturated
+    decision = p.select(make_view(1024), make_snapshot(worker, make_worker("w1")))
+    assert decision.worker_id == ("w1" if saturated else "w0")
