@@ -284,7 +284,7 @@ def _cumsum(values):
 )
 def test_is_saturated_agrees_with_select(fields, saturated):
     p = policy(max_running_requests=8, max_kv_usage=0.9, max_pending_prefill_tokens=4096)
-    worker = make_worker("w0", num_gpu_cached_tokens=1024, **fields)
+    worker = make_worker("w0", num_gpu_cached_tokens=16_384, **fields)
     assert p.is_saturated(worker) is saturated
-    decision = p.select(make_view(1024), make_snapshot(worker, make_worker("w1")))
+    decision = p.select(make_view(16_384), make_snapshot(worker, make_worker("w1")))
     assert decision.worker_id == ("w1" if saturated else "w0")
