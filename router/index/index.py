@@ -255,6 +255,7 @@ class PrefixIndex:
         else:
             slot.engine.update(zip(engine_hashes, ours[factor - 1 :: factor], strict=True))
             slot.spans.update(zip(zip(repeat(event.medium), engine_hashes), repeat(factor)))
+            slot.span_held.update((lane_key, h) for i, h in enumerate(ours) if i % factor != factor - 1)
         counters["num_blocks_stored"] += len(ours)
         return engine_hashes
 
