@@ -22,13 +22,14 @@ one ``BlockRemoved`` per evicted block, ``AllBlocksCleared`` on reset.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from events.types import BlockRemoved, BlockStored, KVEvent, Medium
+from events.types import BlockRemoved, BlockStored, EngineBlockHash, KVEvent, Medium
 from workers.errors import KVCacheError
 from workers.kv.hashing import BlockHash, to_engine_hash
 
@@ -53,6 +54,12 @@ class BlockMeta(msgspec.Struct, frozen=True, gc=False):
     depth: int
     lora_name: str | None = None
     cache_salt: str | None = None
+    engine_hash: int | None = None
+    """``to_engine_hash(block_hash)``, computed once by the creator (``None``: computed on use)."""
+
+
+def _engine_hash(meta: BlockMeta) -> EngineBlockHash:
+    return to_engine_hash(meta.block_hash) if meta.engine_hash is None else EngineBlockHash(meta.engine_hash)
 
 
 def stored_events(metas: Sequence[BlockMeta], block_size: int, medium: Medium) -> list[BlockStored]:
@@ -79,9 +86,9 @@ def stored_events(metas: Sequence[BlockMeta], block_size: int, medium: Medium) -
             extra = tuple((m.cache_salt,) if m.cache_salt and m.depth == 0 else None for m in run)
         events.append(
             BlockStored(
-                block_hashes=tuple(to_engine_hash(m.block_hash) for m in run),
+                block_hashes=tuple(_engine_hash(m) for m in run),
                 parent_block_hash=None if first.parent_block_hash is None else to_engine_hash(first.parent_block_hash),
-                token_ids=tuple(t for m in run for t in m.token_ids),
+                token_ids=tuple(itertools.chain.from_iterable(m.token_ids for m in run)),
                 block_size=block_size,
                 medium=medium,
                 lora_name=first.lora_name,
@@ -209,7 +216,7 @@ class BlockPool:
             blk = self.blocks[b]
             if blk.meta is not None:
                 del self._cached[blk.meta.block_hash]
-                self._emit(BlockRemoved(block_hashes=(to_engine_hash(blk.meta.block_hash),), medium=Medium.GPU))
+                self._emit(BlockRemoved(block_hashes=(_engine_hash(blk.meta),), medium=Medium.GPU))
                 blk.meta = None
                 self.num_evicted_blocks += 1
             blk.ref_cnt = 1

@@ -29,7 +29,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from events.types import BlockRemoved, KVEvent, Medium
+from events.types import BlockRemoved, EngineBlockHash, KVEvent, Medium
 from workers.errors import KVCacheError
 from workers.kv.block_pool import BlockMeta, chain_order, stored_events
 from workers.kv.hashing import BlockHash, to_engine_hash
@@ -140,7 +140,12 @@ class CpuTier:
         for h, entry in self._entries.items():
             if entry.pin_cnt == 0:
                 del self._entries[h]
-                self._emit(BlockRemoved(block_hashes=(to_engine_hash(h),), medium=Medium.CPU))
+                eh = entry.meta.engine_hash
+                self._emit(
+                    BlockRemoved(
+                        block_hashes=(to_engine_hash(h) if eh is None else EngineBlockHash(eh),), medium=Medium.CPU
+                    )
+                )
                 self.num_blocks_evicted += 1
                 return entry.slot
         return None

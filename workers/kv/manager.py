@@ -39,7 +39,7 @@ from workers.engines.base import BlockCopy
 from workers.errors import KVCacheError
 from workers.kv.block_pool import BlockMeta, BlockPool, stored_events
 from workers.kv.cpu_tier import CpuTier
-from workers.kv.hashing import BlockHash, extend_block_hashes, namespace_root
+from workers.kv.hashing import BlockHash, extend_block_hashes, namespace_root, to_engine_hash
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +277,7 @@ class KVCacheManager:
                 depth=i,
                 lora_name=seq.lora_name,
                 cache_salt=seq.cache_salt,
+                engine_hash=to_engine_hash(seq.block_hashes[i]),
             )
             for i in range(start, end)
         ]
