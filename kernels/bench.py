@@ -155,12 +155,18 @@ def bench_copy(report: Report, ceil: dict[str, float]) -> None:
         raise RuntimeError("gather differs from torch indexing")
     report.say("gather correctness at full size: bit-exact")
     best: tuple[float, str] = (0.0, "")
-    for tile in (2048, 4096, 8192, 16384):
+    for tile in (2048, 4096, 8192):
         for warps in (4, 8):
-            t = time_cuda(partial(gather_kv_blocks, pool, ids, out, tile_numel=tile, num_warps=warps))
-            bw = gbps(2 * num_bytes, t)
-            report.say(f"gather tile={tile} warps={warps}: {t}, {bw:.0f} GB/s, {bw / ceil['copy']:.3f} of copy")
-            best = max(best, (bw, f"tile={tile} warps={warps}"))
+            for units in (1, 2, 4):
+                t = time_cuda(
+                    partial(gather_kv_blocks, pool, ids, out, tile_numel=tile, num_warps=warps, units_per_program=units)
+                )
+                bw = gbps(2 * num_bytes, t)
+                report.say(
+                    f"gather tile={tile} warps={warps} units={units}: {t}, {bw:.0f} GB/s, "
+                    f"{bw / ceil['copy']:.3f} of copy"
+                )
+                best = max(best, (bw, f"tile={tile} warps={warps} units={units}"))
     t_default = time_cuda(lambda: gather_kv_blocks(pool, ids, out))
     bw = gbps(2 * num_bytes, t_default)
     report.say(f"best gather config: {best[1]} ({best[0]:.0f} GB/s)")

@@ -14,9 +14,9 @@ Layouts (both contiguous)::
              └ i-th entry of block_ids; each block's bytes are contiguous, so a CPU tier can keep blocks apart
 
 A *chunk* is one ``(layer, K|V, block)`` slab, ``block_size * num_kv_heads * head_size`` elements, contiguous in
-both layouts. The grid is ``(num_ids * num_layers * 2, cdiv(chunk, TILE))``; program ``(u, t)`` copies tile ``t``
-of buffer chunk ``u``, so consecutive programs write (gather) or read (scatter) consecutive buffer bytes, which
-keeps PCIe transfers to pinned memory sequential.
+both layouts. The grid is ``(cdiv(num_ids * num_layers * 2, UNITS), cdiv(chunk, TILE))``; program ``(u, t)``
+copies tile ``t`` of buffer chunks ``u * UNITS ..``, so consecutive programs write (gather) or read (scatter)
+consecutive buffer bytes, which keeps PCIe transfers to pinned memory sequential.
 
 Copies are bit-exact: tensors are reinterpreted as same-width integers, so any 1-, 2- or 4-byte dtype works
 (bf16, fp16, fp8, fp32).
@@ -36,9 +36,11 @@ POOL_NDIM = 6
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
-DEFAULT_TILE_NUMEL = 8192
-"""Elements per program: 16 KiB of bf16, a few 16-byte loads per thread at 8 warps."""
+DEFAULT_TILE_NUMEL = 2048
+"""Elements of one chunk per program step (4 KiB of bf16)."""
 DEFAULT_NUM_WARPS = 8
+DEFAULT_UNITS_PER_PROGRAM = 4
+"""Chunks per program: 16 KiB in flight per program with the default tile."""
 
 
 @triton.jit
@@ -48,36 +50,41 @@ def _kv_block_copy_kernel(
     block_ids_ptr,  # [num_ids] int32 or int64
     buffer_ids_ptr,  # [num_ids] buffer block of each entry (read only when HAS_BUFFER_IDS)
     num_layers_x2,  # num_layers * 2
+    num_units,  # num_ids * num_layers * 2
     num_pool_blocks,
     chunk_numel,  # block_size * num_kv_heads * head_size
     TILE: tl.constexpr,
+    UNITS: tl.constexpr,  # chunks per program
     TO_BUFFER: tl.constexpr,  # True: gather pool -> buffer; False: scatter buffer -> pool
     EVEN: tl.constexpr,  # chunk_numel % TILE == 0: no masks needed
     HAS_BUFFER_IDS: tl.constexpr,  # False: entry i is buffer block i
 ):
-    unit = tl.program_id(0).to(tl.int64)
+    # UNITS consecutive buffer chunks per program: their block ids load in parallel, then UNITS * TILE
+    # elements are in flight at once.
+    units = tl.program_id(0).to(tl.int64) * UNITS + tl.arange(0, UNITS).to(tl.int64)  # [UNITS]
     tile = tl.program_id(1).to(tl.int64)
-    entry = unit // num_layers_x2
-    layer_kv = unit % num_layers_x2
-    block_id = tl.load(block_ids_ptr + entry).to(tl.int64)
+    unit_mask = units < num_units
+    entry = units // num_layers_x2
+    layer_kv = units % num_layers_x2
+    block_id = tl.load(block_ids_ptr + entry, mask=unit_mask, other=0).to(tl.int64)
     pool_base = (layer_kv * num_pool_blocks + block_id) * chunk_numel
     if HAS_BUFFER_IDS:
-        buffer_block = tl.load(buffer_ids_ptr + entry).to(tl.int64)
+        buffer_block = tl.load(buffer_ids_ptr + entry, mask=unit_mask, other=0).to(tl.int64)
     else:
         buffer_block = entry
     buffer_base = (buffer_block * num_layers_x2 + layer_kv) * chunk_numel
-    offs = tile * TILE + tl.arange(0, TILE).to(tl.int64)
+    offs = tile * TILE + tl.arange(0, TILE).to(tl.int64)  # [TILE]
     if TO_BUFFER:
-        src = pool_ptr + pool_base + offs
-        dst = buffer_ptr + buffer_base + offs
+        src = pool_ptr + pool_base[:, None] + offs[None, :]
+        dst = buffer_ptr + buffer_base[:, None] + offs[None, :]
     else:
-        src = buffer_ptr + buffer_base + offs
-        dst = pool_ptr + pool_base + offs
+        src = buffer_ptr + buffer_base[:, None] + offs[None, :]
+        dst = pool_ptr + pool_base[:, None] + offs[None, :]
     if EVEN:
-        tl.store(dst, tl.load(src))
+        mask = unit_mask[:, None]
     else:
-        mask = offs < chunk_numel
-        tl.store(dst, tl.load(src, mask=mask), mask=mask)
+        mask = unit_mask[:, None] & (offs < chunk_numel)[None, :]
+    tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
 def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -129,25 +136,30 @@ def _launch(
     to_buffer: bool,
     tile_numel: int,
     num_warps: int,
+    units_per_program: int,
 ) -> None:
-    if tile_numel <= 0 or tile_numel & (tile_numel - 1):
-        raise ValueError(f"tile_numel must be a positive power of two, got {tile_numel}")
+    for name, value in (("tile_numel", tile_numel), ("units_per_program", units_per_program)):
+        if value <= 0 or value & (value - 1):
+            raise ValueError(f"{name} must be a positive power of two, got {value}")
     num_ids = block_ids.numel()
     if num_ids == 0:
         return
     num_layers = kv_pool.shape[0]
     chunk_numel = kv_pool.shape[3] * kv_pool.shape[4] * kv_pool.shape[5]
     tile = min(tile_numel, triton.next_power_of_2(chunk_numel))
-    grid = (num_ids * num_layers * 2, triton.cdiv(chunk_numel, tile))
+    num_units = num_ids * num_layers * 2
+    grid = (triton.cdiv(num_units, units_per_program), triton.cdiv(chunk_numel, tile))
     _kv_block_copy_kernel[grid](
         pool_ptr=_as_bits(kv_pool),
         buffer_ptr=_as_bits(buffer),
         block_ids_ptr=block_ids,
         buffer_ids_ptr=block_ids if buffer_ids is None else buffer_ids,
         num_layers_x2=num_layers * 2,
+        num_units=num_units,
         num_pool_blocks=kv_pool.shape[2],
         chunk_numel=chunk_numel,
         TILE=tile,
+        UNITS=units_per_program,
         TO_BUFFER=to_buffer,
         EVEN=chunk_numel % tile == 0,
         HAS_BUFFER_IDS=buffer_ids is not None,
@@ -163,6 +175,7 @@ def gather_kv_blocks(
     out_block_ids: torch.Tensor | None = None,
     tile_numel: int = DEFAULT_TILE_NUMEL,
     num_warps: int = DEFAULT_NUM_WARPS,
+    units_per_program: int = DEFAULT_UNITS_PER_PROGRAM,
 ) -> torch.Tensor:
     """Copy the listed blocks of every layer out of the paged pool into one contiguous buffer.
 
@@ -177,6 +190,7 @@ def gather_kv_blocks(
             instead of ``out[i]``.
         tile_numel: elements each program copies (a power of two; clipped to one chunk).
         num_warps: warps per program.
+        units_per_program: chunks each program copies (a power of two).
 
     Returns:
         ``out``. The copy is asynchronous on the current CUDA stream: synchronize before reading pinned ``out``
@@ -193,7 +207,16 @@ def gather_kv_blocks(
             (block_ids.numel(), kv_pool.shape[0], 2, *kv_pool.shape[3:]), dtype=kv_pool.dtype, device=kv_pool.device
         )
     _check_buffer(kv_pool, block_ids, out, out_block_ids, "out")
-    _launch(kv_pool, block_ids, out, out_block_ids, to_buffer=True, tile_numel=tile_numel, num_warps=num_warps)
+    _launch(
+        kv_pool,
+        block_ids,
+        out,
+        out_block_ids,
+        to_buffer=True,
+        tile_numel=tile_numel,
+        num_warps=num_warps,
+        units_per_program=units_per_program,
+    )
     return out
 
 
@@ -205,6 +228,7 @@ def scatter_kv_blocks(
     src_block_ids: torch.Tensor | None = None,
     tile_numel: int = DEFAULT_TILE_NUMEL,
     num_warps: int = DEFAULT_NUM_WARPS,
+    units_per_program: int = DEFAULT_UNITS_PER_PROGRAM,
 ) -> None:
     """Copy a contiguous buffer of blocks into the listed blocks of the paged pool (in place).
 
@@ -220,10 +244,20 @@ def scatter_kv_blocks(
             ``src[src_block_ids[i]]`` instead of ``src[i]``.
         tile_numel: elements each program copies (a power of two; clipped to one chunk).
         num_warps: warps per program.
+        units_per_program: chunks each program copies (a power of two).
 
     Raises:
         ValueError: on a wrong shape, dtype, device, contiguity or (for CPU ids) an out-of-range block id.
     """
     _check_pool_and_ids(kv_pool, block_ids)
     _check_buffer(kv_pool, block_ids, src, src_block_ids, "src")
-    _launch(kv_pool, block_ids, src, src_block_ids, to_buffer=False, tile_numel=tile_numel, num_warps=num_warps)
+    _launch(
+        kv_pool,
+        block_ids,
+        src,
+        src_block_ids,
+        to_buffer=False,
+        tile_numel=tile_numel,
+        num_warps=num_warps,
+        units_per_program=units_per_program,
+    )
