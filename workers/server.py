@@ -50,7 +50,7 @@ from workers.config import WorkerConfig
 from workers.core import EngineCore, RequestStream
 from workers.engines.base import SamplingParams
 from workers.engines.sim import SimEngine
-from workers.errors import ContextLengthError, InvalidRequestError
+from workers.errors import ConfigError, ContextLengthError, InvalidRequestError
 from workers.kv.manager import KVCacheManager
 from workers.protocol import (
     ChatCompletionRequest,
@@ -166,8 +166,6 @@ def build_worker(config: WorkerConfig, publisher: KVEventPublisher | None = None
     else:
         vocab = sorted(set(tokenizer.encode(SAMPLE_TEXT))) or [0]
     if config.engine != "sim":
-        from workers.errors import ConfigError
-
         raise ConfigError(f"engine {config.engine!r} is not available in this build")
     engine = SimEngine(config.timing, config.kv_cache.block_size, vocab, tokenizer.eos_token_id)
     core = EngineCore(scheduler, engine, publisher, config.time_scale)
