@@ -36,13 +36,26 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
-from operator import or_
+from operator import and_, or_
 
 from events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Medium, Resync
-from router.block_hash import BlockHash, hash_block_bytes, make_namespace, split_extra_keys, tokens_to_bytes
+from router.block_hash import (
+    DEFAULT_NAMESPACE,
+    BlockHash,
+    hash_block_bytes,
+    make_namespace,
+    split_extra_keys,
+    tokens_to_bytes,
+)
 from router.index.config import GroupKind, GroupSpec, IndexConfig, group_spec_from_event
 from router.index.errors import IndexConfigError, UnknownWorkerError
-from router.index.match import hybrid_prefix_len, iter_bits, position_bitsets, prefix_depths
+from router.index.match import (
+    hybrid_prefix_len,
+    iter_bits,
+    position_bitsets,
+    prefix_depths,
+    prefix_depths_u64,
+)
 from router.index.result import ChainDump, IndexStats, MatchResult, WorkerMatch
 from router.index.slots import LaneKey, Slot
 
@@ -240,8 +253,13 @@ class PrefixIndex:
             counters["num_unsupported_extra_key_blocks"] += num_event_blocks - num_ok
             if num_ok == 0:
                 return ()
-        namespace = make_namespace(event.lora_name, salt)
-        data = tokens_to_bytes(event.token_ids[: num_ok * event_block_size])
+        namespace = (
+            make_namespace(event.lora_name, salt)
+            if parent_hash is None and (salt is not None or event.lora_name is not None)
+            else DEFAULT_NAMESPACE
+        )
+        token_ids = event.token_ids if num_ok == num_event_blocks else event.token_ids[: num_ok * event_block_size]
+        data = tokens_to_bytes(token_ids)
         ours: list[int] = list(
             hash_block_bytes(
                 data, self._block_size, namespace, BlockHash(parent_hash) if parent_hash is not None else None
@@ -305,10 +323,17 @@ class PrefixIndex:
                 del slot.parked[engine_hash]
             self._counters["num_parked_blocks_dropped"] += len(old.block_hashes)
 
-    def _link(self, hashes: Sequence[int], first_parent: int) -> None:
+    def _link(self, hashes: list[int], first_parent: int) -> None:
         """Create or touch (move to most recent) the entries of a chain, root-most first."""
         parent = self._parent
         num_children = self._num_children
+        if not any(map(parent.__contains__, hashes)):
+            # All new (the common case of a growing conversation): bulk inserts at C speed.
+            parent.update(zip(hashes, [first_parent, *hashes[:-1]], strict=True))
+            num_children.update(zip(hashes[:-1], repeat(1)))
+            if first_parent in parent:
+                num_children[first_parent] = num_children.get(first_parent, 0) + 1
+            return
         prev = first_parent
         for block_hash in hashes:
             if block_hash in parent:
@@ -328,7 +353,9 @@ class PrefixIndex:
         mask = slot.mask
         olds = list(map(lane.get, hashes, repeat(0)))
         lane.update(zip(hashes, map(or_, olds, repeat(mask)), strict=True))
-        dups = [h for h, old in zip(hashes, olds, strict=True) if old & mask] if any(old & mask for old in olds) else []
+        dups = (
+            [h for h, old in zip(hashes, olds, strict=True) if old & mask] if any(map(and_, olds, repeat(mask))) else []
+        )
         slot.num_held[lane_key] = slot.num_held.get(lane_key, 0) + len(hashes) - len(dups)
         for block_hash in dups:
             self._add_copy(slot, lane_key, block_hash)
@@ -667,14 +694,20 @@ class PrefixIndex:
             if g == 0 and medium in POOL_MEDIA and lane
         ]
         if not lower and not pools:
-            gpu_depths, _ = prefix_depths(map(gpu.get, block_hashes, repeat(0)))
+            if len(self._slots_by_bit) + len(self._free_bits) <= 64:
+                gpu_depths, _ = prefix_depths_u64(gpu.get, block_hashes)
+            else:
+                gpu_depths, _ = prefix_depths(map(gpu.get, block_hashes, repeat(0)))
             return self._result(gpu_depths, gpu_depths, gpu_depths, num_blocks)
         pool_depths, max_depth = prefix_depths(self._level_masks(block_hashes, lower, pools))
         if not max_depth:
             return MatchResult({}, num_blocks)
         prefix = block_hashes[:max_depth]
         own_depths = prefix_depths(self._level_masks(prefix, lower, []))[0] if pools else pool_depths
-        gpu_depths = prefix_depths(map(gpu.get, prefix, repeat(0)))[0]
+        if len(self._slots_by_bit) + len(self._free_bits) <= 64:
+            gpu_depths = prefix_depths_u64(gpu.get, prefix)[0]
+        else:
+            gpu_depths = prefix_depths(map(gpu.get, prefix, repeat(0)))[0]
         return self._result(gpu_depths, own_depths, pool_depths, num_blocks)
 
     def _level_masks(

@@ -13,9 +13,11 @@ blocks); the usable prefix is the highest bit of their AND (see ``usable_lengths
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from itertools import accumulate, groupby, takewhile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import accumulate, groupby, repeat, takewhile
 from operator import and_
+
+import numpy as np
 
 from router.index.config import GroupKind, GroupSpec
 
@@ -54,6 +56,47 @@ def prefix_depths(masks: Iterable[int]) -> tuple[dict[int, int], int]:
     for bit in iter_bits(prev):
         depths[bit] = pos
     return depths, pos
+
+
+def prefix_depths_u64(
+    lookup: Callable[[int, int], int], hashes: Sequence[int], chunk_blocks: int = 256
+) -> tuple[dict[int, int], int]:
+    """``prefix_depths`` for masks that fit in 64 bits (at most 64 slots), vectorized with numpy.
+
+    Looks blocks up ``chunk_blocks`` at a time and stops after the chunk where no slot continues.
+
+    Args:
+        lookup: ``lane.get`` of the holder table (called as ``lookup(block_hash, 0)``).
+        hashes: ``[n]`` block hashes, root-most first.
+        chunk_blocks: lookups per vectorized step.
+
+    Returns:
+        As ``prefix_depths``.
+    """
+    parts: list[np.ndarray] = []
+    carry = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+    for start in range(0, len(hashes), chunk_blocks):
+        part = hashes[start : start + chunk_blocks]
+        masks = np.fromiter(map(lookup, part, repeat(0)), dtype=np.uint64, count=len(part))
+        masks[0] &= carry
+        acc = np.bitwise_and.accumulate(masks)
+        parts.append(acc)
+        carry = acc[-1]
+        if not carry:
+            break
+    acc = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    zeros = np.flatnonzero(acc == 0)
+    depth = int(zeros[0]) if zeros.size else len(acc)
+    depths: dict[int, int] = {}
+    if not depth:
+        return depths, 0
+    acc = acc[:depth]
+    for pos in (np.flatnonzero(acc[1:] != acc[:-1]) + 1).tolist():
+        for bit in iter_bits(int(acc[pos - 1]) & ~int(acc[pos])):
+            depths[bit] = pos
+    for bit in iter_bits(int(acc[-1])):
+        depths[bit] = depth
+    return depths, depth
 
 
 def position_bitsets(masks: Sequence[int]) -> dict[int, int]:
