@@ -1,0 +1,91 @@
+"""The Llama-shaped model on the CPU (tiny config): determinism, and cached or restored prefixes equal scratch."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (the gpu extra)")
+
+from workers.model.config import TINY  # noqa: E402
+from workers.model.kv_pool import KVTransfer, allocate_cpu_pool  # noqa: E402
+from workers.model.llama import LlamaModel, PagedBatch, SeqSlice  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+BLOCK_SIZE = 4
+ATOL, RTOL = 3e-2, 3e-2  # bf16 logits: caching changes only the order of float32 reductions of bf16 inputs
+
+
+@pytest.fixture
+def model():
+    return LlamaModel.random(TINY, seed=7, device=torch.device("cpu"), dtype=torch.bfloat16)
+
+
+def make_prompt(num_tokens, seed=3):
+    return torch.randint(0, TINY.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(seed))
+
+
+def run(model, pool, tokens, block_ids, start_pos):
+    batch = PagedBatch.build(
+        [SeqSlice(block_ids, start_pos, tokens.shape[0] - start_pos)], block_size=BLOCK_SIZE, device=model.device
+    )
+    return model.forward(tokens[start_pos:], batch, pool, attention="torch")
+
+
+def greedy(model, prompt, num_new_tokens):
+    pool = model.allocate_kv_pool(16, BLOCK_SIZE)
+    blocks = tuple(range(16))
+    logits = run(model, pool, prompt, blocks, 0)
+    tokens = prompt.tolist()
+    for _ in range(num_new_tokens):
+        tokens.append(int(logits[-1].argmax()))
+        batch = PagedBatch.build([SeqSlice(blocks, len(tokens) - 1, 1)], block_size=BLOCK_SIZE, device=model.device)
+        logits = model.forward(torch.tensor(tokens[-1:]), batch, pool, attention="torch")
+    return tokens[prompt.shape[0] :]
+
+
+def test_greedy_generation_is_deterministic(model):
+    prompt = make_prompt(11)
+    first = greedy(model, prompt, 6)
+    again = greedy(LlamaModel.random(TINY, seed=7, device=torch.device("cpu"), dtype=torch.bfloat16), prompt, 6)
+    assert first == again
+    assert len(first) == 6
+
+
+def test_decode_step_matches_prefill_of_the_longer_prompt(model):
+    prompt = make_prompt(13)
+    pool = model.allocate_kv_pool(8, BLOCK_SIZE)
+    blocks = tuple(range(8))
+    run(model, pool, prompt[:12], blocks, 0)
+    decoded = run(model, pool, prompt, blocks, 12)
+    scratch = run(model, model.allocate_kv_pool(8, BLOCK_SIZE), prompt, blocks, 0)
+    torch.testing.assert_close(decoded, scratch, atol=ATOL, rtol=RTOL)
+
+
+def test_prompt_from_cached_gpu_blocks_matches_scratch(model):
+    prompt = make_prompt(22)
+    scratch = run(model, model.allocate_kv_pool(12, BLOCK_SIZE), prompt, (3, 1, 4, 0, 5, 9), 0)
+    pool = model.allocate_kv_pool(12, BLOCK_SIZE)
+    blocks = (7, 2, 11, 6, 8, 10)
+    run(model, pool, prompt[:16], blocks[:4], 0)  # an earlier request left 4 full blocks cached
+    cached = run(model, pool, prompt, blocks, 16)
+    torch.testing.assert_close(cached, scratch, atol=ATOL, rtol=RTOL)
+
+
+def test_prompt_from_blocks_restored_from_cpu_matches_scratch(model):
+    prompt = make_prompt(22)
+    scratch = run(model, model.allocate_kv_pool(12, BLOCK_SIZE), prompt, tuple(range(6)), 0)
+    pool = model.allocate_kv_pool(12, BLOCK_SIZE)
+    run(model, pool, prompt[:16], (0, 1, 2, 3), 0)
+    cpu_pool = allocate_cpu_pool(pool, num_blocks=10)
+    transfer = KVTransfer(pool)
+    transfer.offload([0, 1, 2, 3], cpu_pool, [9, 4, 5, 0])
+    pool.normal_()  # the GPU copies are gone (evicted and overwritten)
+    transfer.restore([6, 2, 10, 11], cpu_pool, [9, 4, 5, 0])
+    restored = run(model, pool, prompt, (6, 2, 10, 11, 3, 4), 16)
+    torch.testing.assert_close(restored, scratch, atol=ATOL, rtol=RTOL)
+
+
+def test_batch_rejects_short_block_tables():
+    with pytest.raises(ValueError, match="cannot hold"):
+        PagedBatch.build([SeqSlice((0,), 0, 5)], block_size=BLOCK_SIZE, device=torch.device("cpu"))
