@@ -414,6 +414,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         asyncio.create_task(_reap_sessions(gw), name="session-reaper"),
         asyncio.create_task(_expire_approximate(gw), name="approximate-expiry"),
     ]
+    if gw.config.discovery is not None:
+        from router.discovery import run_discovery
+
+        tasks.append(asyncio.create_task(run_discovery(gw.config, gw.fleet), name="discovery"))
     try:
         yield
     finally:

@@ -344,6 +344,7 @@ class GatewayConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True
             ``block-size``, which comes from each model): one index per model.
         session_key_sources: where the session key comes from when the policy is not ``session_sticky`` (which
             has its own ``key_sources``): ``x-session-id``, ``x-smg-routing-key``, ``user``, ``opening_blocks``.
+        discovery: Kubernetes worker discovery, decoded by ``router.discovery``; ``None`` disables it.
     """
 
     models: tuple[ModelConfig, ...]
@@ -363,6 +364,7 @@ class GatewayConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True
     index: dict[str, Any] = msgspec.field(default_factory=dict)
     session_key_sources: tuple[Literal["x-session-id", "x-smg-routing-key", "user", "opening_blocks"], ...] = (
         "x-session-id", "x-smg-routing-key", "user")
+    discovery: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -464,6 +466,10 @@ def parse_config(obj: object, *, validate_sections: bool = True) -> GatewayConfi
     if validate_sections:
         validate_policy(config.policy)
         validate_sessions(config.sessions)
+        if config.discovery is not None:
+            from router.discovery import decode_discovery_config
+
+            decode_discovery_config(config.discovery)
         for model in config.models:
             index_config(config, model)
         config.admin.resolve_token()
