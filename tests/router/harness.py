@@ -1,0 +1,122 @@
+"""Run a gateway in-process on a loopback port in front of ``FakeWorker``s."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.app import GATEWAY, Gateway, build_app
+from router.config import GatewayConfig, parse_config
+from tests.router.fakes import BLOCK_SIZE, FakeWorker
+
+TOKEN = "test-token"
+
+
+class Clock:
+    """Injected monotonic clock."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def make_config(workers: list[FakeWorker], **overrides: Any) -> GatewayConfig:
+    raw: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "models": [{"name": "m", "block_size": BLOCK_SIZE}],
+        "workers": [
+            {"id": w.worker_id, "url": w.url, "model": "m", "events_endpoint": w.events_endpoint,
+             "load_path": None, "snapshot_path": None}
+            for w in workers
+        ],
+        "policy": {"name": "cache_aware"},
+        "admin": {"token": TOKEN},
+        "health": {"interval_s": 3600},
+        "retry": {"max_retries": 2, "backoff_initial_s": 0.0},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    return parse_config(raw)
+
+
+class GatewayHarness:
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic,
+                 workers: list[FakeWorker] | None = None) -> None:
+        self.workers = workers or []
+        self.app = build_app(config, clock=clock)
+        self.runner = web.AppRunner(self.app, handler_cancellation=True)
+        self.port = 0
+        self.session: aiohttp.ClientSession | None = None
+
+    @property
+    def gw(self) -> Gateway:
+        return self.app[GATEWAY]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def __aenter__(self) -> GatewayHarness:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        self.session = aiohttp.ClientSession()
+        await self.connect_events(self.workers)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.session is not None
+        await self.session.close()
+        await self.runner.cleanup()
+
+    async def connect_events(self, workers: list[FakeWorker]) -> None:
+        """Publish empty batches until the gateway's subscriber has seen one from each worker (ZMQ slow joiner)."""
+        for w in workers:
+            if w.publisher is None:
+                continue
+            async with asyncio.timeout(10):
+                while self.gw.subscriber.last_seq(w.worker_id) is None:
+                    w.publisher.publish([])
+                    await asyncio.sleep(0.02)
+
+    async def post(self, path: str, body: Any, headers: dict[str, str] | None = None,
+                   raw: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+        assert self.session is not None
+        data = raw if raw is not None else None
+        async with self.session.post(self.url + path, json=None if raw is not None else body, data=data,
+                                     headers=headers) as resp:
+            return resp.status, dict(resp.headers), await resp.read()
+
+    async def admin(self, method: str, path: str, body: Any = None, token: str | None = TOKEN,
+                    raw: bytes | None = None) -> tuple[int, Any]:
+        assert self.session is not None
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with self.session.request(method, self.url + path, json=body if raw is None else None, data=raw,
+                                        headers=headers) as resp:
+            return resp.status, await resp.json()
+
+
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll ``predicate`` on the loop until it holds (no timing assertion: fails only if it never holds)."""
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def index_holds(gw: Gateway, worker_id: str, num_blocks: int) -> Callable[[], bool]:
+    def check() -> bool:
+        stats = gw.indexes["m"].stats()
+        return sum(stats.num_blocks_by_worker.get(worker_id, {}).values()) >= num_blocks
+
+    return check

@@ -1,0 +1,174 @@
+"""Scenario tables: the gateway in front of loopback fake workers publishing real KV events over ZMQ."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from events.types import Medium
+from tests.router.fakes import BLOCK_SIZE, FakeWorker
+from tests.router.harness import Clock, GatewayHarness, index_holds, make_config, wait_until
+from workers.tokenization import encode_prompt, load_tokenizer
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
+
+TOKENIZER, _ = load_tokenizer(None)
+
+
+def tokens(text: str) -> list[int]:
+    return encode_prompt(TOKENIZER, text)
+
+
+@pytest.fixture
+async def workers():
+    ws = [FakeWorker(f"w{i}") for i in range(3)]
+    for w in ws:
+        await w.start()
+    yield ws
+    for w in ws:
+        await w.stop()
+
+
+PREFIX = "A" * 40  # 10 blocks of 4 byte-tokens
+
+
+@pytest.mark.parametrize(
+    ("held", "expected_worker", "expected_cached"),
+    [
+        # worker -> number of prefix blocks it holds on GPU; longest prefix wins
+        ({"w0": 2, "w1": 6, "w2": 4}, "w1", 24),
+        ({"w0": 8, "w1": 6, "w2": 0}, "w0", 32),
+        # full-prompt hit: vLLM still computes the last token -> (n - 1) // bs blocks
+        ({"w2": 10}, "w2", 36),
+    ],
+)
+async def test_longest_prefix_wins(workers, held, expected_worker, expected_cached):
+    async with GatewayHarness(make_config(workers), workers=workers) as h:
+        for w in workers:
+            n = held.get(w.worker_id, 0)
+            if n:
+                w.store(tokens(PREFIX[: n * BLOCK_SIZE]))
+                await wait_until(index_holds(h.gw, w.worker_id, n))
+        status, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX, "max_tokens": 2})
+        assert status == 200, body
+        assert headers["x-kvgate-worker"] == expected_worker
+        assert int(headers["x-kvgate-predicted-cached-tokens"]) == expected_cached
+        assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == expected_cached
+        assert h.gw.proxy.num_honesty_mismatches == 0
+
+
+@pytest.mark.parametrize(
+    ("mediums", "expected_worker"),
+    [
+        ({"w0": Medium.CPU, "w1": Medium.GPU}, "w1"),
+        ({"w0": Medium.GPU, "w1": Medium.CPU}, "w0"),
+    ],
+)
+async def test_tier_order_gpu_before_cpu(workers, mediums, expected_worker):
+    prompt = "B" * 4000  # 1000 blocks: restore from CPU is not free
+    async with GatewayHarness(make_config(workers[:2]), workers=workers[:2]) as h:
+        for w in workers[:2]:
+            w.store(tokens(prompt), mediums[w.worker_id])
+            await wait_until(index_holds(h.gw, w.worker_id, 1000))
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": prompt})
+        assert headers["x-kvgate-worker"] == expected_worker
+
+
+async def test_load_overrides_cache_at_threshold(workers):
+    """cache_aware with max_running_requests=2: a saturated holder loses to an idle worker."""
+    config = make_config(workers[:2], policy={"name": "cache_aware", "max_running_requests": 2})
+    prompt = "C" * 4000
+    async with GatewayHarness(config, workers=workers[:2]) as h:
+        workers[0].store(tokens(prompt))
+        await wait_until(index_holds(h.gw, "w0", 1000))
+        w0 = h.gw.fleet.workers["w0"]
+        w0.num_inflight_requests = 1  # under the threshold: cache wins
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": prompt})
+        assert headers["x-kvgate-worker"] == "w0"
+        w0.num_inflight_requests = 2  # at the threshold: saturated, excluded
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": prompt})
+        assert headers["x-kvgate-worker"] == "w1"
+        w0.num_inflight_requests = 0
+
+
+async def test_drain_and_forced_worker(workers):
+    async with GatewayHarness(make_config(workers[:2]), workers=workers[:2]) as h:
+        workers[0].store(tokens(PREFIX))
+        await wait_until(index_holds(h.gw, "w0", 10))
+        status, _ = await h.admin("POST", "/admin/workers/w0/drain")
+        assert status == 200
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX})
+        assert headers["x-kvgate-worker"] == "w1"
+        await h.admin("POST", "/admin/workers/w0/undrain")
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX + "x"})
+        assert headers["x-kvgate-worker"] == "w0"
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX},
+                                     headers={"X-SMG-Target-Worker": "w1"})
+        assert headers["x-kvgate-worker"] == "w1"
+        assert headers["x-kvgate-decision"] == "forced"
+
+
+async def test_sticky_expiry_and_owner_death(workers):
+    clock = Clock()
+    config = make_config(
+        workers[:2],
+        policy={"name": "session_sticky", "idle_timeout_s": 60, "inner": {"name": "round_robin"}},
+        sessions={"idle_timeout_s": 60},
+    )
+    async with GatewayHarness(config, clock=clock, workers=workers[:2]) as h:
+        hdr = {"x-session-id": "s1"}
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "hello"}, headers=hdr)
+        owner = headers["x-kvgate-worker"]
+        for _ in range(3):  # round robin inside, but the session sticks
+            _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "hello"}, headers=hdr)
+            assert headers["x-kvgate-worker"] == owner
+            assert headers["x-kvgate-decision"] == "sticky"
+        clock.now_s += 61  # idle past the timeout: routed afresh (new claim)
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "hello"}, headers=hdr)
+        assert headers["x-kvgate-decision"] == "sticky_new"
+        owner = headers["x-kvgate-worker"]
+        other = "w1" if owner == "w0" else "w0"
+        h.gw.fleet.workers[owner].is_healthy = False  # the owner dies mid-session
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "hello"}, headers=hdr)
+        assert headers["x-kvgate-worker"] == other
+        assert headers["x-kvgate-decision"] == "sticky_moved"
+        sessions = await h.gw.sessions.list_sessions(10)
+        assert [(s.session_key, s.worker_id) for s in sessions] == [("sid:s1", other)]
+
+
+async def test_approximate_mode_worker_without_events():
+    w = FakeWorker("a0", with_events=False)
+    w2 = FakeWorker("a1", with_events=False)
+    await w.start()
+    await w2.start()
+    try:
+        async with GatewayHarness(make_config([w, w2])) as h:
+            assert h.gw.fleet.workers["a0"].is_approximate
+            _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX})
+            first = headers["x-kvgate-worker"]
+            # the decision inserted the prompt's blocks for the chosen worker: the same prompt follows it
+            _, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX})
+            assert headers["x-kvgate-worker"] == first
+            assert int(headers["x-kvgate-predicted-cached-tokens"]) == 36
+            assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == 36
+    finally:
+        await w.stop()
+        await w2.stop()
+
+
+async def test_remove_worker_clears_index_and_sessions(workers):
+    config = make_config(workers[:2], policy={"name": "session_sticky", "inner": {"name": "cache_aware"}})
+    async with GatewayHarness(config, workers=workers[:2]) as h:
+        workers[0].store(tokens(PREFIX))
+        await wait_until(index_holds(h.gw, "w0", 10))
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX},
+                                     headers={"x-session-id": "s"})
+        assert headers["x-kvgate-worker"] == "w0"
+        status, body = await h.admin("DELETE", "/admin/workers/w0")
+        assert (status, body) == (200, {"removed": "w0"})
+        assert "w0" not in h.gw.indexes["m"].stats().num_blocks_by_worker
+        assert await h.gw.sessions.num_sessions() == 0
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX},
+                                     headers={"x-session-id": "s"})
+        assert headers["x-kvgate-worker"] == "w1"
