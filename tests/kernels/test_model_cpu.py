@@ -13,7 +13,7 @@ from workers.model.llama import LlamaModel, PagedBatch, SeqSlice  # noqa: E402
 pytestmark = pytest.mark.unit
 
 BLOCK_SIZE = 4
-ATOL, RTOL = 3e-2, 3e-2  # bf16 logits: caching changes only the order of float32 reductions of bf16 inputs
+ATOL, RTOL = 8e-3, 1e-2  # bf16 logits (std ~0.15): caching changes only rounding order, not the inputs
 
 
 @pytest.fixture
@@ -84,6 +84,9 @@ def test_prompt_from_blocks_restored_from_cpu_matches_scratch(model):
     transfer.restore([6, 2, 10, 11], cpu_pool, [9, 4, 5, 0])
     restored = run(model, pool, prompt, (6, 2, 10, 11, 3, 4), 16)
     torch.testing.assert_close(restored, scratch, atol=ATOL, rtol=RTOL)
+    # Control: the same step over blocks that were not restored is visibly wrong.
+    wrong = run(model, pool, prompt, (1, 5, 7, 8, 3, 4), 16)
+    assert (wrong - scratch).abs().max() > 10 * ATOL
 
 
 def test_batch_rejects_short_block_tables():
