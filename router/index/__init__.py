@@ -30,7 +30,11 @@ Decisions:
     ``remove_worker`` do.
   * Time is injected (``now_s``); nothing reads a clock.
 
-Measured by ``python -m router.index.bench`` (see that module's docstring for the figures).
+Measured by ``python -m router.index.bench`` (figures in that module's docstring): 165 bytes per (block, worker)
+holding at 1 M blocks / 64 workers (tracemalloc), no gc-tracked object per block (a full gc pass costs the same
+as on an empty heap), ingest 0.52 M blocks/s, match of 2,048 blocks p99 918 us. Match cost is one dict probe
+per block, dominated by cache misses at 1 M entries; an open-addressing table in numpy arrays for the group-0
+GPU lane (vectorized gather of all probes) is the next step toward the 200 us target.
 """
 
 from router.index.config import GroupKind, GroupSpec, IndexConfig

@@ -101,10 +101,10 @@ class Model:
                     n += 1
                 return n
 
-            def own(p, media):
+            def own(p, media, slot=slot):
                 return any(self.held[slot].get((m, p), 0) for m in media)
 
-            def pool(p):
+            def pool(p, slot=slot, worker=worker):
                 if self.held[slot].get((Medium.MOONCAKE, p), 0):
                     return True
                 return worker in POOL_MEMBERS and any(
