@@ -58,6 +58,7 @@ class ManagedProcess(msgspec.Struct):
     log_path: Path
     popen: Any
     events_endpoint: str | None = None
+    replay_endpoint: str | None = None
 
 
 def free_port() -> int:
@@ -117,6 +118,7 @@ class Fleet:
         for spec in specs:
             port = free_port()
             events_port = free_port()
+            replay_port = free_port()
             argv = _kvgate_command(
                 "worker",
                 "--worker-id",
@@ -129,8 +131,11 @@ class Fleet:
                 HOST,
                 "--port",
                 str(port),
+                # A wildcard endpoint makes the worker's PUB bind (vLLM's rule); the gateway's SUB connects.
                 "--kv-events-endpoint",
-                f"tcp://{HOST}:{events_port}",
+                f"tcp://*:{events_port}",
+                "--replay-endpoint",
+                f"tcp://*:{replay_port}",
                 "--num-gpu-blocks",
                 str(spec.num_gpu_blocks),
                 "--num-cpu-blocks",
@@ -143,6 +148,7 @@ class Fleet:
             )
             proc = self._spawn(spec.worker_id, argv, f"http://{HOST}:{port}")
             proc.events_endpoint = f"tcp://{HOST}:{events_port}"
+            proc.replay_endpoint = f"tcp://{HOST}:{replay_port}"
             self.workers.append(proc)
 
     def gateway_config(self, policy: dict[str, Any], port: int, block_size: int) -> dict[str, Any]:
@@ -151,7 +157,13 @@ class Fleet:
             "listen": {"host": HOST, "port": port},
             "models": [{"name": self._model, "block_size": block_size}],
             "workers": [
-                {"id": w.name, "url": w.url, "model": self._model, "events_endpoint": w.events_endpoint}
+                {
+                    "id": w.name,
+                    "url": w.url,
+                    "model": self._model,
+                    "events_endpoint": w.events_endpoint,
+                    "replay_endpoint": w.replay_endpoint,
+                }
                 for w in self.workers
             ],
             "policy": policy,
