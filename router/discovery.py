@@ -274,9 +274,15 @@ class PodDiscovery:
 
     async def list_and_reconcile(self) -> None:
         """List the pods and make the discovered workers equal to the Running and Ready ones."""
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        # Raw JSON (no model objects): the same parsing as the watch's raw_object. Unpreloaded, the client leaves
+        # the status check to us.
         resp = await self._core_api.list_namespaced_pod(
             self._namespace, label_selector=self._config.label_selector, _preload_content=False)
         try:
+            if resp.status != 200:
+                raise ApiException(status=resp.status, reason=resp.reason)
             pod_list = json.loads(await resp.read())
         finally:
             resp.release()
