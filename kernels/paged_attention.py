@@ -414,7 +414,7 @@ def _num_splits_for(num_programs: int, max_seq_len: int, block_n: int, device: t
     Measured on an H200 (batch 32 x 32K, 8 KV heads): 16 splits (4,096 programs) beat 5 by 12%.
     """
     num_sms = int(torch.cuda.get_device_properties(device).multi_processor_count) if device.type == "cuda" else 1
-    wanted = triton.cdiv(32 * num_sms, max(num_programs, 1))
+    wanted = 1 << max(0, (32 * num_sms // max(num_programs, 1)).bit_length() - 1)  # a power of two
     return max(1, min(int(wanted), int(triton.cdiv(max_seq_len, 2 * block_n))))
 
 
