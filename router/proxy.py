@@ -229,9 +229,11 @@ class Proxy:
                 tail = (tail + chunk)[-SSE_TAIL_BYTES:] if len(chunk) < SSE_TAIL_BYTES else chunk[-SSE_TAIL_BYTES:]
             await out.write_eof()
         except TransportError:
-            logger.warning("worker %s broke the stream after the first byte; closing the client stream",
+            logger.warning("worker %s broke the stream after the first byte; aborting the client stream",
                            worker.worker_id)
             out.force_close()
+            if request.transport is not None:
+                request.transport.abort()  # the client sees an incomplete stream, never a clean end
         except ConnectionResetError:
             logger.info("client went away during the stream from worker %s", worker.worker_id)
         finally:

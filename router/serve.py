@@ -13,6 +13,8 @@ import argparse
 import asyncio
 import logging
 import signal
+from collections.abc import Coroutine
+from typing import Any
 
 from aiohttp import web
 
@@ -55,6 +57,16 @@ async def serve(config: GatewayConfig, *, host: str | None = None, port: int | N
         await runner.cleanup()
 
 
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    """Run ``coro`` on uvloop when it is installed, else on the default loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``kvgate serve``; returns the exit status (2 for a bad config)."""
     logging.basicConfig(level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -64,13 +76,7 @@ def main(args: argparse.Namespace) -> int:
         logger.error("%s", exc.message)
         return 2
     try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        runner = asyncio.run
-    try:
-        runner(serve(config, host=args.host, port=args.port))
+        _run(serve(config, host=args.host, port=args.port))
     except ConfigError as exc:
         logger.error("%s", exc.message)
         return 2

@@ -55,7 +55,7 @@ class FakeWorker:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, handler_cancellation=True)
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()

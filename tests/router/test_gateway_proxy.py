@@ -1,0 +1,191 @@
+"""Proxy behaviour end to end: passthrough, retries, disconnects, bad input, admin, the openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+
+from tests.router.fakes import FakeWorker
+from tests.router.harness import TOKEN, GatewayHarness, make_config, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
+
+
+@pytest.fixture
+async def workers():
+    ws = [FakeWorker(f"w{i}") for i in range(2)]
+    for w in ws:
+        await w.start()
+    yield ws
+    for w in ws:
+        await w.stop()
+
+
+async def test_streaming_passthrough_byte_exact_and_honest(workers):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 50}], "stream": True}
+    async with GatewayHarness(make_config(workers), workers=workers) as h:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(2):  # the second answer is what a warm worker sends
+                async with s.post(workers[0].url + "/v1/chat/completions", json=body) as r:
+                    direct = await r.read()
+        _, headers, via = await h.post("/v1/chat/completions", body, headers={"x-kvgate-worker": "w0"})
+        assert via == direct
+        assert headers["Content-Type"].startswith("text/event-stream")
+        # multi-turn conversation: predicted == reported on every turn
+        messages = [{"role": "system", "content": "sys " * 20}]
+        for turn in range(5):
+            messages.append({"role": "user", "content": f"question {turn} " * 7})
+            _, headers, raw = await h.post("/v1/chat/completions", {"model": "m", "messages": messages,
+                                                                   "stream": turn % 2 == 0})
+            messages.append({"role": "assistant", "content": "ok"})
+        assert h.gw.proxy.num_honesty_checks == 6
+        assert h.gw.proxy.num_honesty_mismatches == 0
+        text = (await (await h.session.get(h.url + "/metrics")).read()).decode()
+        assert 'kvgate_cached_tokens_checks_total{result="match",worker=' in text
+
+
+async def test_retry_before_first_byte_never_after(workers):
+    async with GatewayHarness(make_config(workers, policy={"name": "round_robin"}), workers=workers) as h:
+        workers[0].fail_statuses = [503]
+        status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "hi"},
+                                          headers={"x-kvgate-worker": "w0"})
+        # forced worker has no alternative: the 503 is relayed after the only attempt
+        assert status == 503 and headers["x-kvgate-worker"] == "w0"
+        workers[0].fail_statuses = [500]
+        workers[1].fail_statuses = []
+        results = []
+        for _ in range(2):
+            status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "hi"})
+            results.append((status, headers["x-kvgate-worker"]))
+        assert all(s == 200 for s, _ in results)
+        assert len(workers[0].requests) == 2 and len(workers[1].requests) == 2
+        # a worker that is down: connect error -> next worker
+        await workers[0].stop()
+        status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "hey"})
+        status2, headers2, _ = await h.post("/v1/completions", {"model": "m", "prompt": "hey"})
+        assert (status, status2) == (200, 200)
+        assert headers["x-kvgate-worker"] == headers2["x-kvgate-worker"] == "w1"
+
+
+async def test_stream_break_after_first_byte_is_not_retried(workers):
+    async with GatewayHarness(make_config(workers), workers=workers) as h:
+        workers[0].stream_release = asyncio.Event()
+        body = {"model": "m", "prompt": "hello there", "stream": True}
+        async with h.session.post(h.url + "/v1/completions", json=body, headers={"x-kvgate-worker": "w0"}) as r:
+            first = await r.content.readline()
+            assert first.startswith(b"data: ")
+            await workers[0].stop()  # the worker dies mid-stream
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await r.read()
+        assert len(workers[1].requests) == 0
+        await wait_until(lambda: h.gw.fleet.workers["w0"].num_inflight_requests == 0)
+
+
+async def test_client_disconnect_releases_load_and_cancels_upstream(workers):
+    async with GatewayHarness(make_config(workers), workers=workers) as h:
+        workers[0].stream_release = asyncio.Event()
+        w0 = h.gw.fleet.workers["w0"]
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(h.url + "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True},
+                             headers={"x-kvgate-worker": "w0"})
+            await r.content.readline()
+            assert w0.num_inflight_requests == 1 and w0.num_decoding_requests == 1
+            r.close()
+        await wait_until(lambda: w0.num_inflight_requests == 0 and h.gw.admission.num_inflight == 0)
+        await wait_until(lambda: workers[0].num_cancelled == 1)
+        assert w0.num_decoding_requests == 0 and w0.num_pending_prefill_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "status", "param"),
+    [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", b"[1, 2]", 400, None),
+        ("/v1/completions", b'{"model": "m", "prompt": 5}', 400, "prompt"),
+        ("/v1/completions", b'{"model": "m", "prompt": ""}', 400, "prompt"),
+        ("/v1/completions", b'{"model": "m", "prompt": "x", "max_tokens": "a"}', 400, "max_tokens"),
+        ("/v1/chat/completions", b'{"model": "m", "messages": []}', 400, "messages"),
+        ("/v1/chat/completions", b'{"model": "m", "messages": [{"content": "x"}]}', 400, "messages"),
+        ("/v1/completions", b'{"model": "nope", "prompt": "x"}', 404, "model"),
+        ("/v1/completions", b'{"model": "m", "prompt": "' + b"x" * 2048 + b'"}', 413, None),
+    ],
+)
+async def test_bad_input_gets_openai_error(workers, path, raw, status, param):
+    config = make_config(workers, listen={"max_body_bytes": 1024})
+    async with GatewayHarness(config, workers=workers) as h:
+        got, headers, body = await h.post(path, None, raw=raw, headers={"Content-Type": "application/json"})
+        assert got == status
+        err = json.loads(body)["error"]
+        assert err["param"] == param and err["message"]
+        assert h.gw.admission.num_inflight == 0
+        assert not workers[0].requests and not workers[1].requests
+
+
+async def test_no_worker_503_and_overload_429(workers):
+    async with GatewayHarness(make_config(workers), workers=workers) as h:
+        for w in h.gw.fleet.workers.values():
+            w.is_healthy = False
+        status, _, body = await h.post("/v1/completions", {"model": "m", "prompt": "x"})
+        assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable"
+    config = make_config(workers, admission={"max_inflight_requests": 1, "queue_size": 0})
+    async with GatewayHarness(config, workers=workers) as h:
+        workers[0].stream_release = asyncio.Event()
+        r = await h.session.post(h.url + "/v1/completions", json={"model": "m", "prompt": "x", "stream": True},
+                                 headers={"x-kvgate-worker": "w0"})
+        await r.content.readline()
+        status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "x"})
+        assert status == 429 and headers["Retry-After"] == "1"
+        workers[0].stream_release.set()
+        await r.read()
+        r.release()
+
+
+async def test_admin_auth_and_policy_hot_reload(workers):
+    async with GatewayHarness(make_config(workers), workers=workers) as h:
+        assert (await h.admin("GET", "/admin/workers", token=None))[0] == 401
+        assert (await h.admin("GET", "/admin/workers", token="wrong"))[0] == 401
+        status, body = await h.admin("GET", "/admin/workers")
+        assert status == 200 and [w["id"] for w in body["workers"]] == ["w0", "w1"]
+        status, body = await h.admin("PUT", "/admin/policy", raw=b'{"name": "cache_aware", "temperature": -1}')
+        assert status == 400 and "temperature" in body["error"]["message"]
+        assert h.gw.holder.policy.name == "cache_aware"
+        status, body = await h.admin("PUT", "/admin/policy", raw=b'{"name": "bogus"}')
+        assert status == 400 and h.gw.holder.policy.name == "cache_aware"
+        status, body = await h.admin("PUT", "/admin/policy", raw=b'{"name": "round_robin"}')
+        assert status == 200 and h.gw.holder.policy.name == "round_robin"
+        seen = []
+        for _ in range(4):
+            _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "same"})
+            seen.append(headers["x-kvgate-worker"])
+        assert seen in (["w0", "w1", "w0", "w1"], ["w1", "w0", "w1", "w0"])
+        status, body = await h.admin("GET", "/admin/decisions?limit=2")
+        assert status == 200 and len(body["decisions"]) == 2
+        assert set(body["decisions"][0]["cached_tokens"]) == {"w0", "w1"}
+        status, body = await h.admin("POST", "/admin/workers",
+                                     {"id": "w9", "url": "http://127.0.0.1:1", "model": "m"})
+        assert status == 201 and body["id"] == "w9"
+        status, body = await h.admin("POST", "/admin/workers", {"id": "w9", "url": "ftp://x", "model": "m"})
+        assert status == 400
+        assert (await h.admin("DELETE", "/admin/workers/nope"))[0] == 404
+
+
+async def test_openai_client_against_gateway(workers):
+    async with GatewayHarness(make_config(workers), workers=workers) as h:
+        client = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0)
+        try:
+            models = await client.models.list()
+            assert [m.id for m in models.data] == ["m"]
+            resp = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+            assert resp.usage is not None and resp.usage.prompt_tokens > 0
+            stream = await client.completions.create(model="m", prompt="hello", stream=True, max_tokens=2)
+            chunks = [c async for c in stream]
+            assert [c.choices[0].text for c in chunks if c.choices] == ["t0", "t1"]
+            with pytest.raises(openai.NotFoundError):
+                await client.completions.create(model="other", prompt="x")
+        finally:
+            await client.close()
