@@ -79,6 +79,8 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, r
     """``vllm``: array batch with tagged-map events (vLLM >= 0.24); ``vllm-legacy``: all arrays."""
     linger_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5
     """How long ``close()`` lets queued messages drain, in seconds."""
+    bind: bool | None = None
+    """Force the PUB to bind (True) or connect (False); ``None`` applies vLLM's rule (``bind_or_connect``)."""
 
 
 def bind_or_connect(endpoint: str) -> bool:
@@ -149,7 +151,8 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, int(config.linger_s * 1000))
         pub_endpoint = offset_endpoint(config.endpoint, config.dp_rank)
-        self.endpoint = self._open(self._pub, pub_endpoint, bind_or_connect(pub_endpoint))
+        do_bind = bind_or_connect(pub_endpoint) if config.bind is None else config.bind
+        self.endpoint = self._open(self._pub, pub_endpoint, do_bind)
         self.replay_endpoint: str | None = None
         self._thread: threading.Thread | None = None
         if config.replay_endpoint is not None:

@@ -1,0 +1,399 @@
+"""Publisher and subscriber over real ZMQ sockets on 127.0.0.1 (ephemeral ports)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from events.counters import DropKind
+from events.encode import encode_batch
+from events.errors import PublisherClosedError
+from events.publisher import KVEventPublisher, PublisherConfig, bind_or_connect, offset_endpoint
+from events.subscriber import KVEventSubscriber, SubscriberConfig, WorkerSpec
+from events.types import AllBlocksCleared, BlockRemoved, BlockStored, EngineBlockHash, EventBatch, Resync
+
+pytestmark = pytest.mark.integration
+
+END = b"\xff" * 8
+
+
+def stored(*hashes: int) -> BlockStored:
+    return BlockStored(
+        block_hashes=tuple(EngineBlockHash(x) for x in hashes),
+        parent_block_hash=None,
+        token_ids=tuple(range(4 * len(hashes))),
+        block_size=4,
+    )
+
+
+def payload(tag: int) -> bytes:
+    return encode_batch([stored(tag)], 1.0, 0)
+
+
+async def until(predicate, timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+class FakeEngine:
+    """A hand-driven vLLM-style publisher: raw PUB + ROUTER, with scripted replay answers."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.bind("tcp://127.0.0.1:*")
+        self.replay_endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.buffer: dict[int, bytes] = {}
+        self.replay_order = "in_order"  # or "reversed_with_duplicates"
+        self.requests: list[int] = []
+        self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            ident, empty, start = await self.router.recv_multipart()
+            start_seq = int.from_bytes(start, "big")
+            self.requests.append(start_seq)
+            seqs = sorted(q for q in self.buffer if q >= start_seq)
+            if self.replay_order != "in_order":
+                seqs = list(reversed(seqs)) + seqs
+            for q in seqs:
+                await self.router.send_multipart([ident, b"", q.to_bytes(8, "big"), self.buffer[q]])
+            await self.router.send_multipart([ident, b"", END, b""])
+
+    async def send(self, seq: int, body: bytes, *, deliver: bool = True, topic: bytes = b"") -> None:
+        self.buffer[seq] = body
+        if deliver:
+            await self.pub.send_multipart([topic, seq.to_bytes(8, "big"), body])
+
+    async def ping(self, sub: KVEventSubscriber, worker_id: str) -> None:
+        """Send one-frame messages until the subscriber counts one: the subscription is then live."""
+        async with asyncio.timeout(5):
+            while not sub.counters.drops.get((worker_id, DropKind.FRAME_COUNT)):
+                await self.pub.send(b"ping")
+                await asyncio.sleep(0.01)
+        sub.counters.drops.clear()
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+@pytest.fixture
+async def ctx():
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+async def engine(ctx):
+    fake = FakeEngine(ctx)
+    yield fake
+    await fake.close()
+
+
+def make_sub(ctx, records, **cfg) -> KVEventSubscriber:
+    config = SubscriberConfig(replay_timeout_s=cfg.pop("replay_timeout_s", 1.0), **cfg)
+    return KVEventSubscriber(config, records.append, context=ctx)
+
+
+def hashes_of(records) -> list[object]:
+    out: list[object] = []
+    for r in records:
+        if isinstance(r, Resync):
+            out.append(("resync", r.reason))
+        else:
+            out.extend((r.seq, e.block_hashes[0]) for e in r.events)  # type: ignore[union-attr]
+    return out
+
+
+# --- publisher ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_bind_or_connect_and_dp_offset():
+    assert bind_or_connect("tcp://*:5557") and bind_or_connect("tcp://[::]:5557") and bind_or_connect("ipc:///x")
+    assert not bind_or_connect("tcp://127.0.0.1:5557")
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+    assert offset_endpoint("tcp://127.0.0.1:*", 3) == "tcp://127.0.0.1:*"
+
+
+def test_publisher_frames_and_replay_bytes():
+    ctx = zmq.Context()
+    pub = KVEventPublisher(
+        PublisherConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv-events",
+                        buffer_steps=2, dp_rank=0),
+        context=ctx,
+    )
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(pub.endpoint)
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    while True:  # slow joiner: publish until the first message arrives
+        seq = pub.publish([AllBlocksCleared()], ts_s=1.0)
+        if poller.poll(20):
+            first = sub.recv_multipart()
+            break
+    assert first[0] == b"kv-events" and len(first[1]) == 8
+    assert first[2] == bytes.fromhex("93cb3ff00000000000009181a474797065b0416c6c426c6f636b73436c656172656400")
+    while int.from_bytes(first[1], "big") != seq:  # drain warm-up copies
+        first = sub.recv_multipart()
+    seq = pub.publish([BlockRemoved(block_hashes=(EngineBlockHash(7),))], ts_s=2.0)
+    frames = sub.recv_multipart()
+    assert frames[1] == seq.to_bytes(8, "big")
+    assert frames[2] == encode_batch([BlockRemoved(block_hashes=(EngineBlockHash(7),))], 2.0, 0)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.connect(pub.replay_endpoint)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])  # buffer keeps only the last 2
+    replies = [dealer.recv_multipart() for _ in range(3)]
+    assert [r[1] for r in replies] == [(seq - 1).to_bytes(8, "big"), seq.to_bytes(8, "big"), END]
+    assert replies[1][2] == frames[2] and replies[2] == [b"", END, b""]
+    dealer.send_multipart([b"", b"bad"])  # wrong seq frame: ignored, the next request is still served
+    dealer.send_multipart([b"", seq.to_bytes(8, "big")])
+    assert dealer.recv_multipart()[1] == seq.to_bytes(8, "big")
+    assert dealer.recv_multipart() == [b"", END, b""]
+    dealer.close(linger=0)
+    sub.close(linger=0)
+    pub.close()
+    with pytest.raises(PublisherClosedError):
+        pub.publish([])
+    ctx.term()
+
+
+# --- subscriber: sequencing and replay -------------------------------------------------------------------------
+
+
+async def test_gap_replayed_exactly_once_in_order(ctx, engine):
+    records: list = []
+    sub = make_sub(ctx, records)
+    await sub.start()
+    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint))
+    await engine.ping(sub, "w")
+    await engine.send(0, payload(100))
+    await engine.send(1, payload(101), deliver=False)
+    await engine.send(2, payload(102), deliver=False)
+    await engine.send(3, payload(103))
+    await engine.send(4, payload(104))
+    await until(lambda: sub.last_seq("w") == 4)
+    assert hashes_of(records) == [(0, 100), (1, 101), (2, 102), (3, 103), (4, 104)]
+    assert engine.requests == [0]  # verified from the last applied seq
+    assert sub.counters.num_replayed_batches["w"] == 2 and sub.counters.total_drops() == 0
+    await engine.send(4, payload(104))  # a duplicate live batch
+    await engine.send(5, payload(105))
+    await until(lambda: sub.last_seq("w") == 5)
+    assert hashes_of(records)[-1] == (5, 105)
+    assert sub.counters.drops == {("w", DropKind.DUPLICATE_SEQ): 1}
+    await sub.aclose()
+
+
+async def test_reordered_and_duplicated_replay_applied_once(ctx, engine):
+    records: list = []
+    sub = make_sub(ctx, records)
+    await sub.start()
+    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint))
+    await engine.ping(sub, "w")
+    engine.replay_order = "reversed_with_duplicates"
+    await engine.send(10, payload(10))
+    for q in (11, 12, 13):
+        await engine.send(q, payload(q), deliver=False)
+    await engine.send(14, payload(14))
+    await until(lambda: sub.last_seq("w") == 14)
+    assert hashes_of(records) == [(10, 10), (11, 11), (12, 12), (13, 13), (14, 14)]
+    await sub.aclose()
+
+
+async def test_unclosable_gap_resyncs_before_newer_batch(ctx, engine):
+    records: list = []
+    sub = make_sub(ctx, records)
+    await sub.start()
+    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint))
+    await engine.ping(sub, "w")
+    await engine.send(0, payload(1))
+    engine.buffer[1] = payload(2)  # seq 2 is missing from the buffer too
+    await engine.send(3, payload(4))
+    await until(lambda: sub.last_seq("w") == 3)
+    assert hashes_of(records) == [(0, 1), ("resync", "gap_unrecoverable"), (3, 4)]
+    assert sub.counters.resyncs == {("w", "gap_unrecoverable"): 1}
+    await sub.aclose()
+
+
+async def test_no_replay_configured_gap_and_backwards_resync(ctx, engine):
+    records: list = []
+    sub = make_sub(ctx, records)
+    await sub.start()
+    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint))
+    await engine.ping(sub, "w")
+    await engine.send(5, payload(5))
+    await engine.send(7, payload(7))
+    await engine.send(0, payload(50))
+    await until(lambda: sub.last_seq("w") == 0)
+    assert hashes_of(records) == [(5, 5), ("resync", "gap_no_replay"), (7, 7), ("resync", "seq_backwards"), (0, 50)]
+    assert engine.requests == []
+    await sub.aclose()
+
+
+async def test_restart_detected_when_seq_goes_back_with_replay(ctx, engine):
+    records: list = []
+    sub = make_sub(ctx, records)
+    await sub.start()
+    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint))
+    await engine.ping(sub, "w")
+    for q in range(4):
+        await engine.send(q, payload(q))
+    await until(lambda: sub.last_seq("w") == 3)
+    engine.buffer = {}  # the restarted publisher's buffer
+    await engine.send(0, payload(900))
+    await until(lambda: sub.last_seq("w") == 0)
+    assert hashes_of(records)[-2:] == [("resync", "seq_backwards"), (0, 900)]
+    await sub.aclose()
+
+
+async def test_restart_past_last_seq_detected_through_replay(ctx, engine):
+    records: list = []
+    sub = make_sub(ctx, records)
+    await sub.start()
+    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint))
+    await engine.ping(sub, "w")
+    for q in range(3):
+        await engine.send(q, payload(q))
+    await until(lambda: sub.last_seq("w") == 2)
+    engine.buffer = {}  # restarted publisher: published 0..7 while we saw nothing, then 8 arrives
+    for q in range(8):
+        await engine.send(q, payload(500 + q), deliver=False)
+    await engine.send(8, payload(508))
+    await until(lambda: sub.last_seq("w") == 8)
+    assert hashes_of(records) == [(0, 0), (1, 1), (2, 2), ("resync", "gap_unrecoverable"), (8, 508)]
+    assert engine.requests == [2]
+    await sub.aclose()
+
+
+async def test_real_publisher_restart_at_same_address(ctx):
+    records: list = []
+    sub = make_sub(ctx, records)
+    await sub.start()
+    old = KVEventPublisher(PublisherConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*"))
+    endpoint, replay = old.endpoint, old.replay_endpoint
+    sub.add_worker(WorkerSpec(worker_id="w", endpoint=endpoint, replay_endpoint=replay))
+    async with asyncio.timeout(5):
+        while not records:
+            old.publish([stored(1)])
+            await asyncio.sleep(0.01)
+    await until(lambda: sub.last_seq("w") == old.next_seq - 1)
+    seen_old = len(records)
+    old.close()
+    await until(lambda: sub.counters.num_disconnects[endpoint] >= 1)
+    new = KVEventPublisher(PublisherConfig(endpoint=endpoint, replay_endpoint=replay, bind=True))
+    for _ in range(old.next_seq + 3):  # publishes past the last seq we saw, before we are back
+        new.publish([stored(2)])
+    await until(lambda: sub.counters.num_reconnects[endpoint] >= 1)
+    async with asyncio.timeout(5):
+        while len(records) == seen_old:
+            new.publish([stored(2)])
+            await asyncio.sleep(0.01)
+    await until(lambda: sub.last_seq("w") == new.next_seq - 1)
+    after = records[seen_old:]
+    assert isinstance(after[0], Resync) and after[0].reason in ("reconnect", "seq_backwards")
+    assert all(isinstance(r, EventBatch) and r.events[0].block_hashes == (2,) for r in after[1:])  # type: ignore[union-attr]
+    new.close()
+    await sub.aclose()
+
+
+async def test_start_id_change_resyncs(ctx, engine):
+    records: list = []
+    sub = make_sub(ctx, records)
+    await sub.start()
+    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint))
+    sub.notify_start_id("w", "epoch-1")
+    await engine.ping(sub, "w")
+    await engine.send(0, payload(1))
+    await until(lambda: sub.last_seq("w") == 0)
+    sub.notify_start_id("w", "epoch-1")
+    sub.notify_start_id("w", "epoch-2")
+    await until(lambda: sub.last_seq("w") is None)
+    await engine.send(0, payload(2))  # the new publisher's first batch: accepted as the baseline
+    await until(lambda: sub.last_seq("w") == 0 and len(records) == 3)
+    assert hashes_of(records) == [(0, 1), ("resync", "start_id_changed"), (0, 2)]
+    await sub.aclose()
+
+
+# --- subscriber: topologies, bad frames, workers ---------------------------------------------------------------
+
+
+async def test_bound_topology_topic_names_worker(ctx):
+    records: list = []
+    sub = make_sub(ctx, records, bind_endpoint="tcp://127.0.0.1:*")
+    await sub.start()
+    sub.add_worker(WorkerSpec(worker_id="pod-a", block_size=4))
+    pub = KVEventPublisher(
+        PublisherConfig(endpoint=sub.bound_endpoint or "", topic="kv@pod-a@llama"), context=None
+    )
+    assert not bind_or_connect(pub.endpoint)  # loopback address: the publisher connects
+    async with asyncio.timeout(5):
+        while not records:
+            pub.publish([stored(3)])
+            await asyncio.sleep(0.01)
+    assert records[0].worker_id == "pod-a" and records[0].events == (stored(3),)
+    stranger = ctx.socket(zmq.PUB)
+    stranger.connect(sub.bound_endpoint)
+    async with asyncio.timeout(5):
+        while not sub.counters.drops.get(("pod-b", DropKind.UNKNOWN_WORKER)):
+            await stranger.send_multipart([b"kv@pod-b@llama\x00sgl-kv-epoch=1", (0).to_bytes(8, "big"), payload(1)])
+            await asyncio.sleep(0.01)
+    assert all(r.worker_id == "pod-a" for r in records)
+    stranger.close(linger=0)
+    pub.close()
+    await sub.aclose()
+
+
+async def test_bad_frames_counted_nothing_emitted(ctx, engine):
+    records: list = []
+    sub = make_sub(ctx, records, default_block_size=4)
+    await sub.start()
+    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint))
+    await engine.ping(sub, "w")
+    await engine.pub.send_multipart([b"", b"\x00" * 8])  # 2 frames
+    await engine.pub.send_multipart([b"", b"\x01", payload(1)])  # short seq frame
+    await engine.pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\x93\xcb\x00"])  # truncated msgpack
+    bad_size = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                              "token_ids": list(range(8)), "block_size": 8}], 0])
+    await engine.pub.send_multipart([b"", (1).to_bytes(8, "big"), bad_size])
+    await until(lambda: sub.last_seq("w") == 1)
+    assert records == []
+    assert sub.counters.drops == {
+        ("w", DropKind.FRAME_COUNT): 1,
+        ("w", DropKind.BAD_SEQ_FRAME): 1,
+        ("w", DropKind.MALFORMED_PAYLOAD): 1,
+        ("w", DropKind.BLOCK_SIZE_MISMATCH): 1,
+    }
+    await sub.aclose()
+
+
+async def test_add_remove_worker_at_runtime_and_slices(ctx, engine):
+    records: list = []
+    sub = make_sub(ctx, records, max_blocks_per_slice=3)
+    await sub.start()
+    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint))
+    await engine.ping(sub, "w")
+    big = encode_batch([stored(1, 2), stored(3, 4), stored(5)], 1.0, 0)
+    await engine.send(0, big)
+    await until(lambda: sub.last_seq("w") == 0)
+    assert [tuple(e.block_hashes for e in r.events) for r in records] == [((1, 2),), ((3, 4), (5,))]
+    assert {r.seq for r in records} == {0}
+    assert sub.remove_worker("w") and not sub.remove_worker("w")
+    assert sub.last_seq("w") is None
+    await sub.aclose()
