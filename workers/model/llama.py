@@ -320,14 +320,15 @@ class LlamaModel:
             out = torch.empty_like(q)
             cu = batch.cu_seqlens_q.tolist()
             for start, end in zip(cu[:-1], cu[1:], strict=True):
+                # [1, heads, tokens, head_size]: the fused backends need a batch dimension.
                 o = F.scaled_dot_product_attention(
-                    q[start:end].transpose(0, 1),
-                    k[start:end].transpose(0, 1),
-                    v[start:end].transpose(0, 1),
+                    q[start:end].transpose(0, 1)[None],
+                    k[start:end].transpose(0, 1)[None],
+                    v[start:end].transpose(0, 1)[None],
                     is_causal=True,
                     scale=scale,
                     enable_gqa=True,
                 )
-                out[start:end] = o.transpose(0, 1)
+                out[start:end] = o[0].transpose(0, 1)
             return out
         raise ValueError(f"unknown attention backend {backend!r}")
