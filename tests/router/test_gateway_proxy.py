@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.router.fakes import FakeWorker
-from tests.router.harness import TOKEN, GatewayHarness, make_config, wait_until
+from tests.router.harness import GatewayHarness, make_config, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 

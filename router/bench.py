@@ -1,0 +1,303 @@
+"""Gateway benchmarks: ``python -m router.bench``.
+
+(a) Cost per proxied request. One fast fake backend process (aiohttp + uvloop, two ports = two workers) answers
+``/v1/completions`` with a fixed body (non-streaming, ~2 KB prompt in, small JSON out) or a 4-event SSE stream.
+In front of it, each in its own process and measured in the same run with the same load:
+
+* ``direct``     the backend itself (baseline for added latency);
+* ``bare``       a bare aiohttp + uvloop + msgspec pass-through proxy with no routing (baseline for CPU);
+* ``kvgate``     ``kvgate serve`` with ``cache_aware`` (tokenize, hash, index match, policy, proxy);
+* ``sglang``     SGLang's router (``cache_aware``) from a separate venv, if one is installed at
+                 ``~/.cache/kvgate/sglr`` (skipped with a message otherwise).
+
+The load generator runs in this process (aiohttp, ``--concurrency`` connections). CPU µs per request is the
+proxy process's user+system time (``/proc/<pid>/stat``) over the measured requests; latency p50/p99 are client
+side. Figures are printed as ratios to the baselines of the same run.
+
+(b) Routing decision time for a 32,768-token chat: the request view (incremental tokenization + hashing) plus
+index match and policy select, for the first turn and for an incremental next turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+SGLR_PYTHON = Path.home() / ".cache" / "kvgate" / "sglr" / "bin" / "python"
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+# -- processes ----------------------------------------------------------------------------------------------
+
+
+async def _backend(ports: list[int]) -> None:
+    usage = {"prompt_tokens": 2048, "completion_tokens": 4, "total_tokens": 2052,
+             "prompt_tokens_details": {"cached_tokens": 0}}
+    body = msgspec.json.encode({"id": "c", "object": "text_completion", "model": "m",
+                                "choices": [{"index": 0, "text": "abcd", "finish_reason": "length"}],
+                                "usage": usage})
+    events = [b'data: {"id":"c","choices":[{"index":0,"text":"t%d"}]}\n\n' % i for i in range(3)]
+    events.append(b"data: " + msgspec.json.encode({"id": "c", "choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if b'"stream":true' not in raw.replace(b" ", b""):
+            return web.Response(body=body, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in events:
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(body=b"{}", content_type="application/json")
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": tempfile.gettempdir(), "served_model_name": "m"})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
+        app.router.add_get(path, info)
+    app.router.add_get("/v1/models", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    for port in ports:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    await asyncio.Event().wait()
+
+
+async def _bare_proxy(port: int, upstream: str) -> None:
+    """Bare pass-through: parse the body with msgspec (as a router would), forward it, stream the answer back."""
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+
+    class _Body(msgspec.Struct):
+        model: str
+        stream: bool = False
+
+    decoder = msgspec.json.Decoder(_Body)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        decoder.decode(raw)
+        async with session.post(upstream + request.path, data=raw,
+                                headers={"Content-Type": "application/json"}) as up:
+            out = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers["Content-Type"]})
+            await out.prepare(request)
+            async for chunk in up.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await asyncio.Event().wait()
+
+
+def _spawn(args: list[str], **kw: object) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)  # type: ignore[call-overload]
+
+
+async def _wait_port(port: int, path: str = "/health", timeout_s: float = 30.0) -> None:
+    async with aiohttp.ClientSession() as s:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                async with s.get(f"http://127.0.0.1:{port}{path}") as r:
+                    if r.status < 500:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"port {port} did not come up")
+            await asyncio.sleep(0.1)
+
+
+# -- load ---------------------------------------------------------------------------------------------------
+
+
+async def _load(port: int, body: bytes, num_requests: int, concurrency: int) -> list[float]:
+    latencies: list[float] = []
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+        remaining = [num_requests]
+
+        async def worker() -> None:
+            while remaining[0] > 0:
+                remaining[0] -= 1
+                t0 = time.perf_counter()
+                async with s.post(url, data=body, headers=headers) as r:
+                    await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"status {r.status}")
+                latencies.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies
+
+
+async def _measure(pid: int | None, port: int, body: bytes, n: int, c: int) -> dict[str, float]:
+    await _load(port, body, max(50, n // 10), c)  # warm-up
+    cpu0 = _cpu_s(pid) if pid else 0.0
+    lat = await _load(port, body, n, c)
+    cpu1 = _cpu_s(pid) if pid else 0.0
+    lat.sort()
+    return {"p50_ms": statistics.median(lat) * 1e3, "p99_ms": lat[int(len(lat) * 0.99) - 1] * 1e3,
+            "cpu_us": (cpu1 - cpu0) / n * 1e6 if pid else float("nan")}
+
+
+def _free_ports(k: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(k)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+async def bench_proxy(num_requests: int, concurrency: int) -> None:
+    """Benchmark (a); prints one table per request kind."""
+    py = sys.executable
+    b1, b2, bare, gate, sgl = _free_ports(5)
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    tmp = tempfile.mkdtemp(prefix="kvgate-bench-")
+    try:
+        procs["backend"] = _spawn([py, "-m", "router.bench", "--role", "backend", "--ports", f"{b1},{b2}"])
+        await _wait_port(b1)
+        procs["bare"] = _spawn([py, "-m", "router.bench", "--role", "bare", "--ports", str(bare),
+                                "--upstream", f"http://127.0.0.1:{b1}"])
+        cfg = {"listen": {"host": "127.0.0.1", "port": gate}, "models": [{"name": "m", "block_size": 16}],
+               "workers": [{"id": f"w{i}", "url": f"http://127.0.0.1:{p}", "model": "m", "load_path": None,
+                            "snapshot_path": None} for i, p in enumerate((b1, b2))],
+               "policy": {"name": "cache_aware"}, "admin": {"disable_auth": True}, "health": {"interval_s": 60}}
+        cfg_path = Path(tmp) / "gateway.yaml"
+        cfg_path.write_text(json.dumps(cfg))
+        procs["kvgate"] = _spawn([py, "-m", "router.cli", "serve", "--config", str(cfg_path), "--log-level",
+                                  "WARNING"])
+        if SGLR_PYTHON.exists():
+            procs["sglang"] = _spawn([str(SGLR_PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                      "--port", str(sgl), "--worker-urls", f"http://127.0.0.1:{b1}",
+                                      f"http://127.0.0.1:{b2}", "--policy", "cache_aware", "--prometheus-host",
+                                      "127.0.0.1", "--prometheus-port", str(_free_ports(1)[0]),
+                                      "--log-level", "warn"])
+        else:
+            print(f"sglang-router: skipped (no venv at {SGLR_PYTHON.parent.parent}; "
+                  "python3 -m venv it and pip install sglang-router)")
+        await _wait_port(gate)
+        await _wait_port(bare, "/v1/completions")
+        targets = {"direct": (procs["backend"].pid, b1), "bare": (procs["bare"].pid, bare),
+                   "kvgate": (procs["kvgate"].pid, gate)}
+        if "sglang" in procs:
+            try:
+                await _wait_port(sgl, "/health", 60)
+                targets["sglang"] = (procs["sglang"].pid, sgl)
+            except RuntimeError:
+                print("sglang-router: did not come up; skipped")
+        prompt = "x" * 2000
+        for kind, stream in (("non-streaming", False), ("streaming", True)):
+            body = msgspec.json.encode({"model": "m", "prompt": prompt, "max_tokens": 4, "stream": stream})
+            results = {name: await _measure(pid if name != "direct" else None, port, body, num_requests,
+                                            concurrency) for name, (pid, port) in targets.items()}
+            base = results["bare"]["cpu_us"]
+            direct = results["direct"]["p50_ms"]
+            print(f"\n{kind}, 2 KB prompt, {num_requests} requests, concurrency {concurrency}")
+            print(f"{'target':8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'CPU us/req':>11} {'/bare':>6}")
+            for name, r in results.items():
+                ratio = r["cpu_us"] / base if base else float("nan")
+                print(f"{name:8} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['p50_ms'] - direct:8.3f} "
+                      f"{r['cpu_us']:11.1f} {ratio:6.2f}")
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(timeout=10)
+
+
+def bench_decision(num_tokens: int = 32_768) -> None:
+    """Benchmark (b): decision time for a long chat, first turn and incremental next turn."""
+    from policies import build_policy, decode_policy_config
+    from policies.base import RequestView, Snapshot, WorkerState
+    from router.config import ModelConfig
+    from router.index import IndexConfig, PrefixIndex
+    from router.request_view import ModelTokenizer, parse_request
+
+    model = ModelTokenizer(ModelConfig(name="m", block_size=16))
+    index = PrefixIndex(IndexConfig(block_size=16))
+    policy = build_policy(decode_policy_config({"name": "cache_aware"}))
+    messages = [{"role": "system", "content": "You are a coding agent. " * 40}]
+    i = 0
+    while sum(len(m["content"]) for m in messages) < num_tokens - 600:
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " + "y" * 990})
+        i += 1
+
+    def decide(msgs: list[dict[str, str]]) -> tuple[float, int]:
+        body = msgspec.json.encode({"model": "m", "messages": msgs})
+        t0 = time.perf_counter()
+        parsed = parse_request("chat", body)
+        view = model.view(parsed)
+        match = index.match(view.block_hashes)
+        states = tuple(WorkerState(f"w{k}", num_gpu_cached_tokens=(m.num_gpu_blocks * 16 if (
+            m := match.workers.get(f"w{k}")) else 0)) for k in range(8))
+        policy.select(RequestView("r", "m", view.num_tokens, 256, 16), Snapshot(states))
+        return time.perf_counter() - t0, view.num_tokens
+
+    first_s, n = decide(messages)
+    follow: list[float] = []
+    for turn in range(20):
+        messages = messages + [{"role": "assistant", "content": "ok " * 30},
+                               {"role": "user", "content": f"next {turn} " * 30}]
+        follow.append(decide(messages)[0])
+    print(f"\ndecision time, {n}-token chat: first turn {first_s * 1e3:.2f} ms, "
+          f"incremental next turn p50 {statistics.median(follow) * 1e3:.3f} ms "
+          f"(max {max(follow) * 1e3:.3f} ms, target <= 1 ms)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--role", choices=("bench", "backend", "bare"), default="bench")
+    parser.add_argument("--ports", default="")
+    parser.add_argument("--upstream", default="")
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--skip-proxy", action="store_true")
+    args = parser.parse_args()
+    import uvloop
+
+    if args.role == "backend":
+        uvloop.run(_backend([int(p) for p in args.ports.split(",")]))
+    elif args.role == "bare":
+        uvloop.run(_bare_proxy(int(args.ports), args.upstream))
+    else:
+        bench_decision()
+        if not args.skip_proxy:
+            uvloop.run(bench_proxy(args.requests, args.concurrency))
+
+
+if __name__ == "__main__":
+    main()
