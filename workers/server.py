@@ -48,7 +48,7 @@ from events.encode import BatchEncoder
 from events.publisher import KVEventPublisher, PublisherConfig
 from workers.config import WorkerConfig
 from workers.core import EngineCore, RequestStream
-from workers.engines.base import SamplingParams
+from workers.engines.base import Engine, SamplingParams
 from workers.engines.sim import SimEngine
 from workers.errors import ConfigError, ContextLengthError, InvalidRequestError
 from workers.kv.manager import KVCacheManager
@@ -165,9 +165,21 @@ def build_worker(config: WorkerConfig, publisher: KVEventPublisher | None = None
         vocab = list(b"abcdefghijklmnopqrstuvwxyz ")
     else:
         vocab = sorted(set(tokenizer.encode(SAMPLE_TEXT))) or [0]
-    if config.engine != "sim":
-        raise ConfigError(f"engine {config.engine!r} is not available in this build")
-    engine = SimEngine(config.timing, config.kv_cache.block_size, vocab, tokenizer.eos_token_id)
+    engine: Engine
+    if config.engine == "torch":
+        try:
+            from workers.engines.torch_engine import TorchEngineConfig, build_torch_engine
+        except ImportError as exc:
+            raise ConfigError(f"engine 'torch' needs the gpu extra (torch, triton): {exc}") from exc
+        engine = build_torch_engine(
+            TorchEngineConfig(),
+            num_gpu_blocks=config.kv_cache.num_gpu_blocks,
+            num_cpu_blocks=config.kv_cache.num_cpu_blocks,
+            block_size=config.kv_cache.block_size,
+            min_vocab_size=tokenizer.vocab_size,
+        )
+    else:
+        engine = SimEngine(config.timing, config.kv_cache.block_size, vocab, tokenizer.eos_token_id)
     core = EngineCore(scheduler, engine, publisher, config.time_scale)
     return Worker(config, tokenizer, template, core)
 
