@@ -25,7 +25,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import suppress
 from typing import Any
 
@@ -169,13 +169,17 @@ class Gateway:
 
 
 def _counter_fields(counters: object) -> dict[str, int]:
-    """Integer attributes of the subscriber's ``EventCounters`` (batches, gaps, replays, resyncs...)."""
+    """Totals of the subscriber's ``EventCounters`` (batches, gaps, replays, disconnects...; resyncs as
+    ``num_resyncs``). Each is a ``Counter`` keyed by worker or endpoint; a plain int is taken as is."""
     out: dict[str, int] = {}
     for name in dir(counters):
-        if name.startswith("num_"):
+        if name.startswith("num_") or name == "resyncs":
             value = getattr(counters, name, None)
+            key = "num_resyncs" if name == "resyncs" else name
             if isinstance(value, int) and not isinstance(value, bool):
-                out[name] = value
+                out[key] = value
+            elif isinstance(value, Mapping):
+                out[key] = int(sum(value.values()))
     return out
 
 

@@ -116,8 +116,8 @@ async def _bare_proxy(port: int, upstream: str) -> None:
     await asyncio.Event().wait()
 
 
-def _spawn(args: list[str], **kw: object) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)  # type: ignore[call-overload]
+def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 async def _wait_port(port: int, path: str = "/health", timeout_s: float = 30.0) -> None:

@@ -329,7 +329,7 @@ class GatewayConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True
         models: served models (at least one).
         workers: workers known at start (more can be added through the admin API).
         events: the event path.
-        policy: routing policy config, decoded by ``policies.decode_policy_config`` (tagged by ``kind``).
+        policy: routing policy config, decoded by ``policies.decode_policy_config`` (tagged by ``name``).
         sessions: session store config, decoded by ``router.sessions.config``.
         timeouts: upstream timeouts.
         retry: retries before the first byte.
@@ -351,7 +351,7 @@ class GatewayConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True
     workers: tuple[WorkerConfig, ...] = ()
     listen: ListenConfig = msgspec.field(default_factory=ListenConfig)
     events: EventsConfig = msgspec.field(default_factory=EventsConfig)
-    policy: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "cache_aware"})
+    policy: dict[str, Any] = msgspec.field(default_factory=lambda: {"name": "cache_aware"})
     sessions: dict[str, Any] = msgspec.field(default_factory=dict)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)

@@ -32,6 +32,7 @@ async def test_streaming_passthrough_byte_exact_and_honest(workers):
             for _ in range(2):  # the second answer is what a warm worker sends
                 async with s.post(workers[0].url + "/v1/chat/completions", json=body) as r:
                     direct = await r.read()
+        await wait_until(lambda: h.gw.subscriber.last_seq("w0") == workers[0].publisher.next_seq - 1)
         _, headers, via = await h.post("/v1/chat/completions", body, headers={"x-kvgate-worker": "w0"})
         assert via == direct
         assert headers["Content-Type"].startswith("text/event-stream")
@@ -42,6 +43,9 @@ async def test_streaming_passthrough_byte_exact_and_honest(workers):
             _, headers, raw = await h.post("/v1/chat/completions", {"model": "m", "messages": messages,
                                                                    "stream": turn % 2 == 0})
             messages.append({"role": "assistant", "content": "ok"})
+            served = next(w for w in workers if w.worker_id == headers["x-kvgate-worker"])
+            # the next turn is routed after this turn's BlockStored reached the index
+            await wait_until(lambda w=served: h.gw.subscriber.last_seq(w.worker_id) == w.publisher.next_seq - 1)
         assert h.gw.proxy.num_honesty_checks == 6
         assert h.gw.proxy.num_honesty_mismatches == 0
         text = (await (await h.session.get(h.url + "/metrics")).read()).decode()
