@@ -2,7 +2,9 @@
 
 One asyncio task (``EngineCore.run``) per worker. It sleeps when idle (no CPU), and paces steps by the
 engine's step duration times ``time_scale`` against a wall-clock anchor, so simulated time tracks wall time
-without drift. KV events produced by a step are published once per step (one batch), as vLLM does.
+without drift. A step's sampled tokens and KV events are handed out when the step ends, after its paced sleep
+(a prefill's first token reaches the client one prefill later, as on a real engine). KV events produced by a
+step are published once per step (one batch), as vLLM does.
 """
 
 from __future__ import annotations
@@ -84,13 +86,22 @@ class EngineCore:
 
     def step(self) -> float:
         """Run one step synchronously; returns its duration in (simulated) seconds (0: nothing could run)."""
+        outputs, duration = self._compute()
+        self._finish_step(outputs)
+        return duration
+
+    def _compute(self) -> tuple[Sequence[RequestOutput], float]:
+        """Schedule and execute one step; its outputs and events are held until ``_finish_step``."""
         step = self.scheduler.schedule()
         result = self.engine.execute(step)
         outputs = self.scheduler.update(result)
+        self.num_steps += 1
+        return outputs, result.duration_s
+
+    def _finish_step(self, outputs: Sequence[RequestOutput]) -> None:
+        """The step has ended: hand its tokens to the request streams and publish its KV events."""
         self._dispatch(outputs)
         self.flush_events()
-        self.num_steps += 1
-        return result.duration_s
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
         streams = self._streams
@@ -118,10 +129,12 @@ class EngineCore:
                 anchor_wall = time.monotonic()
                 sim_since_anchor = 0.0
             try:
-                duration = self.step()
+                outputs, duration = self._compute()
             except Exception:
                 logger.exception("engine step failed")
                 raise
+            if duration == 0.0 or self.time_scale <= 0:
+                self._finish_step(outputs)
             if duration == 0.0 and not self.engine.has_pending_copies():
                 # nothing could run (admission blocked): wait for a finish or a new request
                 self._wakeup.clear()
@@ -130,8 +143,10 @@ class EngineCore:
                 sim_since_anchor = 0.0
                 continue
             sim_since_anchor += duration
-            if self.time_scale > 0:
+            if self.time_scale > 0 and duration > 0.0:
+                # the step's tokens and events become visible when it ends (simulated time, paced to wall time)
                 delay = anchor_wall + sim_since_anchor * self.time_scale - time.monotonic()
                 await asyncio.sleep(max(0.0, delay))
+                self._finish_step(outputs)
             else:
                 await asyncio.sleep(0)
