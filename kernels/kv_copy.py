@@ -41,6 +41,7 @@ DEFAULT_TILE_NUMEL = 2048
 DEFAULT_NUM_WARPS = 8
 DEFAULT_UNITS_PER_PROGRAM = 4
 """Chunks per program: 16 KiB in flight per program with the default tile."""
+DEFAULT_STREAMING = False
 
 
 @triton.jit
@@ -58,6 +59,7 @@ def _kv_block_copy_kernel(
     TO_BUFFER: tl.constexpr,  # True: gather pool -> buffer; False: scatter buffer -> pool
     EVEN: tl.constexpr,  # chunk_numel % TILE == 0: no masks needed
     HAS_BUFFER_IDS: tl.constexpr,  # False: entry i is buffer block i
+    STREAMING: tl.constexpr,  # evict-first loads and streaming stores: every byte is touched once
 ):
     # UNITS consecutive buffer chunks per program: their block ids load in parallel, then UNITS * TILE
     # elements are in flight at once.
@@ -84,7 +86,10 @@ def _kv_block_copy_kernel(
         mask = unit_mask[:, None]
     else:
         mask = unit_mask[:, None] & (offs < chunk_numel)[None, :]
-    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+    if STREAMING:
+        tl.store(dst, tl.load(src, mask=mask, eviction_policy="evict_first"), mask=mask, cache_modifier=".cs")
+    else:
+        tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
 def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -137,6 +142,7 @@ def _launch(
     tile_numel: int,
     num_warps: int,
     units_per_program: int,
+    streaming: bool,
 ) -> None:
     for name, value in (("tile_numel", tile_numel), ("units_per_program", units_per_program)):
         if value <= 0 or value & (value - 1):
@@ -163,6 +169,7 @@ def _launch(
         TO_BUFFER=to_buffer,
         EVEN=chunk_numel % tile == 0,
         HAS_BUFFER_IDS=buffer_ids is not None,
+        STREAMING=streaming,
         num_warps=num_warps,
     )
 
@@ -176,6 +183,7 @@ def gather_kv_blocks(
     tile_numel: int = DEFAULT_TILE_NUMEL,
     num_warps: int = DEFAULT_NUM_WARPS,
     units_per_program: int = DEFAULT_UNITS_PER_PROGRAM,
+    streaming: bool = DEFAULT_STREAMING,
 ) -> torch.Tensor:
     """Copy the listed blocks of every layer out of the paged pool into one contiguous buffer.
 
@@ -191,6 +199,7 @@ def gather_kv_blocks(
         tile_numel: elements each program copies (a power of two; clipped to one chunk).
         num_warps: warps per program.
         units_per_program: chunks each program copies (a power of two).
+        streaming: cache hints for data touched once (evict-first loads, streaming stores).
 
     Returns:
         ``out``. The copy is asynchronous on the current CUDA stream: synchronize before reading pinned ``out``
@@ -216,6 +225,7 @@ def gather_kv_blocks(
         tile_numel=tile_numel,
         num_warps=num_warps,
         units_per_program=units_per_program,
+        streaming=streaming,
     )
     return out
 
@@ -229,6 +239,7 @@ def scatter_kv_blocks(
     tile_numel: int = DEFAULT_TILE_NUMEL,
     num_warps: int = DEFAULT_NUM_WARPS,
     units_per_program: int = DEFAULT_UNITS_PER_PROGRAM,
+    streaming: bool = DEFAULT_STREAMING,
 ) -> None:
     """Copy a contiguous buffer of blocks into the listed blocks of the paged pool (in place).
 
@@ -245,6 +256,7 @@ def scatter_kv_blocks(
         tile_numel: elements each program copies (a power of two; clipped to one chunk).
         num_warps: warps per program.
         units_per_program: chunks each program copies (a power of two).
+        streaming: cache hints for data touched once (evict-first loads, streaming stores).
 
     Raises:
         ValueError: on a wrong shape, dtype, device, contiguity or (for CPU ids) an out-of-range block id.
@@ -260,4 +272,5 @@ def scatter_kv_blocks(
         tile_numel=tile_numel,
         num_warps=num_warps,
         units_per_program=units_per_program,
+        streaming=streaming,
     )

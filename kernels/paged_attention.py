@@ -18,10 +18,12 @@ Cache layout (one layer, K and V alike; ``pool[layer, 0]`` and ``pool[layer, 1]`
   num_seqs)``, longest tiles first. Each program runs two loops: keys every query row sees (no masks), then the
   diagonal band with the causal mask.
 - **Decode** (:func:`paged_decode_attention`): one query token per sequence. The context is split into
-  ``num_splits`` ranges; grid ``(num_kv_heads, num_splits, num_seqs)``, KV heads fastest so programs that run
-  side by side read whole token rows (all heads) of the same blocks. A program loads the ``group`` query heads
-  that share its KV head as the rows of one tile (padded to 16 rows for the tensor cores), so each K/V byte is read
-  once per step, not once per query head. A second kernel merges the splits by their log-sum-exp.
+  ``num_splits`` ranges; grid ``(num_kv_heads / kv_heads, num_splits, num_seqs)``, KV heads fastest so programs
+  that run side by side read whole token rows (all heads) of the same blocks. A program takes ``kv_heads`` KV
+  heads and loads the ``kv_heads * group`` query heads that share them as the rows of one tile (padded to 16 rows
+  for the tensor cores), so each K/V byte is read once, not once per query head; with several KV heads, the key
+  tile holds every head of each token (contiguous rows) and scores across heads are masked out. A second kernel
+  merges the splits by their log-sum-exp.
 
 Softmax runs in base 2 (``exp2`` with ``scale * log2(e)`` folded in), accumulators in float32. Under the CPU
 interpreter, dot operands are upcast to float32 (``UPCAST_DOT``) because its bf16 ``tl.dot`` is wrong.
@@ -51,15 +53,20 @@ class DecodeConfig:
 
     Attributes:
         block_n: context tokens per loop step.
-        num_splits: context ranges per (sequence, KV head); 0 picks one from the device's multiprocessor count.
+        num_splits: context ranges per (sequence, KV head group); 0 picks one from the device's multiprocessor
+            count.
         num_warps: warps per program.
         num_stages: software-pipelining depth of the K/V loads.
+        kv_heads: KV heads per program (a power of two dividing ``num_kv_heads``; clipped to it). With all of a
+            block's heads in one program, each step reads whole token rows (``kv_heads * head_size`` contiguous
+            elements per token).
     """
 
     block_n: int = 64
     num_splits: int = 0
     num_warps: int = 4
     num_stages: int = 3
+    kv_heads: int = 1
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,7 @@ def _kv_tile_offsets(
     block_table_row_ptr,  # [max_blocks_per_seq] of one sequence
     tokens,  # [BLOCK_N] token positions
     token_mask,  # [BLOCK_N] or None-equivalent all-true
-    kv_head,
+    kv_head,  # scalar, or [BLOCK_N] (one head per key row)
     stride_cache_block,
     stride_cache_token,
     stride_cache_head,
@@ -152,13 +159,14 @@ def _decode_split_kernel(
     stride_cache_head,
     stride_table_seq,
     GROUP: tl.constexpr,  # query heads per KV head
-    ROWS: tl.constexpr,  # GROUP padded to >= 16
+    KV_HEADS: tl.constexpr,  # KV heads per program
+    ROWS: tl.constexpr,  # KV_HEADS * GROUP padded to >= 16
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    kv_head = tl.program_id(0)  # fastest: programs side by side read all heads of the same tokens
+    kv_head0 = tl.program_id(0) * KV_HEADS  # fastest: programs side by side read all heads of the same tokens
     split = tl.program_id(1)
     seq = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -166,9 +174,15 @@ def _decode_split_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
+    # Rows: the KV_HEADS * GROUP query heads of this program's KV heads (consecutive). Key rows of a step:
+    # BLOCK_N tokens x KV_HEADS heads, token-major, so one token's heads are contiguous in the cache. A score
+    # counts only where the query row's KV head is the key row's head.
     rows = tl.arange(0, ROWS)
-    heads = kv_head * GROUP + rows
-    row_mask = rows < GROUP
+    heads = kv_head0 * GROUP + rows
+    row_mask = rows < KV_HEADS * GROUP
+    row_kv = tl.minimum(rows // GROUP, KV_HEADS - 1)  # padded rows copy the last head: finite, never stored
+    key_rows = tl.arange(0, BLOCK_N * KV_HEADS)
+    key_kv = key_rows % KV_HEADS
     dims = tl.arange(0, HEAD_PAD)
     dim_mask = dims < head_size
     q = tl.load(
@@ -183,25 +197,29 @@ def _decode_split_kernel(
     acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table_seq
     for tile_start in range(start, end, BLOCK_N):
-        tokens = tile_start + tl.arange(0, BLOCK_N)
+        tokens = tile_start + key_rows // KV_HEADS
         token_mask = tokens < end
         offsets = _kv_tile_offsets(
             table_row,
             tokens,
             token_mask,
-            kv_head,
+            kv_head0 + key_kv,
             stride_cache_block,
             stride_cache_token,
             stride_cache_head,
             BLOCK_SIZE,
         )
+        if KV_HEADS == 1:
+            score_mask = token_mask[None, :]
+        else:
+            score_mask = (row_kv[:, None] == key_kv[None, :]) & token_mask[None, :]
         m_i, l_i, acc = _attend_tile(
             q,
             k_cache_ptr,
             v_cache_ptr,
             offsets,
             token_mask[:, None] & dim_mask[None, :],
-            token_mask[None, :],
+            score_mask,
             dims,
             m_i,
             l_i,
@@ -463,14 +481,18 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     num_kv_heads = k_cache.shape[2]
+    kv_heads = min(cfg.kv_heads, num_kv_heads)
+    if kv_heads <= 0 or kv_heads & (kv_heads - 1) or num_kv_heads % kv_heads:
+        raise ValueError(f"kv_heads must be a power of two dividing num_kv_heads {num_kv_heads}, got {cfg.kv_heads}")
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    num_splits = cfg.num_splits or _num_splits_for(num_seqs * num_kv_heads, max_seq_len, cfg.block_n, q.device)
+    num_groups = num_kv_heads // kv_heads
+    num_splits = cfg.num_splits or _num_splits_for(num_seqs * num_groups, max_seq_len, cfg.block_n, q.device)
     head_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(head_size))
     out_partial = torch.empty((num_seqs, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
     lse_partial = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     scale = head_size**-0.5 if scale is None else scale
-    _decode_split_kernel[(num_kv_heads, num_splits, num_seqs)](
+    _decode_split_kernel[(num_groups, num_splits, num_seqs)](
         q_ptr=q,
         k_cache_ptr=k_cache,
         v_cache_ptr=v_cache,
@@ -489,7 +511,8 @@ def paged_decode_attention(
         stride_cache_head=k_cache.stride(2),
         stride_table_seq=block_table.stride(0),
         GROUP=group,
-        ROWS=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        KV_HEADS=kv_heads,
+        ROWS=max(MIN_DOT_ROWS, triton.next_power_of_2(kv_heads * group)),
         HEAD_PAD=head_pad,
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_N=cfg.block_n,
@@ -507,7 +530,7 @@ def paged_decode_attention(
         stride_out_head=out.stride(1),
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_PAD=head_pad,
-        num_warps=4,
+        num_warps=4 if num_splits <= 32 else 8,
     )
     return out
 

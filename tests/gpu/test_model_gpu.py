@@ -81,3 +81,26 @@ def test_greedy_decode_is_deterministic(model):
         return tokens
 
     assert greedy() == greedy()
+
+
+@pytest.mark.parametrize("mode", ["auto", "direct", "staged"])
+def test_transfer_modes_copy_arbitrary_host_ids(model, mode):
+    pool = model.allocate_kv_pool(64, BLOCK_SIZE)
+    pool.normal_()
+    cpu_pool = allocate_cpu_pool(pool, 48)
+    cpu_pool.view(torch.uint8).fill_(0x7F)
+    transfer = KVTransfer(pool, mode=mode, chunk_blocks=5)  # runs cross chunk boundaries
+    gpu_ids = torch.randperm(64)[:23].tolist()
+    cpu_ids = [40, 41, 42, 43, 44, 45, 46, 3, 9, 10, 11, 0, 1, 2, 30, 29, 28, 12, 13, 14, 15, 16, 47]
+    torch.cuda.current_stream().wait_event(transfer.offload(gpu_ids, cpu_pool, cpu_ids))
+    torch.cuda.synchronize()
+    expected = pool[:, :, gpu_ids].permute(2, 0, 1, 3, 4, 5).cpu()
+    assert torch.equal(cpu_pool[cpu_ids], expected)
+    new_ids = torch.randperm(64)[:23].tolist()
+    before = pool.clone()
+    pool[:, :, new_ids] = float("nan")
+    torch.cuda.current_stream().wait_event(transfer.restore(new_ids, cpu_pool, torch.tensor(cpu_ids)))
+    torch.cuda.synchronize()
+    assert torch.equal(pool[:, :, new_ids].permute(2, 0, 1, 3, 4, 5).cpu(), expected)
+    untouched = [i for i in range(64) if i not in new_ids]
+    assert torch.equal(pool[:, :, untouched], before[:, :, untouched])

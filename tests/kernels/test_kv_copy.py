@@ -35,12 +35,13 @@ def poison(tensor):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_gather_matches_reference(shape, dtype, device):
+@pytest.mark.parametrize("streaming", [False, True], ids=["plain", "streaming"])
+def test_gather_matches_reference(shape, streaming, dtype, device):
     pool = make_pool(shape, dtype, device)
     ids = make_ids(shape[1], shape[5], device)
     pool_before = pool.clone()
     out = poison(torch.empty((shape[5], shape[0], 2, *pool.shape[3:]), dtype=dtype, device=device))
-    gather_kv_blocks(pool, ids, out, tile_numel=256)
+    gather_kv_blocks(pool, ids, out, tile_numel=256, streaming=streaming)
     ref = gather_kv_blocks_ref(pool, ids)
     assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
     assert torch.equal(pool.view(torch.uint8), pool_before.view(torch.uint8))
@@ -48,12 +49,13 @@ def test_gather_matches_reference(shape, dtype, device):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_scatter_matches_reference(shape, dtype, device):
+@pytest.mark.parametrize("streaming", [False, True], ids=["plain", "streaming"])
+def test_scatter_matches_reference(shape, streaming, dtype, device):
     pool = make_pool(shape, dtype, device)
     ids = make_ids(shape[1], shape[5], device, torch.int64)
     src = torch.randn((shape[5], shape[0], 2, *pool.shape[3:]), device=device).to(dtype)
     ref = scatter_kv_blocks_ref(pool, ids, src)
-    scatter_kv_blocks(pool, ids, src, tile_numel=128)
+    scatter_kv_blocks(pool, ids, src, tile_numel=128, streaming=streaming)
     assert torch.equal(pool.view(torch.uint8), ref.view(torch.uint8))
 
 

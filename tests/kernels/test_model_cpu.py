@@ -92,3 +92,27 @@ def test_prompt_from_blocks_restored_from_cpu_matches_scratch(model):
 def test_batch_rejects_short_block_tables():
     with pytest.raises(ValueError, match="cannot hold"):
         PagedBatch.build([SeqSlice((0,), 0, 5)], block_size=BLOCK_SIZE, device=torch.device("cpu"))
+
+
+def test_host_runs_group_consecutive_ids_and_split_at_chunks():
+    from workers.model.kv_pool import _host_runs, _Run, _split_runs
+
+    runs = _host_runs([5, 6, 7, 2, 9, 10, 3], 7)
+    assert runs == [_Run(0, 5, 3), _Run(3, 2, 1), _Run(4, 9, 2), _Run(6, 3, 1)]
+    assert _host_runs(None, 4) == [_Run(0, 0, 4)]
+    assert _host_runs(torch.tensor([4, 5]), 2) == [_Run(0, 4, 2)]
+    assert _split_runs(runs, 2) == [
+        (0, [_Run(0, 5, 2)]),
+        (2, [_Run(2, 7, 1), _Run(3, 2, 1)]),
+        (4, [_Run(4, 9, 2)]),
+        (6, [_Run(6, 3, 1)]),
+    ]
+    with pytest.raises(ValueError, match="host block ids for"):
+        _host_runs([1, 2], 3)
+    with pytest.raises(ValueError, match="non-negative"):
+        _host_runs([1, -2], 2)
+
+
+def test_transfer_rejects_unknown_mode(model):
+    with pytest.raises(ValueError, match="mode must be one of"):
+        KVTransfer(model.allocate_kv_pool(4, BLOCK_SIZE), mode="fast")  # type: ignore[arg-type]

@@ -37,18 +37,22 @@ def poisoned_like(tensor):
     return torch.full_like(tensor, float("nan"))
 
 
-# (seq_lens, block_size, num_heads, num_kv_heads, head_size, num_splits)
+# (seq_lens, block_size, num_heads, num_kv_heads, head_size, num_splits, kv_heads per program)
 DECODE_CASES = [
-    ([13, 1, 30], 4, 8, 2, 32, 2),
-    ([7, 64], 16, 4, 4, 16, 3),
-    ([40], 8, 6, 1, 24, 5),  # odd head size (padded), more splits than tiles
+    ([13, 1, 30], 4, 8, 2, 32, 2, 1),
+    ([13, 1, 30], 4, 8, 2, 32, 2, 2),  # both KV heads in one program
+    ([7, 64], 16, 4, 4, 16, 3, 1),
+    ([7, 64], 16, 4, 4, 16, 3, 4),  # no GQA, all heads in one program
+    ([9, 33], 8, 16, 4, 32, 2, 2),  # group 4, two of four KV heads per program
+    ([40], 8, 6, 1, 24, 5, 1),  # odd head size (padded), more splits than tiles
+    ([40], 8, 12, 2, 24, 3, 8),  # kv_heads clipped to num_kv_heads
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", DECODE_CASES)
 def test_decode_matches_reference(case, dtype, device):
-    seq_lens_list, block_size, num_heads, num_kv_heads, head_size, num_splits = case
+    seq_lens_list, block_size, num_heads, num_kv_heads, head_size, num_splits, kv_heads = case
     max_blocks = -(-max(seq_lens_list) // block_size)
     num_blocks = max_blocks * len(seq_lens_list) + 3
     k_cache, v_cache = make_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, device)
@@ -58,7 +62,13 @@ def test_decode_matches_reference(case, dtype, device):
     inputs = [t.clone() for t in (q, k_cache, v_cache)]
     out = poisoned_like(q)
     paged_decode_attention(
-        q, k_cache, v_cache, table, seq_lens, out=out, config=DecodeConfig(block_n=16, num_splits=num_splits)
+        q,
+        k_cache,
+        v_cache,
+        table,
+        seq_lens,
+        out=out,
+        config=DecodeConfig(block_n=16, num_splits=num_splits, kv_heads=kv_heads),
     )
     ref = paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, head_size**-0.5)
     atol, rtol = TOLERANCE[dtype]
@@ -119,6 +129,11 @@ def test_launchers_reject_bad_arguments(device):
         paged_decode_attention(q[..., :8], k_cache, v_cache, table, seq_lens)
     with pytest.raises(ValueError, match="block_n"):
         paged_decode_attention(q, k_cache, v_cache, table, seq_lens, config=DecodeConfig(block_n=24))
+    with pytest.raises(ValueError, match="kv_heads"):
+        paged_decode_attention(q, k_cache, v_cache, table, seq_lens, config=DecodeConfig(kv_heads=0))
+    k6, v6 = make_cache(8, 4, 6, 16, torch.bfloat16, device)
+    with pytest.raises(ValueError, match="kv_heads"):
+        paged_decode_attention(q.repeat(1, 3, 1), k6, v6, table, seq_lens, config=DecodeConfig(kv_heads=4))
     with pytest.raises(ValueError, match="num_seqs \\+ 1"):
         paged_prefill_attention(q, k_cache, v_cache, table, seq_lens, seq_lens)
     with pytest.raises(ValueError, match="share shape and strides"):

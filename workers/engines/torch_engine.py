@@ -5,9 +5,9 @@ Each step (``workers.engines.base``):
 1. stores (GPU -> CPU) are issued on the transfer side stream: gather straight into the pinned CPU pool; the
    compute issued next waits for them (``KVTransfer.fence_compute``), so the KV manager may reuse the source
    blocks at once;
-2. restores (CPU -> GPU) are issued on the same side stream: host copy + scatter into the GPU blocks the KV
-   manager reserved, overlapped with this step's compute (the request that owns them is not scheduled until the
-   job is reported finished);
+2. restores (CPU -> GPU) are issued on the same side stream: copy-engine transfers of runs of consecutive CPU
+   blocks into a staging buffer + scatter into the GPU blocks the KV manager reserved, overlapped with this
+   step's compute (the request that owns them is not scheduled until the job is reported finished);
 3. prefill chunks and decodes run as one batch through the model (Triton kernels on CUDA, torch on the CPU), and
    each sequence that samples gets its next token;
 4. copy jobs whose CUDA events have completed are reported (on the CPU, copies complete at once).
@@ -52,8 +52,9 @@ class TorchEngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     """Weights and KV dtype: ``bfloat16`` or ``float16``."""
     attention: AttentionBackend = "auto"
     """Attention backend of the model."""
-    transfer_mode: TransferMode = "direct"
-    """CPU-tier copies: kernels on pinned memory (``direct``) or staged through the copy engine."""
+    transfer_mode: TransferMode = "auto"
+    """CPU-tier copies: ``auto`` (offload by a kernel writing pinned memory, restore staged through the copy
+    engine), ``direct`` (kernels on pinned memory both ways) or ``staged`` (copy engine both ways)."""
 
 
 @dataclass
@@ -84,7 +85,7 @@ class TorchEngine:
         num_cpu_blocks: int,
         block_size: int,
         attention: AttentionBackend = "auto",
-        transfer_mode: TransferMode = "direct",
+        transfer_mode: TransferMode = "auto",
     ) -> None:
         self.model = model
         self.block_size = block_size

@@ -12,12 +12,17 @@ Copies between them (:class:`KVTransfer`) run on a side CUDA stream:
 - **offload** (store, GPU -> CPU): the side stream first waits for the compute stream, so the source blocks hold
   the KV computed so far; the gather kernel then writes straight into the pinned CPU pool (one pass, no staging).
   Compute issued later waits for the copy before it may overwrite the source blocks (``fence_compute``).
-- **restore** (CPU -> GPU): the scatter kernel reads straight from the pinned CPU pool into GPU blocks reserved
-  for it, beside the compute; the owner waits for the job's event before it reads them.
+- **restore** (CPU -> GPU): chunks of blocks move through device staging buffers: the copy engine reads each run
+  of consecutive CPU ids with one host-to-device copy (a block is one contiguous host range, 2 MiB at
+  Llama-3-8B shape, so even single-block runs keep the copy engine busy), and the scatter kernel writes the chunk
+  into the GPU blocks reserved for it while the next chunk loads; the owner waits for the job's event before it
+  reads them. Measured on an H200: the copy engine reads pinned memory at 0.99 of the host-to-device copy
+  bandwidth, a kernel reading it directly at 0.92.
 
-``mode="staged"`` instead moves chunks through device staging buffers with the copy engine, overlapped with the
-gather/scatter of the next chunk (two streams); it is the fallback where direct PCIe access from a kernel is
-slow. On the CPU (no CUDA), copies are plain torch indexing and complete at once.
+``mode`` picks the path per direction: ``"auto"`` (the default) as above; ``"direct"`` has kernels read and
+write pinned memory both ways; ``"staged"`` stages both ways. Ids given as a CUDA tensor cannot be split into runs
+without a device sync, so a staged copy with them runs direct. On the CPU (no CUDA), copies are plain torch
+indexing and complete at once.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ from typing import Literal
 
 import torch
 
-TransferMode = Literal["direct", "staged"]
+TransferMode = Literal["auto", "direct", "staged"]
+TRANSFER_MODES = ("auto", "direct", "staged")
+DEFAULT_CHUNK_BLOCKS = 128
+"""Blocks per staging chunk: 256 MiB at Llama-3-8B shape; 128 measured 0.99 of pinned bandwidth, 256 0.98."""
 
 
 def allocate_gpu_pool(
@@ -51,6 +59,51 @@ def allocate_cpu_pool(gpu_pool: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return torch.zeros(shape, dtype=gpu_pool.dtype, pin_memory=torch.cuda.is_available())
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Entries ``[entry, entry + length)`` of a copy go to or come from host blocks ``[host_start, ...)``."""
+
+    entry: int
+    host_start: int
+    length: int
+
+
+def _host_runs(host_ids: torch.Tensor | list[int] | tuple[int, ...] | None, num_ids: int) -> list[_Run] | None:
+    """Runs of consecutive host block ids, in entry order; ``None`` for ids on a CUDA device (no sync here)."""
+    if host_ids is None:
+        return [_Run(0, 0, num_ids)] if num_ids else []
+    if isinstance(host_ids, torch.Tensor):
+        if host_ids.device.type != "cpu":
+            return None
+        host_ids = host_ids.tolist()
+    values = [int(i) for i in host_ids]
+    if len(values) != num_ids:
+        raise ValueError(f"{len(values)} host block ids for {num_ids} device block ids")
+    if any(i < 0 for i in values):
+        raise ValueError("host block ids must be non-negative")
+    runs: list[_Run] = []
+    for entry, host_id in enumerate(values):
+        last = runs[-1] if runs else None
+        if last is not None and last.host_start + last.length == host_id:
+            runs[-1] = _Run(last.entry, last.host_start, last.length + 1)
+        else:
+            runs.append(_Run(entry, host_id, 1))
+    return runs
+
+
+def _split_runs(runs: list[_Run], chunk: int) -> list[tuple[int, list[_Run]]]:
+    """Cut runs at multiples of ``chunk`` entries: ``(chunk start entry, runs inside it)`` per chunk."""
+    chunks: dict[int, list[_Run]] = {}
+    for run in runs:
+        entry, host_start, length = run.entry, run.host_start, run.length
+        while length:
+            start = entry - entry % chunk
+            take = min(length, start + chunk - entry)
+            chunks.setdefault(start, []).append(_Run(entry, host_start, take))
+            entry, host_start, length = entry + take, host_start + take, length - take
+    return sorted(chunks.items())
+
+
 @dataclass
 class _StagingBuffers:
     buffers: list[torch.Tensor]
@@ -62,13 +115,16 @@ class KVTransfer:
 
     Args:
         gpu_pool: ``[num_layers, 2, num_gpu_blocks, block_size, num_kv_heads, head_size]``.
-        mode: ``"direct"`` (kernels read/write pinned memory over PCIe) or ``"staged"`` (copy engine + staging).
-        chunk_blocks: blocks per staging chunk (``"staged"`` only).
+        mode: ``"auto"`` (offload direct, restore staged), ``"direct"`` (kernels read/write pinned memory over
+            PCIe) or ``"staged"`` (copy engine + staging both ways).
+        chunk_blocks: blocks per staging chunk.
     """
 
-    def __init__(self, gpu_pool: torch.Tensor, *, mode: TransferMode = "direct", chunk_blocks: int = 256) -> None:
-        if mode not in ("direct", "staged"):
-            raise ValueError(f"mode must be 'direct' or 'staged', got {mode!r}")
+    def __init__(
+        self, gpu_pool: torch.Tensor, *, mode: TransferMode = "auto", chunk_blocks: int = DEFAULT_CHUNK_BLOCKS
+    ) -> None:
+        if mode not in TRANSFER_MODES:
+            raise ValueError(f"mode must be one of {TRANSFER_MODES}, got {mode!r}")
         if chunk_blocks <= 0:
             raise ValueError(f"chunk_blocks must be positive, got {chunk_blocks}")
         self.gpu_pool = gpu_pool
@@ -76,7 +132,7 @@ class KVTransfer:
         self.chunk_blocks = chunk_blocks
         self.is_cuda = gpu_pool.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=gpu_pool.device) if self.is_cuda else None
-        self._copy_stream = torch.cuda.Stream(device=gpu_pool.device) if self.is_cuda and mode == "staged" else None
+        self._copy_stream = torch.cuda.Stream(device=gpu_pool.device) if self.is_cuda and mode != "direct" else None
         self._staging: _StagingBuffers | None = None
         self._last_offload: torch.cuda.Event | None = None
 
@@ -108,13 +164,14 @@ class KVTransfer:
         self._stream.wait_stream(torch.cuda.current_stream(self.gpu_pool.device))
         with torch.cuda.stream(self._stream):
             ids = self._ids(gpu_block_ids)
-            dst_ids = None if cpu_block_ids is None else self._ids(cpu_block_ids)
-            if self.mode == "direct":
+            runs = _host_runs(cpu_block_ids, ids.numel()) if self.mode == "staged" else None
+            if runs is None:
                 from kernels.kv_copy import gather_kv_blocks
 
+                dst_ids = None if cpu_block_ids is None else self._ids(cpu_block_ids)
                 gather_kv_blocks(self.gpu_pool, ids, cpu_pool, out_block_ids=dst_ids)
             else:
-                self._staged(ids, cpu_pool, dst_ids, to_host=True)
+                self._staged(ids, cpu_pool, runs, to_host=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         self._last_offload = event
@@ -142,13 +199,14 @@ class KVTransfer:
         self._stream.wait_stream(torch.cuda.current_stream(self.gpu_pool.device))
         with torch.cuda.stream(self._stream):
             ids = self._ids(gpu_block_ids)
-            src_ids = None if cpu_block_ids is None else self._ids(cpu_block_ids)
-            if self.mode == "direct":
+            runs = _host_runs(cpu_block_ids, ids.numel()) if self.mode != "direct" else None
+            if runs is None:
                 from kernels.kv_copy import scatter_kv_blocks
 
+                src_ids = None if cpu_block_ids is None else self._ids(cpu_block_ids)
                 scatter_kv_blocks(self.gpu_pool, ids, cpu_pool, src_block_ids=src_ids)
             else:
-                self._staged(ids, cpu_pool, src_ids, to_host=False)
+                self._staged(ids, cpu_pool, runs, to_host=False)
             event = torch.cuda.Event()
             event.record(self._stream)
         return event
@@ -168,19 +226,22 @@ class KVTransfer:
             )
         return self._staging
 
-    def _staged(self, ids: torch.Tensor, host: torch.Tensor, host_ids: torch.Tensor | None, *, to_host: bool) -> None:
-        """Chunked copy through two device staging buffers; runs on (and is ordered after) the side stream."""
+    def _staged(self, ids: torch.Tensor, host: torch.Tensor, runs: list[_Run], *, to_host: bool) -> None:
+        """Chunked copy through two device staging buffers; runs on (and is ordered after) the side stream.
+
+        Entry ``i`` of ``ids`` pairs with staging row ``i % chunk_blocks`` of its chunk; each run of consecutive
+        host blocks is one copy-engine transfer.
+        """
         from kernels.kv_copy import gather_kv_blocks, scatter_kv_blocks
 
         assert self._stream is not None and self._copy_stream is not None
-        if host_ids is not None:
-            raise ValueError("staged mode copies to or from consecutive host entries only")
+        if len(host) < max((run.host_start + run.length for run in runs), default=0):
+            raise ValueError(f"host block ids out of range for a pool of {len(host)} blocks")
         staging = self._staging_buffers()
-        for index, start in enumerate(range(0, ids.numel(), self.chunk_blocks)):
+        for index, (start, chunk_runs) in enumerate(_split_runs(runs, self.chunk_blocks)):
             chunk = ids[start : start + self.chunk_blocks]
             slot = index % 2
             buf = staging.buffers[slot][: chunk.numel()]
-            host_chunk = host[start : start + chunk.numel()]
             free_event = staging.free_events[slot]
             if to_host:
                 if free_event is not None:
@@ -188,7 +249,11 @@ class KVTransfer:
                 gather_kv_blocks(self.gpu_pool, chunk, buf)
                 self._copy_stream.wait_stream(self._stream)
                 with torch.cuda.stream(self._copy_stream):
-                    host_chunk.copy_(buf, non_blocking=True)
+                    for run in chunk_runs:
+                        row = run.entry - start
+                        host[run.host_start : run.host_start + run.length].copy_(
+                            buf[row : row + run.length], non_blocking=True
+                        )
                     done = torch.cuda.Event()
                     done.record(self._copy_stream)
                 staging.free_events[slot] = done
@@ -196,7 +261,11 @@ class KVTransfer:
                 if free_event is not None:
                     self._copy_stream.wait_event(free_event)
                 with torch.cuda.stream(self._copy_stream):
-                    buf.copy_(host_chunk, non_blocking=True)
+                    for run in chunk_runs:
+                        row = run.entry - start
+                        buf[row : row + run.length].copy_(
+                            host[run.host_start : run.host_start + run.length], non_blocking=True
+                        )
                     loaded = torch.cuda.Event()
                     loaded.record(self._copy_stream)
                 self._stream.wait_event(loaded)
