@@ -75,6 +75,12 @@ class ModelConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
             hashed in that adapter's namespace (vLLM feeds the adapter name into its block hash).
         honor_cache_salt: hash a request's ``cache_salt`` field into its namespace (vLLM semantics).
         default_max_tokens: ``max_tokens`` assumed when a request sends none, in tokens.
+        enable_pending_blocks: when a request goes to a worker that publishes events, insert its full prompt
+            blocks into the index as pending entries for that worker (``PrefixIndex.insert_approximate``), so a
+            request routed right behind it predicts what the worker will have cached by the time it schedules
+            that request, before the worker's events arrive (``router.routing``, step 5).
+        pending_blocks_ttl_s: seconds a pending block lives unless the worker's ``BlockStored`` confirms it
+            (then it is the event's and stops expiring); cover the queueing plus prefill time of a request.
     """
 
     name: str
@@ -84,12 +90,15 @@ class ModelConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
     lora_adapters: tuple[str, ...] = ()
     honor_cache_salt: bool = True
     default_max_tokens: int = 256
+    enable_pending_blocks: bool = True
+    pending_blocks_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name must not be empty")
         _positive("block_size", self.block_size)
         _positive("default_max_tokens", self.default_max_tokens)
+        _positive("pending_blocks_ttl_s", self.pending_blocks_ttl_s)
         if self.tokenizer_path is not None and not Path(self.tokenizer_path).exists():
             raise ValueError(f"tokenizer_path {self.tokenizer_path!r} does not exist")
 

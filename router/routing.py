@@ -10,7 +10,14 @@
 4. ``session_sticky``: inner best -> ``store.claim_or_touch(key, best)`` -> pure ``resolve`` -> ``store.move``
    compare-and-set only when ownership changes (on a lost race, the owner the store returns wins);
    other policies: ``policy.select(view, snapshot)``;
-5. approximate-mode workers get the request's blocks inserted for the chosen worker (with the index's TTL);
+5. the chosen worker gets the request's blocks in the index: approximate-mode workers with the index's TTL;
+   workers that publish events (one dp rank) as *pending* entries (``ModelConfig.enable_pending_blocks``,
+   ``pending_blocks_ttl_s``) that its ``BlockStored`` events confirm. Pending rule: the prompt's full blocks in
+   the worker's block size (engines cache full blocks only). A request routed behind it is scheduled FCFS and
+   admitted no earlier than the step that schedules its last prefill chunk, so it finds them: vLLM caches
+   blocks as it allocates them in ``schedule`` (chunk by chunk, before admitting the next waiting request);
+   the sim worker caches them in ``update`` after the step that computed them, the same except for two
+   requests admitted in one step (the later one misses that step's chunk of the earlier one);
 6. the decision (every candidate's score) goes to a bounded ring for ``/admin/decisions``.
 """
 
@@ -45,7 +52,10 @@ class IndexLike(Protocol):
 
     def match(self, block_hashes: Sequence[int]) -> MatchResult: ...
 
-    def insert_approximate(self, worker_id: str, block_hashes: Sequence[int], now_s: float) -> Any: ...
+    def insert_approximate(
+        self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0,
+        ttl_s: float | None = None,
+    ) -> Any: ...
 
 
 class PolicyHolder:
@@ -197,10 +207,14 @@ class Router:
         chosen = by_id[decision.worker_id]
         order = [chosen] + [by_id[w] for w in decision.ranking if w != decision.worker_id and w in by_id]
         predicted = {s.worker_id: s.num_cached_tokens for s in states}
-        if chosen.is_approximate and view.block_hashes:
-            index = self._indexes.get(model.name)
-            if index is not None:
+        index = self._indexes.get(model.name) if view.block_hashes else None
+        if index is not None:
+            if chosen.is_approximate:
                 index.insert_approximate(chosen.worker_id, view.block_hashes, now_s)
+            elif model.enable_pending_blocks and chosen.config.dp_ranks == 1:
+                num_full = view.num_tokens // chosen.block_size * chosen.block_size // view.block_size
+                index.insert_approximate(chosen.worker_id, view.block_hashes[:num_full], now_s,
+                                         ttl_s=model.pending_blocks_ttl_s)
         calibrator = holder.calibrator
         factor = calibrator.speed_factor(chosen.worker_id) if calibrator is not None else 1.0
         decision_s = time.perf_counter() - t0

@@ -32,8 +32,8 @@ marks that block and its ``k - 1`` ancestors that the slot knows.
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from operator import and_, or_
@@ -126,7 +126,8 @@ class PrefixIndex:
         self._pool_members: dict[Medium, frozenset[str]] = {}
         self._pool_masks: dict[Medium, int] = {}
         self._groups: dict[int, GroupSpec] = {0: GroupSpec()}
-        self._approx_queue: deque[tuple[float, Slot, tuple[int, ...]]] = deque()
+        self._approx_queue: list[tuple[float, int, Slot, tuple[int, ...]]] = []  # heap by expiry
+        self._approx_seq = 0
         self._num_approx = 0
         self._counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         for medium, workers in (pool_members or {}).items():
@@ -608,26 +609,35 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ approximate mode
 
-    def insert_approximate(self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0) -> None:
-        """Record that a routing decision sent these blocks to a worker that publishes no events.
+    def insert_approximate(
+        self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0, ttl_s: float | None = None
+    ) -> None:
+        """Record that a routing decision sent these blocks to a worker (no events, or not yet confirmed).
 
-        The blocks (our hashes from the root, group 0, GPU) expire ``approx_ttl_s`` after ``now_s`` unless an
-        event of the worker stores them first (then they are the event's and stop expiring). Re-inserting
-        refreshes the expiry. Blocks beyond ``approx_max_blocks`` evict the oldest approximate ones.
+        The blocks (our hashes from the root, group 0, GPU) expire ``ttl_s`` (default ``approx_ttl_s``) after
+        ``now_s`` unless an event of the worker stores them first (then they are the event's and stop expiring).
+        Re-inserting refreshes the expiry. Blocks beyond ``approx_max_blocks`` evict the soonest-expiring
+        approximate ones. Records of different TTLs expire in expiry order (a heap).
 
         Args:
             worker_id: the chosen worker.
             block_hashes: the request's block hashes, root-most first.
             now_s: monotonic time in seconds.
             dp_rank: the worker's rank, if known.
+            ttl_s: lifetime in seconds of these blocks, or ``None`` for ``approx_ttl_s``.
+
+        Raises:
+            ValueError: ``ttl_s`` is not positive.
         """
+        if ttl_s is not None and ttl_s <= 0.0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.expire(now_s)
         if not block_hashes:
             return
         slot = self._slot(worker_id, dp_rank)
         hashes = list(block_hashes)
         self._link(hashes, 0)
-        expiry = now_s + self.config.approx_ttl_s
+        expiry = now_s + (self.config.approx_ttl_s if ttl_s is None else ttl_s)
         lane = self._gpu0
         mask = slot.mask
         approx = slot.approx
@@ -643,11 +653,12 @@ class PrefixIndex:
         slot.num_held[GPU0] = slot.num_held.get(GPU0, 0) + num_new
         self._num_approx += num_new
         self._counters["num_approx_blocks_inserted"] += num_new
-        self._approx_queue.append((expiry, slot, tuple(hashes)))
+        self._approx_seq += 1
+        heapq.heappush(self._approx_queue, (expiry, self._approx_seq, slot, tuple(hashes)))
         if self._num_approx > self.config.approx_max_blocks:
             target = int(self.config.approx_max_blocks * self.config.prune_target_ratio)
             while self._num_approx > target and self._approx_queue:
-                self._expire_record(*self._approx_queue.popleft())
+                self._expire_record(*heapq.heappop(self._approx_queue))
         if len(self._parent) > self.config.max_blocks:
             self._prune()
 
@@ -656,10 +667,10 @@ class PrefixIndex:
         queue = self._approx_queue
         num_expired = 0
         while queue and queue[0][0] <= now_s:
-            num_expired += self._expire_record(*queue.popleft())
+            num_expired += self._expire_record(*heapq.heappop(queue))
         return num_expired
 
-    def _expire_record(self, expiry: float, slot: Slot, hashes: tuple[int, ...]) -> int:
+    def _expire_record(self, expiry: float, seq: int, slot: Slot, hashes: tuple[int, ...]) -> int:
         if not slot.is_live:
             return 0
         num_expired = 0
