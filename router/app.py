@@ -25,7 +25,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import suppress
 from typing import Any
 
@@ -107,11 +107,8 @@ class Gateway:
             index.apply_resync(item)
             self.fleet.mark_resync(item.worker_id)
             return
-        index.apply(item)
-        if not worker.is_warm and not self.config.events.warmup_from_snapshot:
-            self.fleet.mark_warm(item.worker_id)
-        elif not worker.is_warm and worker.config.snapshot_path is None:
-            self.fleet.mark_warm(item.worker_id)
+        for batch in self.fleet.admit(worker, item):  # held or dropped around a snapshot (router.fleet)
+            index.apply(batch)
 
     def _samples(self) -> list[MetricSample]:
         out: list[MetricSample] = []
@@ -232,39 +229,54 @@ class _Hooks:
         if sub is not None and worker.config.has_events:
             sub.notify_start_id(worker.worker_id, start_id)
 
-    async def warm_up(self, worker: WorkerRuntime) -> bool:
-        """Apply the worker's snapshot (vLLM wire batch, msgpack) to its index; True when applied."""
+    async def warm_up(self, worker: WorkerRuntime) -> int | None:
+        """Apply the worker's snapshot (a vLLM wire batch, msgpack) to its index.
+
+        Returns:
+            The snapshot's ``x-kvgate-last-seq`` (-1 when absent: nothing published before it), or ``None`` when
+            snapshots are off, the worker has none (non-200), it stays unreachable, or it does not decode.
+        """
         gw = self._gw
         path = worker.config.snapshot_path
         if not gw.config.events.warmup_from_snapshot or path is None:
-            return False
+            return None
         from events.counters import EventCounters
         from events.decode import EventDecoder
 
-        getter = getattr(gw.transport, "get_bytes", None)
-        if getter is None:
-            return False
         for _ in range(50):
             try:
-                status, body = await getter(worker.worker_id, worker.config.url + path, gw.config.health.timeout_s)
+                status, headers, body = await gw.transport.get_with_headers(
+                    worker.worker_id, worker.config.url + path, gw.config.health.timeout_s)
             except GatewayError:
                 await asyncio.sleep(0.2)
                 continue
             if status != 200:
-                return False
+                logger.info("worker %s: snapshot endpoint answered %d", worker.worker_id, status)
+                return None
+            try:
+                last_seq = int(headers.get("x-kvgate-last-seq", "-1"))
+            except ValueError:
+                logger.warning("worker %s: bad x-kvgate-last-seq %r", worker.worker_id,
+                               headers.get("x-kvgate-last-seq"))
+                return None
             counters = gw.subscriber.counters if gw.subscriber is not None else EventCounters()
-            batch = EventDecoder(counters).decode(body, worker_id=worker.worker_id, seq=0,
+            batch = EventDecoder(counters).decode(body, worker_id=worker.worker_id, seq=max(last_seq, 0),
                                                   block_size=worker.block_size)
-            if batch is None:
-                logger.warning("worker %s: snapshot not decodable", worker.worker_id)
-                return False
             index = gw.index_for(worker)
-            if index is None:
-                return False
+            if batch is None or index is None:
+                logger.warning("worker %s: snapshot not decodable", worker.worker_id)
+                return None
             index.apply(batch)
-            logger.info("worker %s warmed from its snapshot (%d events)", worker.worker_id, len(batch.events))
-            return True
-        return False
+            logger.info("worker %s warmed from its snapshot (%d events, last seq %d)", worker.worker_id,
+                        len(batch.events), last_seq)
+            return last_seq
+        return None
+
+    def apply_batches(self, worker: WorkerRuntime, batches: Sequence[EventBatch]) -> None:
+        index = self._gw.index_for(worker)
+        if index is not None:
+            for batch in batches:
+                index.apply(batch)
 
 
 def _add_to_subscriber(subscriber: Any, worker: WorkerRuntime) -> None:

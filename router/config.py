@@ -126,6 +126,9 @@ class WorkerConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
         load_path: the worker's load endpoint (polled; returns load and start id), or ``None``.
         snapshot_path: endpoint returning the worker's cached blocks as KV events (warm-up), or ``None``.
         health_path: active health check path.
+        time_scale: wall seconds per second of the worker's own clock, for a simulated worker run with
+            ``kvgate worker --time-scale X`` (1 for real engines). The TTFT the gateway observes (wall time) is
+            divided by it before it calibrates the cost model, whose constants are in the worker's seconds.
     """
 
     id: str
@@ -140,8 +143,10 @@ class WorkerConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
     load_path: str | None = "/load"
     snapshot_path: str | None = "/kv/snapshot"
     health_path: str = "/health"
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        _positive("time_scale", self.time_scale)
         if not self.id:
             raise ValueError("id must not be empty")
         if not self.url.startswith(("http://", "https://")):

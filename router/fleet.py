@@ -13,6 +13,14 @@ Worker lifecycle::
     any  ──remove──► gone: subscriber stops, index entries cleared, sessions dropped (their next request is
                      routed afresh and claims a new owner), pooled connections closed
 
+Snapshot splice (a worker with one dp rank and a snapshot endpoint, e.g. the reference worker's
+``GET /kv/snapshot``): while the snapshot is fetched, live batches are held (``WorkerRuntime.backlog``). The
+snapshot's ``x-kvgate-last-seq`` header is the seq of the last batch published before it was taken; after it is
+applied, held and later live batches with ``seq <= last_seq`` are dropped (already in the snapshot) and the rest
+applied in order. If the first batch after the snapshot is not ``last_seq + 1`` (the subscriber joined late and
+missed some), the snapshot is fetched again. A worker whose snapshot cannot be had (no endpoint, 404 as on vLLM,
+unreachable) gets its held batches applied and turns warm on its first event batch.
+
 Health: ``failure_threshold`` consecutive failed checks mark a worker unhealthy, ``success_threshold``
 consecutive successes mark it healthy again. Circuit breaker (per worker, over proxied requests): closed →
 ``failure_threshold`` consecutive failures → open for ``open_s`` → half-open (one trial request) → closed on
@@ -27,15 +35,21 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 
+from events.types import EventBatch
 from policies.base import WorkerState
 from router.config import CircuitBreakerConfig, GatewayConfig, WorkerConfig
 from router.errors import ConfigError, NotFoundError, TransportError
 
 logger = logging.getLogger(__name__)
+
+MAX_BACKLOG_BATCHES = 10_000
+"""Live batches held per worker while its snapshot is fetched; past it the snapshot is given up (events only)."""
+MAX_SNAPSHOT_ATTEMPTS = 5
+"""Snapshots fetched again in a row because the first batch after the previous one was not its next seq."""
 
 
 class CircuitState(IntEnum):
@@ -123,6 +137,10 @@ class WorkerRuntime:
         num_decoding_requests: requests past their first byte and not finished.
         load: last polled load, or ``None``.
         start_id: last seen start id.
+        backlog: live event batches held while the snapshot is fetched, or ``None`` when not holding.
+        snapshot_last_seq: while set, live batches with ``seq <= snapshot_last_seq`` are already in the applied
+            snapshot and are dropped; the next one must be ``snapshot_last_seq + 1``.
+        is_warm_on_first_batch: no snapshot could be applied: the first event batch makes the worker warm.
     """
 
     def __init__(self, config: WorkerConfig, block_size: int, breaker: CircuitBreakerConfig) -> None:
@@ -139,6 +157,10 @@ class WorkerRuntime:
         self.num_decoding_requests = 0
         self.load: WorkerLoad | None = None
         self.start_id: str | int | None = None
+        self.backlog: list[EventBatch] | None = None
+        self.snapshot_last_seq: int | None = None
+        self.is_warm_on_first_batch = False
+        self.num_snapshot_refetches = 0
         self._num_health_failures = 0
         self._num_health_successes = 0
 
@@ -222,7 +244,14 @@ class FleetHooks(Protocol):
 
     def on_start_id_changed(self, worker: WorkerRuntime, start_id: str | int) -> None: ...
 
-    async def warm_up(self, worker: WorkerRuntime) -> bool: ...
+    async def warm_up(self, worker: WorkerRuntime) -> int | None:
+        """Fetch the worker's snapshot and apply it to the index; returns its ``last_seq`` (-1: nothing published
+        before it), or ``None`` when there is no snapshot to be had."""
+        ...
+
+    def apply_batches(self, worker: WorkerRuntime, batches: Sequence[EventBatch]) -> None:
+        """Apply live batches of the worker to its index, in order."""
+        ...
 
 
 class Fleet:
@@ -356,23 +385,124 @@ class Fleet:
         worker.is_approximate = True
         self.start_warmup(worker)
 
+    def _splices(self, worker: WorkerRuntime) -> bool:
+        """Whether the worker's live batches are spliced with its snapshot (module docstring)."""
+        return (
+            self._config.events.warmup_from_snapshot
+            and worker.config.snapshot_path is not None
+            and worker.config.dp_ranks == 1
+        )
+
     def start_warmup(self, worker: WorkerRuntime) -> None:
-        """(Re)start the worker's warm-up task."""
+        """(Re)start the worker's warm-up task; live batches are held from now until its snapshot is applied."""
         old = self._warmups.pop(worker.worker_id, None)
         if old is not None and not old.done():
             old.cancel()
+        worker.snapshot_last_seq = None
+        worker.is_warm_on_first_batch = False
+        if self._splices(worker):
+            if worker.backlog is None:
+                worker.backlog = []
+        else:
+            worker.is_warm_on_first_batch = True
         self._warmups[worker.worker_id] = asyncio.get_running_loop().create_task(
             self._warmup(worker), name=f"warmup-{worker.worker_id}"
         )
 
+    def admit(self, worker: WorkerRuntime, batch: EventBatch) -> Sequence[EventBatch]:
+        """A live batch of ``worker`` arrived: the batches to apply to its index now (module docstring).
+
+        Holds the batch while a snapshot is fetched, drops it when the applied snapshot already has it, and
+        fetches a new snapshot when batches between the snapshot and it were missed.
+        """
+        if worker.backlog is not None:
+            worker.backlog.append(batch)
+            if len(worker.backlog) <= MAX_BACKLOG_BATCHES:
+                return ()
+            logger.warning("worker %s: over %d batches held for its snapshot; warming from events only",
+                           worker.worker_id, MAX_BACKLOG_BATCHES)
+            task = self._warmups.pop(worker.worker_id, None)
+            if task is not None:
+                task.cancel()
+            held, worker.backlog = worker.backlog, None
+            worker.is_warm_on_first_batch = True
+            self._mark_warm_on_batch(worker)
+            return held
+        if worker.snapshot_last_seq is not None:
+            verdict = self._after_snapshot(worker, batch)
+            if verdict == "refetch":
+                self.start_warmup(worker)
+                assert worker.backlog is not None  # start_warmup holds batches for a splicing worker
+                worker.backlog.append(batch)
+            if verdict != "apply":
+                return ()
+        self._mark_warm_on_batch(worker)
+        return (batch,)
+
+    @staticmethod
+    def _after_snapshot(worker: WorkerRuntime, batch: EventBatch) -> Literal["apply", "drop", "refetch"]:
+        """A batch after the applied snapshot: in it already, the next one, or past a hole.
+
+        A batch the subscriber does not deliver (no events) also looks like a hole; the refetches are bounded.
+        """
+        last_seq = worker.snapshot_last_seq
+        assert last_seq is not None  # callers check
+        if batch.seq <= last_seq:
+            return "drop"
+        if batch.seq != last_seq + 1 and worker.num_snapshot_refetches < MAX_SNAPSHOT_ATTEMPTS:
+            worker.num_snapshot_refetches += 1
+            logger.info("worker %s: batches %d..%d after its snapshot were not seen; fetching it again",
+                        worker.worker_id, last_seq + 1, batch.seq - 1)
+            return "refetch"
+        worker.snapshot_last_seq = None
+        worker.num_snapshot_refetches = 0
+        return "apply"
+
+    def _mark_warm_on_batch(self, worker: WorkerRuntime) -> None:
+        if not worker.is_warm and worker.is_warm_on_first_batch:
+            self.mark_warm(worker.worker_id)
+
+    def _splice(self, worker: WorkerRuntime, last_seq: int) -> bool:
+        """The snapshot up to ``last_seq`` was applied: apply the held batches after it; False on a hole."""
+        held, worker.backlog = worker.backlog or [], None
+        worker.snapshot_last_seq = last_seq
+        for i, batch in enumerate(held):
+            if worker.snapshot_last_seq is not None:
+                verdict = self._after_snapshot(worker, batch)
+                if verdict == "drop":
+                    continue
+                if verdict == "refetch":
+                    worker.snapshot_last_seq = None
+                    worker.backlog = held[i:]
+                    return False
+            self._hooks.apply_batches(worker, (batch,))
+        return True
+
     async def _warmup(self, worker: WorkerRuntime) -> None:
         try:
-            if await self._hooks.warm_up(worker):
-                self.mark_warm(worker.worker_id)
+            while True:
+                last_seq = await self._hooks.warm_up(worker)
+                if last_seq is None:
+                    break
+                if not self._splices(worker):
+                    self.mark_warm(worker.worker_id)
+                    return
+                if self._splice(worker, last_seq):
+                    self.mark_warm(worker.worker_id)
+                    return
+                logger.info("worker %s: its snapshot misses live batches; fetching it again", worker.worker_id)
         except asyncio.CancelledError:
             raise
         except Exception:
             logger.exception("warm-up of worker %s failed; waiting for its events", worker.worker_id)
+        # No usable snapshot: apply what was held and turn warm on events.
+        held, worker.backlog = worker.backlog or [], None
+        worker.snapshot_last_seq = None
+        worker.is_warm_on_first_batch = True
+        if held:
+            self._hooks.apply_batches(worker, held)
+            self.mark_warm(worker.worker_id)
+        logger.info("worker %s: no snapshot; its index warms from its events", worker.worker_id)
 
     async def aclose(self) -> None:
         """Cancel warm-up tasks."""

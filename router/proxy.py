@@ -199,7 +199,7 @@ class Proxy:
     def _first_byte(self, worker: WorkerRuntime, plan: RoutePlan, sent_at: float, uncached: int,
                     is_stream: bool) -> None:
         """Move the request from pending prefill to decoding and feed the observed TTFT to the calibrator."""
-        ttft_s = time.perf_counter() - sent_at
+        ttft_s = (time.perf_counter() - sent_at) / worker.config.time_scale  # in the worker's seconds
         worker.num_pending_prefill_tokens -= uncached
         worker.num_decoding_requests += 1
         if not is_stream:

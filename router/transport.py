@@ -86,6 +86,14 @@ class Transport(Protocol):
         """
         ...
 
+    async def get_with_headers(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, dict[str, str], bytes]:
+        """GET ``url`` on the worker's pool: ``(status, headers with lower-cased names, body)``.
+
+        Raises:
+            TransportError: connect error or timeout.
+        """
+        ...
+
     async def remove_worker(self, worker_id: str) -> None:
         """Close the worker's pooled connections."""
         ...
@@ -191,10 +199,22 @@ class AiohttpTransport:
         return _AiohttpResponse(resp, request.worker_id, url)
 
     async def get_bytes(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, bytes]:
-        """GET ``url`` on the worker's pool (health, load, snapshot endpoints).
+        """GET ``url`` on the worker's pool (health, load endpoints).
 
         Returns:
             ``(status, body)``.
+
+        Raises:
+            TransportError: connect error or timeout.
+        """
+        status, _, body = await self.get_with_headers(worker_id, url, timeout_s)
+        return status, body
+
+    async def get_with_headers(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, dict[str, str], bytes]:
+        """GET ``url`` on the worker's pool (snapshot endpoint: its headers matter).
+
+        Returns:
+            ``(status, headers with lower-cased names, body)``.
 
         Raises:
             TransportError: connect error or timeout.
@@ -203,7 +223,8 @@ class AiohttpTransport:
         try:
             async with asyncio.timeout(timeout_s):
                 async with session.get(url) as resp:
-                    return resp.status, await resp.read()
+                    body = await resp.read()
+                    return resp.status, {k.lower(): v for k, v in resp.headers.items()}, body
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise TransportTimeoutError(
                 f"GET {url} timed out", worker_id=worker_id, endpoint=url, is_before_first_byte=True
@@ -290,9 +311,14 @@ class MockTransport:
         return resp
 
     async def get_bytes(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, bytes]:
-        """Health/load/snapshot GETs through the handler."""
+        """Health/load GETs through the handler."""
+        status, _, body = await self.get_with_headers(worker_id, url, timeout_s)
+        return status, body
+
+    async def get_with_headers(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, dict[str, str], bytes]:
+        """Snapshot GETs through the handler (headers with lower-cased names)."""
         resp = await self.send(UpstreamRequest(worker_id, "", "GET", url, (), b""))
-        return resp.status, await resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read()
 
     async def get_json(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, object]:
         """``get_bytes`` decoded as JSON."""
