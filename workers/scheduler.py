@@ -209,46 +209,52 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         """Pick this step's work (module docstring) and collect copies to issue."""
         budget = self.config.max_num_batched_tokens
+        bs = self.kv.block_size
+        running = self.running
+        RUNNING = RequestStatus.RUNNING
         scheduled: list[tuple[Request, int]] = []
+        prefills: list[PrefillChunk] = []
+        decodes: list[DecodeSeq] = []
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            all_ids = req.all_token_ids
+            start = req.num_computed_tokens
+            num_new = min(len(all_ids) - start, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req.kv, req.num_computed_tokens + num_new):
-                victim = self.running[-1]
-                preempted = True
-                self._preempt(victim)
-                if victim is req:
+            kv = req.kv
+            if start + num_new > len(kv.block_ids) * bs:
+                while not self.kv.allocate_slots(kv, start + num_new):
+                    victim = running[-1]
+                    preempted = True
+                    self._preempt(victim)
+                    if victim is req:
+                        break
+                if req.status is not RUNNING:
                     break
-            if req.status is not RequestStatus.RUNNING:
-                break
             scheduled.append((req, num_new))
             budget -= num_new
             i += 1
         if not preempted:
             self._admit_waiting(budget, scheduled)
         self._scheduled = scheduled
-        prefills: list[PrefillChunk] = []
-        decodes: list[DecodeSeq] = []
         for req, num_new in scheduled:
+            all_ids = req.all_token_ids
             start = req.num_computed_tokens
             end = start + num_new
-            if num_new == 1 and req.num_output_tokens > 0 and end == len(req.all_token_ids):
-                decodes.append(
-                    DecodeSeq(req.request_id, req.all_token_ids[start], start, tuple(req.kv.block_ids), req.sampling)
-                )
+            if num_new == 1 and end == len(all_ids) and len(all_ids) > len(req.prompt_token_ids):
+                decodes.append(DecodeSeq(req.request_id, all_ids[start], start, req.kv.block_ids, req.sampling))
             else:
                 prefills.append(
                     PrefillChunk(
                         req.request_id,
-                        tuple(req.all_token_ids[start:end]),
+                        tuple(all_ids[start:end]),
                         start,
-                        tuple(req.kv.block_ids),
-                        end == len(req.all_token_ids),
+                        req.kv.block_ids,
+                        end == len(all_ids),
                         req.sampling,
                     )
                 )
@@ -293,11 +299,15 @@ class Scheduler:
         sampled = result.sampled_token_ids
         max_len = self.config.max_model_len
         eos = self.eos_token_id
+        kv = self.kv
+        bs = kv.block_size
+        RUNNING = RequestStatus.RUNNING
         for req, num_new in self._scheduled:
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not RUNNING:
                 continue  # finished (aborted) while the step ran
-            req.num_computed_tokens += num_new
-            self.kv.cache_computed(req.kv, req.all_token_ids, req.num_computed_tokens, req.num_prompt_tokens)
+            computed = req.num_computed_tokens = req.num_computed_tokens + num_new
+            if computed // bs > req.kv.num_cached_blocks:
+                kv.cache_computed(req.kv, req.all_token_ids, computed, len(req.prompt_token_ids))
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -306,9 +316,10 @@ class Scheduler:
                 reason = "stop"
                 new: list[int] = []
             else:
-                req.all_token_ids.append(token)
+                all_ids = req.all_token_ids
+                all_ids.append(token)
                 new = [token]
-                if req.num_output_tokens >= req.max_tokens or len(req.all_token_ids) >= max_len:
+                if len(all_ids) - len(req.prompt_token_ids) >= req.max_tokens or len(all_ids) >= max_len:
                     reason = "length"
             if reason is not None:
                 self.finish_request(req.request_id, reason)

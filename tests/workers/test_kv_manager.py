@@ -192,7 +192,7 @@ def test_cpu_restore_then_next_turn_served_from_gpu():
     assert kv.admit(seq, hit, len(turn2))
     _, (restore,) = kv.take_copies()
     assert restore.dst_block_ids == tuple(seq.block_ids[:3])
-    assert kv.cpu is not None and kv.cpu.meta(seq.block_hashes[0]) is not None
+    assert kv.cpu is not None and kv.cpu.pin_count(seq.block_hashes[0]) == 1
     # allocation evicted x's blocks (tail first); nothing is registered on GPU before the copy lands
     assert kv.take_events() == [BlockRemoved(block_hashes=(to_engine_hash(h),)) for h in reversed(x.block_hashes)]
     kv.complete_restore(restore.job_id)
@@ -227,10 +227,10 @@ def test_free_during_restore_keeps_blocks_until_copy_lands():
     _, (restore,) = kv.take_copies()
     kv.free(seq)
     assert kv.gpu.num_free_blocks == 1  # three blocks still held by the in-flight restore
-    assert kv.cpu is not None and kv.cpu._entries[seq.block_hashes[0]].pin_cnt == 1
+    assert kv.cpu is not None and kv.cpu.pin_count(seq.block_hashes[0]) == 1
     kv.complete_restore(restore.job_id)
     assert kv.gpu.num_free_blocks == 4
-    assert kv.cpu._entries[seq.block_hashes[0]].pin_cnt == 0
+    assert kv.cpu.pin_count(seq.block_hashes[0]) == 0
 
 
 def test_reset_refused_while_in_use_then_clears_all_tiers():

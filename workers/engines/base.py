@@ -26,6 +26,7 @@ once, possibly in a later step than it was issued).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import msgspec
@@ -52,7 +53,8 @@ class PrefillChunk(msgspec.Struct, frozen=True, gc=False):
         request_id: the sequence.
         token_ids: the ``num_new_tokens`` tokens to compute, at positions ``start_pos ..``.
         start_pos: tokens of the sequence whose KV is already in ``block_ids`` (cached or computed earlier).
-        block_ids: the sequence's GPU block table, covering at least ``start_pos + len(token_ids)`` tokens.
+        block_ids: the sequence's GPU block table, covering at least ``start_pos + len(token_ids)`` tokens (the
+            scheduler's own list, not a copy: valid during ``execute`` only; an engine must not keep it).
         sample: sample one token after the chunk (the chunk reaches the end of the known tokens).
         sampling: sampling parameters.
     """
@@ -60,7 +62,7 @@ class PrefillChunk(msgspec.Struct, frozen=True, gc=False):
     request_id: str
     token_ids: tuple[int, ...]
     start_pos: int
-    block_ids: tuple[int, ...]
+    block_ids: Sequence[int]
     sample: bool
     sampling: SamplingParams
 
@@ -72,14 +74,14 @@ class DecodeSeq(msgspec.Struct, frozen=True, gc=False):
         request_id: the sequence.
         token_id: the token fed this step (the last sampled one).
         position: its position (= tokens already in the KV cache).
-        block_ids: the GPU block table, covering ``position + 1`` tokens.
+        block_ids: the GPU block table, covering ``position + 1`` tokens (live, as for ``PrefillChunk``).
         sampling: sampling parameters.
     """
 
     request_id: str
     token_id: int
     position: int
-    block_ids: tuple[int, ...]
+    block_ids: Sequence[int]
     sampling: SamplingParams
 
 

@@ -58,8 +58,12 @@ class BlockMeta(msgspec.Struct, frozen=True, gc=False):
     """``to_engine_hash(block_hash)``, computed once by the creator (``None``: computed on use)."""
 
 
-def _engine_hash(meta: BlockMeta) -> EngineBlockHash:
+def engine_hash_of(meta: BlockMeta) -> EngineBlockHash:
+    """The block's u64 wire hash (``meta.engine_hash`` when set)."""
     return to_engine_hash(meta.block_hash) if meta.engine_hash is None else EngineBlockHash(meta.engine_hash)
+
+
+_engine_hash = engine_hash_of
 
 
 def stored_events(metas: Sequence[BlockMeta], block_size: int, medium: Medium) -> list[BlockStored]:
@@ -186,6 +190,10 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         """The block id holding ``block_hash``, or ``None``."""
         return self._cached.get(block_hash)
+
+    def holds_all(self, block_hashes: Iterable[BlockHash]) -> bool:
+        """Whether every one of ``block_hashes`` is registered in the prefix index."""
+        return all(map(self._cached.__contains__, block_hashes))
 
     def num_free_among(self, block_ids: Iterable[int]) -> int:
         """How many of ``block_ids`` are currently in the free queue (a touch would take them out)."""

@@ -2,56 +2,53 @@
 
 Data structures::
 
-    entries     block_hash -> CpuEntry(slot, meta, pin_cnt), least recently used first
-                (only completed stores; these are what lookups see)
-    in_flight   block_hash -> (job_id, slot) for stores issued but not completed
-    free_slots  CPU slots holding nothing, lowest first
+    entries     block_hash -> slot of every completed store, least recently used first (a plain dict: a touch
+                re-inserts); what lookups see
+    slot_hash   [num_blocks] the u64 engine hash held by each slot (for events)
+    in_flight   hashes of stores issued but not completed (a set; small: the jobs of a few steps)
+    jobs        job id -> (hashes, slots, engine hashes, metas) of one store in flight
+    pins        block_hash -> restores reading it now (only pinned blocks are present)
+    free_slots  CPU slots holding nothing, lowest last (popped first)
+
+The store path is batched: one ``prepare_store`` and one ``complete_store`` per copy job, with the per-block
+work done by dict/list operations over whole runs, and no per-block Python objects. A completed block keeps
+nothing but its slot and engine hash (no ``BlockMeta``, no tokens: a restore rebuilds its metas from the
+restoring request's own tokens). Traffic that never comes back (every block new, nothing pinned) takes the fast
+path only: per block, one membership test and one insert on ``entries`` and, when full, one eviction.
 
 Store life cycle (two phases, ``prepare_store`` / ``complete_store``):
   1. ``prepare_store`` picks the blocks to store, skipping any whose store is already in flight (rule 1) and
-     any already stored (rule 2), reserves a CPU slot for each (a free one, else the least recently used
-     unpinned entry is evicted with a ``BlockRemoved`` CPU event; with none, the block is skipped and counted).
+     any already stored (rule 2, the entry is touched), reserves a CPU slot for each (a free one, else the
+     least recently used unpinned entries are evicted, one ``BlockRemoved`` CPU event per batch; with none left,
+     the remaining blocks are skipped and counted).
   2. The engine copies GPU -> CPU. The copy does not need the GPU block to stay (rule 3): the KV manager may
      evict and reuse it meanwhile; the engine snapshots the source when it issues the copy.
-  3. ``complete_store`` makes the blocks visible to lookups and emits ``BlockStored`` (CPU), with parent and
-     tokens so the event stands alone.
+  3. ``complete_store`` makes the blocks visible to lookups and emits one ``BlockStored`` (CPU) per job, as
+     vLLM's offloading connector does: engine hashes only, no parent and no tokens (the gateway resolves them
+     through the GPU store of the same hashes). When some of the job's blocks already left the GPU prefix index
+     (rule 3), the event carries parent and tokens instead, so it still stands alone. Snapshots list stored
+     blocks token-less too (``stored_engine_hashes``).
 
 Restores pin their source entries (``pin``) so they cannot be evicted mid-copy; each request unpins exactly
 the pins it took (``unpin``), never another's.
-
-A shared pool tier (``Medium.MOONCAKE``) would implement the same five calls (``lookup``, ``prepare_store``,
-``complete_store``, ``pin``/``unpin``) over a remote store; the KV manager talks to tiers only through them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import islice
+from operator import attrgetter
 
-from events.types import BlockRemoved, EngineBlockHash, KVEvent, Medium
+from events.types import BlockRemoved, BlockStored, EngineBlockHash, KVEvent, Medium
 from workers.errors import KVCacheError
-from workers.kv.block_pool import BlockMeta, chain_order, stored_events
-from workers.kv.hashing import BlockHash, to_engine_hash
+from workers.kv.block_pool import BlockMeta, engine_hash_of, stored_events
+from workers.kv.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 
-
-class CpuEntry:
-    """A stored block.
-
-    Attributes:
-        slot: CPU pool slot.
-        meta: the block's content description.
-        pin_cnt: restores reading it now.
-    """
-
-    __slots__ = ("slot", "meta", "pin_cnt")
-
-    def __init__(self, slot: int, meta: BlockMeta) -> None:
-        self.slot = slot
-        self.meta = meta
-        self.pin_cnt = 0
+_engine_hash_attr = attrgetter("engine_hash")
 
 
 class CpuTier:
@@ -59,13 +56,20 @@ class CpuTier:
 
     medium = Medium.CPU
 
-    def __init__(self, num_blocks: int, block_size: int, emit: Callable[[KVEvent], None]) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        emit: Callable[[KVEvent], None],
+        on_gpu: Callable[[Sequence[BlockHash]], bool] | None = None,
+    ) -> None:
         """Build an empty tier.
 
         Args:
             num_blocks: CPU slots (> 0).
             block_size: tokens per block (same as the GPU's).
             emit: called with each KV event.
+            on_gpu: whether all given hashes are in the GPU prefix index (picks the store event's shape).
 
         Raises:
             ValueError: a non-positive size.
@@ -75,9 +79,12 @@ class CpuTier:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._emit = emit
-        self._entries: OrderedDict[BlockHash, CpuEntry] = OrderedDict()
-        self._in_flight: dict[BlockHash, tuple[int, int, BlockMeta]] = {}
-        self._jobs: dict[int, list[BlockHash]] = {}
+        self._on_gpu = on_gpu
+        self._entries: dict[BlockHash, int] = {}
+        self._slot_hash: list[int] = [0] * num_blocks
+        self._in_flight: set[BlockHash] = set()
+        self._jobs: dict[int, tuple[list[BlockHash], list[int], tuple[EngineBlockHash, ...], Sequence[BlockMeta]]] = {}
+        self._pins: dict[BlockHash, int] = {}
         self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
         self.num_stores_skipped_in_flight = 0
         self.num_stores_skipped_stored = 0
@@ -97,58 +104,91 @@ class CpuTier:
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many of ``block_hashes``, from the first, are stored (completed stores only)."""
+        entries = self._entries
         n = 0
         for h in block_hashes:
-            if h not in self._entries:
+            if h not in entries:
                 break
             n += 1
         return n
 
-    def prepare_store(self, job_id: int, metas: Sequence[BlockMeta]) -> list[tuple[BlockMeta, int]]:
+    def prepare_store(
+        self, job_id: int, hashes: list[BlockHash], metas: Sequence[BlockMeta]
+    ) -> tuple[list[int] | None, list[int]]:
         """Phase 1 of a store: choose blocks and reserve slots (rules 1 and 2).
 
         Args:
             job_id: the copy job these blocks belong to.
-            metas: candidate blocks in prefix order.
+            hashes: candidate blocks' hashes in prefix order (the list is kept by the tier).
+            metas: their metas, same order (kept until the store completes).
 
         Returns:
-            ``(meta, cpu_slot)`` for each block to copy; empty when nothing is to be stored (no job then).
+            ``(chosen, slots)``: the positions in ``hashes`` of the blocks to copy (``None``: the first
+            ``len(slots)``) and their CPU slots, same order. No slots: nothing to store (no job then).
         """
-        out: list[tuple[BlockMeta, int]] = []
-        for meta in metas:
-            h = meta.block_hash
-            if h in self._in_flight:
-                self.num_stores_skipped_in_flight += 1
-                continue
-            if h in self._entries:
-                self.num_stores_skipped_stored += 1
-                self._entries.move_to_end(h)
-                continue
-            slot = self._take_slot()
-            if slot is None:
-                self.num_stores_skipped_full += 1
-                continue
-            self._in_flight[h] = (job_id, slot, meta)
-            out.append((meta, slot))
-        if out:
-            self._jobs[job_id] = [m.block_hash for m, _ in out]
-        return out
+        entries = self._entries
+        in_flight = self._in_flight
+        chosen: list[int] | None = None
+        if (not in_flight or in_flight.isdisjoint(hashes)) and entries.keys().isdisjoint(hashes):
+            slots = self._take_slots(len(hashes))
+            if len(slots) < len(hashes):
+                self.num_stores_skipped_full += len(hashes) - len(slots)
+                del hashes[len(slots) :]
+                metas = metas[: len(slots)]
+        else:
+            chosen = []
+            for i, h in enumerate(hashes):
+                if h in in_flight:
+                    self.num_stores_skipped_in_flight += 1
+                elif h in entries:
+                    self.num_stores_skipped_stored += 1
+                    entries[h] = entries.pop(h)
+                else:
+                    chosen.append(i)
+            slots = self._take_slots(len(chosen))
+            if len(slots) < len(chosen):
+                self.num_stores_skipped_full += len(chosen) - len(slots)
+                del chosen[len(slots) :]
+            hashes = [hashes[i] for i in chosen]
+            metas = [metas[i] for i in chosen]
+        if slots:
+            in_flight.update(hashes)
+            engine_hashes = tuple(map(_engine_hash_attr, metas))
+            if None in engine_hashes:
+                engine_hashes = tuple(map(engine_hash_of, metas))
+            deque(map(self._slot_hash.__setitem__, slots, engine_hashes), maxlen=0)
+            self._jobs[job_id] = (hashes, slots, engine_hashes, metas)
+        return chosen, slots
 
-    def _take_slot(self) -> int | None:
-        if self._free_slots:
-            return self._free_slots.pop()
-        for h, entry in self._entries.items():
-            if entry.pin_cnt == 0:
-                del self._entries[h]
-                eh = entry.meta.engine_hash
-                self._emit(
-                    BlockRemoved(
-                        block_hashes=(to_engine_hash(h) if eh is None else EngineBlockHash(eh),), medium=Medium.CPU
-                    )
+    def _take_slots(self, n: int) -> list[int]:
+        """``n`` slots (fewer when too few are free or evictable): free ones first, then LRU evictions."""
+        free = self._free_slots
+        k = len(free)
+        if k >= n:
+            out = free[k - n :]
+            del free[k - n :]
+            out.reverse()
+            return out
+        out = free[::-1]
+        free.clear()
+        entries = self._entries
+        need = n - k
+        if not self._pins:
+            victims = list(islice(entries, need))
+        else:
+            pins = self._pins
+            victims = list(islice((h for h in entries if h not in pins), need))
+        if victims:
+            slots = list(map(entries.pop, victims))
+            out.extend(slots)
+            self._emit(
+                BlockRemoved(
+                    block_hashes=tuple(map(self._slot_hash.__getitem__, slots)),  # type: ignore[arg-type]
+                    medium=self.medium,
                 )
-                self.num_blocks_evicted += 1
-                return entry.slot
-        return None
+            )
+            self.num_blocks_evicted += len(victims)
+        return out
 
     def complete_store(self, job_id: int) -> None:
         """Phase 2: the copy of ``job_id`` landed; its blocks become visible and ``BlockStored`` (CPU) is emitted.
@@ -156,25 +196,26 @@ class CpuTier:
         Raises:
             KVCacheError: an unknown job.
         """
-        hashes = self._jobs.pop(job_id, None)
-        if hashes is None:
+        job = self._jobs.pop(job_id, None)
+        if job is None:
             raise KVCacheError(f"unknown store job {job_id}")
-        done: list[BlockMeta] = []
-        for h in hashes:
-            _job, slot, meta = self._in_flight.pop(h)
-            self._entries[h] = CpuEntry(slot, meta)
-            done.append(meta)
-        self.num_blocks_stored += len(done)
-        for ev in stored_events(done, self.block_size, Medium.CPU):
-            self._emit(ev)
-
-    def meta(self, block_hash: BlockHash) -> BlockMeta:
-        """The meta of a stored block.
-
-        Raises:
-            KeyError: not stored.
-        """
-        return self._entries[block_hash].meta
+        hashes, slots, engine_hashes, metas = job
+        self._in_flight.difference_update(hashes)
+        self._entries.update(zip(hashes, slots, strict=True))
+        self.num_blocks_stored += len(slots)
+        if self._on_gpu is not None and self._on_gpu(hashes):
+            self._emit(
+                BlockStored(
+                    block_hashes=engine_hashes,
+                    parent_block_hash=None,
+                    token_ids=(),
+                    block_size=self.block_size,
+                    medium=self.medium,
+                )
+            )
+        else:
+            for ev in stored_events(metas, self.block_size, self.medium):
+                self._emit(ev)
 
     def pin(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """Pin stored blocks for a restore and mark them recently used.
@@ -185,14 +226,16 @@ class CpuTier:
         Raises:
             KVCacheError: a block that is not stored (callers ``lookup`` first).
         """
+        entries = self._entries
+        pins = self._pins
         slots: list[int] = []
         for h in block_hashes:
-            entry = self._entries.get(h)
-            if entry is None:
+            slot = entries.pop(h, None)
+            if slot is None:
                 raise KVCacheError("pin of a block not on the CPU tier")
-            entry.pin_cnt += 1
-            self._entries.move_to_end(h)
-            slots.append(entry.slot)
+            entries[h] = slot
+            pins[h] = pins.get(h, 0) + 1
+            slots.append(slot)
         return slots
 
     def unpin(self, block_hashes: Sequence[BlockHash]) -> None:
@@ -201,26 +244,37 @@ class CpuTier:
         Raises:
             KVCacheError: a block without pins.
         """
+        pins = self._pins
         for h in block_hashes:
-            entry = self._entries.get(h)
-            if entry is None or entry.pin_cnt <= 0:
+            n = pins.get(h, 0)
+            if n <= 0:
                 raise KVCacheError("unpin of a block that is not pinned")
-            entry.pin_cnt -= 1
+            if n == 1:
+                del pins[h]
+            else:
+                pins[h] = n - 1
+
+    def pin_count(self, block_hash: BlockHash) -> int:
+        """Restores reading ``block_hash`` now."""
+        return self._pins.get(block_hash, 0)
 
     def reset(self) -> int:
-        """Drop every unpinned stored block (no events; the manager emits ``AllBlocksCleared``).
+        """Drop every unpinned completed block (no events; the manager emits ``AllBlocksCleared``). Stores in
+        flight complete later as usual.
 
         Returns:
             Blocks dropped.
         """
-        dropped = [h for h, e in self._entries.items() if e.pin_cnt == 0]
-        for h in dropped:
-            self._free_slots.append(self._entries.pop(h).slot)
+        pins = self._pins
+        entries = self._entries
+        dropped = [h for h in entries if h not in pins]
+        self._free_slots.extend(map(entries.pop, dropped))
+        self._free_slots.sort(reverse=True)
         return len(dropped)
 
-    def stored_metas(self) -> list[BlockMeta]:
-        """Every stored block's meta in snapshot order."""
-        return chain_order(e.meta for e in self._entries.values())
+    def stored_engine_hashes(self) -> list[EngineBlockHash]:
+        """The engine hashes of every stored block, least recently used first (for snapshots)."""
+        return list(map(self._slot_hash.__getitem__, self._entries.values()))  # type: ignore[arg-type]
 
     def lru_order(self) -> list[BlockHash]:
         """Test-only: stored hashes, evicted-next first."""

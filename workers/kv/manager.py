@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from events.types import AllBlocksCleared, KVEvent, Medium
+from events.types import AllBlocksCleared, BlockStored, KVEvent, Medium
 from workers.config import KVCacheConfig
 from workers.engines.base import BlockCopy
 from workers.errors import KVCacheError
@@ -96,6 +96,8 @@ class PrefixHit(msgspec.Struct, frozen=True, gc=False):
     gpu_block_ids: tuple[int, ...]
     num_cpu_blocks: int
     block_size: int
+    token_ids: Sequence[int] = ()
+    """The tokens looked up (a reference, not a copy): a restore builds its blocks' metas from them."""
 
     @property
     def num_blocks(self) -> int:
@@ -132,7 +134,9 @@ class KVCacheManager:
         self._events: list[KVEvent] = []
         self.gpu = BlockPool(config.num_gpu_blocks, config.block_size, self._emit)
         self.cpu: CpuTier | None = (
-            CpuTier(config.num_cpu_blocks, config.block_size, self._emit) if config.num_cpu_blocks > 0 else None
+            CpuTier(config.num_cpu_blocks, config.block_size, self._emit, self.gpu.holds_all)
+            if config.num_cpu_blocks > 0
+            else None
         )
         self._store_policy = config.cpu_store_policy if self.cpu is not None else "none"
         self._next_job_id = 0
@@ -191,7 +195,9 @@ class KVCacheManager:
         num_cpu = 0
         if self.cpu is not None and len(gpu_ids) < limit:
             num_cpu = self.cpu.lookup(hashes[len(gpu_ids) : limit])
-        return PrefixHit(gpu_block_ids=tuple(gpu_ids), num_cpu_blocks=num_cpu, block_size=self.block_size)
+        return PrefixHit(
+            gpu_block_ids=tuple(gpu_ids), num_cpu_blocks=num_cpu, block_size=self.block_size, token_ids=token_ids
+        )
 
     def admit(self, seq: SequenceKV, hit: PrefixHit, num_tokens: int) -> bool:
         """Give a new (or preempted) sequence its hit and blocks for its first ``num_tokens`` tokens.
@@ -224,15 +230,28 @@ class KVCacheManager:
             seq.cpu_pinned = list(hashes)
             dst = seq.block_ids[first : first + hit.num_cpu_blocks]
             job_id = self._job_id()
-            metas = [self._cpu_meta(h) for h in hashes]
+            metas = self._metas(seq, hit.token_ids, first, first + hit.num_cpu_blocks)
             self._restore_jobs[job_id] = _RestoreJob(seq, dst, metas)
             self._pending_restores.append(BlockCopy(job_id, tuple(slots), tuple(dst)))
             seq.restore_job_id = job_id
         return True
 
-    def _cpu_meta(self, h: BlockHash) -> BlockMeta:
-        assert self.cpu is not None
-        return self.cpu.meta(h)
+    def _metas(self, seq: SequenceKV, token_ids: Sequence[int], start: int, end: int) -> list[BlockMeta]:
+        """Metas of ``seq``'s blocks ``start .. end - 1`` (hashes already computed)."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        return [
+            BlockMeta(
+                block_hash=hashes[i],
+                parent_block_hash=hashes[i - 1] if i else None,
+                token_ids=tuple(token_ids[i * bs : (i + 1) * bs]),
+                depth=i,
+                lora_name=seq.lora_name,
+                cache_salt=seq.cache_salt,
+                engine_hash=to_engine_hash(hashes[i]),
+            )
+            for i in range(start, end)
+        ]
 
     def allocate_slots(self, seq: SequenceKV, num_tokens: int) -> bool:
         """Grow ``seq``'s block table to cover ``num_tokens`` tokens.
@@ -269,36 +288,31 @@ class KVCacheManager:
         if end <= start:
             return
         bs = self.block_size
-        metas = [
-            BlockMeta(
-                block_hash=seq.block_hashes[i],
-                parent_block_hash=seq.block_hashes[i - 1] if i else None,
-                token_ids=tuple(token_ids[i * bs : (i + 1) * bs]),
-                depth=i,
-                lora_name=seq.lora_name,
-                cache_salt=seq.cache_salt,
-                engine_hash=to_engine_hash(seq.block_hashes[i]),
-            )
-            for i in range(start, end)
-        ]
+        metas = self._metas(seq, token_ids, start, end)
         self.gpu.cache_blocks(seq.block_ids[start:end], metas)
         seq.num_cached_blocks = end
         if self._store_policy == "none":
             return
         if self._store_policy == "prompt_only":
-            metas = [m for m in metas if (m.depth + 1) * bs <= num_prompt_tokens]
-        if metas:
-            self._store(seq.block_ids[start : start + len(metas)], metas)
+            n = num_prompt_tokens // bs - start
+            if n <= 0:
+                return
+            if n < len(metas):
+                metas = metas[:n]
+        self._store(seq.block_ids, start, seq.block_hashes[start : start + len(metas)], metas)
 
-    def _store(self, gpu_block_ids: Sequence[int], metas: Sequence[BlockMeta]) -> None:
+    def _store(self, block_ids: list[int], start: int, hashes: list[BlockHash], metas: list[BlockMeta]) -> None:
+        """One write-through store job for ``metas`` (held by ``block_ids[start:]``), batched (``CpuTier``)."""
         assert self.cpu is not None
         job_id = self._job_id()
-        by_hash = {m.block_hash: b for b, m in zip(gpu_block_ids, metas, strict=True)}
-        chosen = self.cpu.prepare_store(job_id, metas)
-        if chosen:
-            self._pending_stores.append(
-                BlockCopy(job_id, tuple(by_hash[m.block_hash] for m, _ in chosen), tuple(slot for _, slot in chosen))
-            )
+        chosen, slots = self.cpu.prepare_store(job_id, hashes, metas)
+        if not slots:
+            return
+        if chosen is None:
+            src = tuple(block_ids[start : start + len(slots)])
+        else:
+            src = tuple(block_ids[start + i] for i in chosen)
+        self._pending_stores.append(BlockCopy(job_id, src, tuple(slots)))
 
     def free(self, seq: SequenceKV) -> None:
         """Drop ``seq``'s references, tail block first (so its tail is evicted first), and its own CPU pins.
@@ -368,12 +382,22 @@ class KVCacheManager:
         return True
 
     def snapshot_events(self) -> list[KVEvent]:
-        """The current cache as KV events: ``AllBlocksCleared`` then ``BlockStored`` runs per tier (GPU, CPU),
-        parents before children. Applying them to an empty index reproduces this worker's state."""
+        """The current cache as KV events: ``AllBlocksCleared``, then ``BlockStored`` runs for the GPU (parents
+        before children, with tokens), then one token-less ``BlockStored`` for the CPU tier (engine hashes, least
+        recently used first, as its live store events are). Applying them to an empty index reproduces the GPU
+        state, and the CPU state of every block the index can resolve by engine hash."""
         events: list[KVEvent] = [AllBlocksCleared()]
         events.extend(stored_events(self.gpu.cached_metas(), self.block_size, Medium.GPU))
-        if self.cpu is not None:
-            events.extend(stored_events(self.cpu.stored_metas(), self.block_size, Medium.CPU))
+        if self.cpu is not None and self.cpu.num_stored_blocks:
+            events.append(
+                BlockStored(
+                    block_hashes=tuple(self.cpu.stored_engine_hashes()),
+                    parent_block_hash=None,
+                    token_ids=(),
+                    block_size=self.block_size,
+                    medium=Medium.CPU,
+                )
+            )
         return events
 
     def free_blocks_by_medium(self) -> dict[str, int]:
