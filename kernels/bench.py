@@ -356,8 +356,8 @@ def bench_transfer(report: Report, ceil: dict[str, float]) -> None:
     # The engine's path: KVTransfer's default mode, CPU slots in random order (every run one block long).
     cpu_ids = torch.randperm(NUM_PREFIX_BLOCKS).tolist()
     expected = host_src[cpu_ids].clone()
-    for chunk_blocks in (32, 64, 128):
-        transfer = KVTransfer(pool, chunk_blocks=chunk_blocks)
+    for chunk_blocks, copy_streams in ((128, 1), (64, 2), (128, 2), (128, 4), (32, 4)):
+        transfer = KVTransfer(pool, chunk_blocks=chunk_blocks, copy_streams=copy_streams)
         pool[:, :, ids.long()] = float("nan")
         _wait_for(transfer.restore, ids, host_src, cpu_ids)
         torch.cuda.synchronize()
@@ -365,7 +365,8 @@ def bench_transfer(report: Report, ceil: dict[str, float]) -> None:
             raise RuntimeError("staged restore with random CPU slots differs")
         t = time_cuda(partial(_wait_for, transfer.restore, ids, host_src, cpu_ids), warmup=1, repeat=5)
         report.say(
-            f"restore, engine path (mode auto, chunk={chunk_blocks}), random CPU slots, bit-exact: {t}, "
+            f"restore, engine path (mode auto, chunk={chunk_blocks}, streams={copy_streams}), random CPU slots, "
+            f"bit-exact: {t}, "
             f"{gbps(num_bytes, t) / ceil['h2d']:.3f} of h2d"
         )
     transfer = KVTransfer(pool)
@@ -447,7 +448,7 @@ def bench_decode(report: Report) -> None:
         raise RuntimeError(f"decode differs from SDPA: {err}")
     t = time_bench(lambda: paged_decode_attention(q, k_cache, v_cache, table, seq_lens, max_seq_len=ctx, out=out))
     t_single = time_cuda(lambda: paged_decode_attention(q, k_cache, v_cache, table, seq_lens, max_seq_len=ctx, out=out))
-    with sdpa_kernel(SDPBackend[base_name]):
+    with sdpa_kernel(getattr(SDPBackend, base_name)):
         base_single = time_cuda(lambda: F.scaled_dot_product_attention(q4, k_contig, v_contig, enable_gqa=True))
     report.say(
         f"single synchronized call (launch overhead included): decode default {t_single}, "

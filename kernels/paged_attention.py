@@ -62,7 +62,7 @@ class DecodeConfig:
             elements per token).
     """
 
-    block_n: int = 64
+    block_n: int = 128
     num_splits: int = 0
     num_warps: int = 4
     num_stages: int = 3

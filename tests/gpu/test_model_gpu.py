@@ -89,7 +89,7 @@ def test_transfer_modes_copy_arbitrary_host_ids(model, mode):
     pool.normal_()
     cpu_pool = allocate_cpu_pool(pool, 48)
     cpu_pool.view(torch.uint8).fill_(0x7F)
-    transfer = KVTransfer(pool, mode=mode, chunk_blocks=5)  # runs cross chunk boundaries
+    transfer = KVTransfer(pool, mode=mode, chunk_blocks=5, copy_streams=3)  # runs cross chunk boundaries
     gpu_ids = torch.randperm(64)[:23].tolist()
     cpu_ids = [40, 41, 42, 43, 44, 45, 46, 3, 9, 10, 11, 0, 1, 2, 30, 29, 28, 12, 13, 14, 15, 16, 47]
     torch.cuda.current_stream().wait_event(transfer.offload(gpu_ids, cpu_pool, cpu_ids))
