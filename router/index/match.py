@@ -4,7 +4,9 @@ A *slot* is one (worker, dp_rank) engine; it owns one bit of every holder mask. 
 ``masks[i]`` is the set of slots holding block ``i`` (a Python int used as a bitset). The contiguous depth of a
 slot is the number of leading positions whose mask has its bit; the AND-accumulation of the masks is
 monotone (bits only leave), so every slot's depth is where its bit leaves the accumulation, and the walk
-stops at the first empty accumulation (early exit).
+stops at the first empty accumulation (early exit). When the masks themselves are monotone for some slots
+(slots without gaps, ``router.index.state``), ``jump_depths`` finds those slots' depths by binary search and
+reads ``O(log n)`` positions per distinct depth instead of all of them.
 
 Hybrid models are answered per slot with position bitsets ``P`` (bit ``i`` set when the slot holds block
 ``i``) and one "usable lengths" bitset per group (bit ``L`` set when the group can serve a prefix of ``L``
@@ -14,10 +16,8 @@ blocks); the usable prefix is the highest bit of their AND (see ``usable_lengths
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from itertools import accumulate, groupby, repeat, takewhile
+from itertools import accumulate, groupby, takewhile
 from operator import and_
-
-import numpy as np
 
 from router.index.config import GroupKind, GroupSpec
 
@@ -58,45 +58,44 @@ def prefix_depths(masks: Iterable[int]) -> tuple[dict[int, int], int]:
     return depths, pos
 
 
-def prefix_depths_u64(
-    lookup: Callable[[int, int], int], hashes: Sequence[int], chunk_blocks: int = 256
-) -> tuple[dict[int, int], int]:
-    """``prefix_depths`` for masks that fit in 64 bits (at most 64 slots), vectorized with numpy.
+def jump_depths(lookup: Callable[[int, int], int], hashes: Sequence[int], mask: int) -> dict[int, int]:
+    """Depth per slot for slots whose bits are monotone along ``hashes``, by binary search over positions.
 
-    Looks blocks up ``chunk_blocks`` at a time and stops after the chunk where no slot continues.
+    Precondition (not checked): every bit of ``mask`` is set at position 0 and, once clear at some position,
+    stays clear at every later one (true for slots without gaps along a hash chain, ``router.index.state``).
+    Positions between two probes with equal masks are never read: the cost is 2 lookups when every slot
+    holds all of ``hashes``, plus at most ``2 * ceil(log2 n)`` per distinct depth.
 
     Args:
         lookup: ``lane.get`` of the holder table (called as ``lookup(block_hash, 0)``).
-        hashes: ``[n]`` block hashes, root-most first.
-        chunk_blocks: lookups per vectorized step.
+        hashes: ``[n]`` block hashes, root-most first (``n >= 1``).
+        mask: the slots to place (a subset of the holders of ``hashes[0]``).
 
     Returns:
-        As ``prefix_depths``.
+        slot bit -> number of leading positions the slot holds, for every bit of ``mask``.
     """
-    parts: list[np.ndarray] = []
-    carry = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
-    for start in range(0, len(hashes), chunk_blocks):
-        part = hashes[start : start + chunk_blocks]
-        masks = np.fromiter(map(lookup, part, repeat(0)), dtype=np.uint64, count=len(part))
-        masks[0] &= carry
-        acc = np.bitwise_and.accumulate(masks)
-        parts.append(acc)
-        carry = acc[-1]
-        if not carry:
-            break
-    acc = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    zeros = np.flatnonzero(acc == 0)
-    depth = int(zeros[0]) if zeros.size else len(acc)
+    num_blocks = len(hashes)
     depths: dict[int, int] = {}
-    if not depth:
-        return depths, 0
-    acc = acc[:depth]
-    for pos in (np.flatnonzero(acc[1:] != acc[:-1]) + 1).tolist():
-        for bit in iter_bits(int(acc[pos - 1]) & ~int(acc[pos])):
-            depths[bit] = pos
-    for bit in iter_bits(int(acc[-1])):
-        depths[bit] = depth
-    return depths, depth
+    last = lookup(hashes[num_blocks - 1], 0) & mask
+    for bit in iter_bits(last):
+        depths[bit] = num_blocks
+    if last == mask:
+        return depths
+    # Intervals (lo, lo_mask, hi, hi_mask) with hi_mask a strict subset of lo_mask: bits leave in (lo, hi].
+    stack = [(0, mask, num_blocks - 1, last)]
+    while stack:
+        lo, lo_mask, hi, hi_mask = stack.pop()
+        if hi - lo == 1:
+            for bit in iter_bits(lo_mask & ~hi_mask):
+                depths[bit] = hi
+            continue
+        mid = (lo + hi) >> 1
+        mid_mask = (lookup(hashes[mid], 0) & lo_mask) | hi_mask
+        if mid_mask != lo_mask:
+            stack.append((lo, lo_mask, mid, mid_mask))
+        if mid_mask != hi_mask:
+            stack.append((mid, mid_mask, hi, hi_mask))
+    return depths
 
 
 def position_bitsets(masks: Sequence[int]) -> dict[int, int]:

@@ -37,6 +37,8 @@ class Slot:
         num_held: lane -> blocks held.
         approx: our hash -> expiry time in seconds (approximate mode, group 0 GPU lane).
         parked: parent engine hash -> stores waiting for it, and their order for dropping the oldest.
+        num_gaps: blocks held on the group 0 GPU lane whose parent the slot does not hold there
+            (``router.index.state``); 0 lets ``match`` binary-search this slot's depth.
         is_live: false once the slot is removed (stale expiry records skip it).
     """
 
@@ -52,6 +54,7 @@ class Slot:
         "approx",
         "parked",
         "parked_order",
+        "num_gaps",
         "is_live",
     )
 
@@ -67,6 +70,7 @@ class Slot:
         self.approx: dict[int, float] = {}
         self.parked: dict[int, list[BlockStored]] = {}
         self.parked_order: deque[tuple[int, BlockStored]] = deque()
+        self.num_gaps = 0
         self.is_live = True
 
     @property

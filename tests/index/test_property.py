@@ -203,6 +203,7 @@ def test_index_agrees_with_brute_force_model(ops, queries):
                     continue
                 model.clear((worker, rank), OWN)
                 model.parked[(worker, rank)] = []
+        index.check_invariants()
         for blocks in seen:
             assert index_match(index, blocks) == model.match(blocks), (op, blocks)
     stats = index.stats()

@@ -1,0 +1,212 @@
+"""Applying normalized KV events to the prefix index: stores, removals, clears, resyncs.
+
+Child before parent: a ``BlockStored`` whose ``parent_block_hash`` is not (yet) known for the same worker and
+dp_rank is never attached anywhere: our hash of its blocks depends on the parent's, which we do not have. It is
+parked per slot (bounded, oldest dropped and counted) and applied as soon as a store maps that engine hash;
+a clear of the slot drops it. Removals of blocks never stored are counted and skipped.
+
+Offload stores without tokens (vLLM's CPU connector) are resolved through ``slot.engine``; an offloaded block
+covering ``k`` index blocks (``block_size = k * index block_size``) is the engine hash of the last of them, and
+marks that block and its ``k - 1`` ancestors that the slot knows.
+
+Ingest cost: a store of ``n`` new blocks is one token conversion, ``n`` xxh3 calls and five bulk dict updates
+(``isdisjoint`` probe, ``parent``, ``children``, the lane, ``slot.engine``); blocks already indexed take the
+per-block path (touch for LRU, copy counting, gap accounting).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from itertools import repeat
+
+from events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Resync
+from router.block_hash import (
+    DEFAULT_NAMESPACE,
+    BlockHash,
+    hash_block_bytes,
+    make_namespace,
+    split_extra_keys,
+    tokens_to_bytes,
+)
+from router.index.config import GroupKind, GroupSpec, group_spec_from_event
+from router.index.slots import LaneKey, Slot
+from router.index.upkeep import UpkeepMixin
+
+logger = logging.getLogger(__name__)
+
+
+class IngestMixin(UpkeepMixin):
+    """Event application of ``PrefixIndex``."""
+
+    def apply(self, batch: EventBatch) -> None:
+        """Apply one batch of a worker's events, in order. Never raises for bad events: they are counted."""
+        slot = self._slot(batch.worker_id, batch.dp_rank)
+        counters = self._counters
+        counters["num_batches"] += 1
+        counters["num_events"] += len(batch.events)
+        for event in batch.events:
+            try:
+                if type(event) is BlockStored:
+                    self._store_with_parked(slot, event)
+                elif type(event) is BlockRemoved:
+                    self._remove(slot, event)
+                elif type(event) is AllBlocksCleared:
+                    self._clear_slot(slot, event.medium, include_pool=False)
+                else:
+                    counters["num_malformed_events"] += 1
+            except (ValueError, TypeError, OverflowError) as exc:
+                counters["num_malformed_events"] += 1
+                logger.debug("skipped a malformed event of %s/%d: %s", batch.worker_id, batch.dp_rank, exc)
+        if len(self._parent) > self.config.max_blocks:
+            self._prune()
+
+    def apply_resync(self, resync: Resync) -> None:
+        """Forget what is known about a worker's own tiers, all dp ranks (its pool-tier holdings stay)."""
+        self._counters["num_resyncs"] += 1
+        logger.info("resync of worker %s (%s): clearing its index entries", resync.worker_id, resync.reason)
+        for slot in self._worker_slots(resync.worker_id):
+            self._clear_slot(slot, None, include_pool=False)
+
+    def _store_with_parked(self, slot: Slot, event: BlockStored) -> None:
+        stack = [event]
+        while stack:
+            mapped = self._store(slot, stack.pop())
+            if slot.parked and mapped:
+                for engine_hash in mapped:
+                    waiting = slot.parked.pop(engine_hash, None)
+                    if waiting:
+                        self._counters["num_parked_blocks_applied"] += sum(len(e.block_hashes) for e in waiting)
+                        stack.extend(waiting)
+
+    def _store(self, slot: Slot, event: BlockStored) -> Sequence[int]:
+        """Apply one store; returns the engine hashes it mapped (to release parked children)."""
+        counters = self._counters
+        num_event_blocks = len(event.block_hashes)
+        if num_event_blocks == 0:
+            return ()
+        group = event.group_idx
+        if group not in self._groups:
+            spec = group_spec_from_event(event.kv_cache_spec_kind, event.sliding_window_tokens)
+            self._groups[group] = spec if spec is not None else GroupSpec(GroupKind.FULL)
+        lane_key: LaneKey = (group, event.medium)
+        event_block_size = event.block_size or self._block_size
+        if event_block_size < 0 or event_block_size % self._block_size:
+            counters["num_block_size_mismatch_blocks"] += num_event_blocks
+            logger.debug("block size %d is not a multiple of %d", event.block_size, self._block_size)
+            return ()
+        factor = event_block_size // self._block_size
+        if not event.token_ids:
+            return self._store_by_engine_hash(slot, event, lane_key, factor)
+        if len(event.token_ids) != event_block_size * num_event_blocks:
+            raise ValueError(f"{len(event.token_ids)} tokens for {num_event_blocks} blocks of {event_block_size}")
+        parent_hash: int | None = None
+        if event.parent_block_hash is not None:
+            parent_hash = slot.engine.get(event.parent_block_hash)
+            if parent_hash is None:
+                self._park(slot, event)
+                return ()
+        salt, num_ok = split_extra_keys(event.extra_keys, event.lora_name, num_event_blocks)
+        if parent_hash is not None and salt is not None:
+            num_ok = 0  # a salt only ever starts a request's chain
+        if num_ok < num_event_blocks:
+            counters["num_unsupported_extra_key_blocks"] += num_event_blocks - num_ok
+            if num_ok == 0:
+                return ()
+        namespace = (
+            make_namespace(event.lora_name, salt)
+            if parent_hash is None and (salt is not None or event.lora_name is not None)
+            else DEFAULT_NAMESPACE
+        )
+        token_ids = event.token_ids if num_ok == num_event_blocks else event.token_ids[: num_ok * event_block_size]
+        data = tokens_to_bytes(token_ids)
+        ours: list[int] = list(
+            hash_block_bytes(
+                data, self._block_size, namespace, BlockHash(parent_hash) if parent_hash is not None else None
+            )
+        )
+        first_parent = namespace if parent_hash is None else parent_hash
+        self._hold(slot, lane_key, ours, first_parent, parent_hash is None)
+        engine_hashes = event.block_hashes[:num_ok]
+        if factor == 1:
+            slot.engine.update(zip(engine_hashes, ours, strict=True))
+        else:
+            slot.engine.update(zip(engine_hashes, ours[factor - 1 :: factor], strict=True))
+            slot.spans.update(zip(zip(repeat(event.medium), engine_hashes), repeat(factor)))
+            slot.span_held.update((lane_key, h) for i, h in enumerate(ours) if i % factor != factor - 1)
+        counters["num_blocks_stored"] += len(ours)
+        return engine_hashes
+
+    def _store_by_engine_hash(self, slot: Slot, event: BlockStored, lane_key: LaneKey, factor: int) -> Sequence[int]:
+        targets: list[int] = []
+        span_marked: list[int] = []
+        parent = self._parent
+        for engine_hash in event.block_hashes:
+            block_hash = slot.engine.get(engine_hash)
+            if block_hash is None or block_hash not in parent:
+                self._counters["num_unresolved_offload_blocks"] += factor
+                continue
+            targets.append(block_hash)
+            if factor > 1:
+                slot.spans[(event.medium, engine_hash)] = factor
+                ancestor = block_hash
+                for _ in range(factor - 1):
+                    ancestor = parent.get(ancestor, -1)
+                    if ancestor not in parent or not self._slot_holds(slot, ancestor):
+                        self._counters["num_unresolved_offload_blocks"] += 1
+                        break
+                    span_marked.append(ancestor)
+        for block_hash in targets:
+            self._hold_one(slot, lane_key, block_hash)
+        for block_hash in span_marked:
+            self._hold_one(slot, lane_key, block_hash)
+            slot.span_held.add((lane_key, block_hash))
+        self._counters["num_blocks_stored"] += len(targets) + len(span_marked)
+        return ()
+
+    def _park(self, slot: Slot, event: BlockStored) -> None:
+        num_blocks = len(event.block_hashes)
+        self._counters["num_orphan_blocks"] += num_blocks
+        cap = self.config.max_parked_events_per_worker
+        if cap == 0 or event.parent_block_hash is None:
+            self._counters["num_parked_blocks_dropped"] += num_blocks
+            return
+        slot.parked.setdefault(event.parent_block_hash, []).append(event)
+        slot.parked_order.append((event.parent_block_hash, event))
+        while len(slot.parked_order) > cap:
+            engine_hash, old = slot.parked_order.popleft()
+            waiting = slot.parked.get(engine_hash)
+            if waiting is None or not any(e is old for e in waiting):
+                continue  # already applied
+            waiting.remove(old)
+            if not waiting:
+                del slot.parked[engine_hash]
+            self._counters["num_parked_blocks_dropped"] += len(old.block_hashes)
+
+    def _remove(self, slot: Slot, event: BlockRemoved) -> None:
+        lane_key: LaneKey = (event.group_idx, event.medium)
+        counters = self._counters
+        for engine_hash in event.block_hashes:
+            block_hash = slot.engine.get(engine_hash)
+            if block_hash is None:
+                counters["num_unknown_removals"] += 1
+                continue
+            targets = [block_hash]
+            factor = slot.spans.get((event.medium, engine_hash), 1) if slot.spans else 1
+            for _ in range(factor - 1):
+                ancestor = self._parent.get(targets[-1])
+                if ancestor is None or (lane_key, ancestor) not in slot.span_held:
+                    break
+                targets.append(ancestor)
+            dropped = False
+            for target in targets:
+                dropped = self._drop(slot, lane_key, target) or dropped
+            if dropped:
+                counters["num_blocks_removed"] += 1
+            else:
+                counters["num_removals_not_held"] += 1
+            if not self._slot_holds(slot, block_hash):
+                del slot.engine[engine_hash]
+                if factor > 1:
+                    del slot.spans[(event.medium, engine_hash)]
+        self._maybe_sweep_engine(slot)

@@ -1,0 +1,184 @@
+"""Queries of the prefix index: ``match`` and introspection (sizes, dumps).
+
+``match`` for group 0 on GPU (the routing hot path) reads the holder masks of the prompt's blocks in the GPU
+lane. Slots without gaps (``router.index.state``) hold a prefix of the prompt's positions and nothing after it,
+so their depths come from a binary search over positions (``match.jump_depths``: 2 probes when every holder
+holds the whole prompt, about ``2 log2 n`` more per distinct depth); slots with gaps are walked position by
+position until the last of them stops (``match.prefix_depths``). This relies on ``block_hashes`` being a hash
+chain (``router.block_hash``: each hash determines its whole prefix); for a sequence that is not one, a slot
+without gaps may be credited with positions it does not hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from itertools import repeat
+from operator import and_, or_
+
+from events.types import Medium
+from router.index.config import GroupKind
+from router.index.errors import UnknownWorkerError
+from router.index.match import hybrid_prefix_len, jump_depths, position_bitsets, prefix_depths
+from router.index.result import ChainDump, IndexStats, MatchResult, WorkerMatch
+from router.index.state import OWN_LOWER_MEDIA, POOL_MEDIA, IndexState
+
+
+class QueryMixin(IndexState):
+    """``match`` and introspection of ``PrefixIndex``."""
+
+    def match(self, block_hashes: Sequence[int]) -> MatchResult:
+        """How far each worker holds the prompt's prefix, per tier.
+
+        Args:
+            block_hashes: ``[n]`` the prompt's block hashes, root-most first: a hash chain as
+                ``router.block_hash`` computes it (see the module docstring).
+
+        Returns:
+            Per worker with a non-empty match: GPU depth, then the CPU/disk continuation, then the shared pool
+            continuation (``WorkerMatch``); for a worker with several dp ranks, the rank with the longest one.
+        """
+        num_blocks = len(block_hashes)
+        if not num_blocks or not self._slots:
+            return MatchResult({}, num_blocks)
+        if len(self._groups) > 1 or self._groups[0].kind is not GroupKind.FULL:
+            return self._match_hybrid(block_hashes)
+        lower = [lane for (g, medium), lane in self._lanes.items() if g == 0 and medium in OWN_LOWER_MEDIA and lane]
+        pools = [
+            (lane, self._pool_masks.get(medium, 0))
+            for (g, medium), lane in self._lanes.items()
+            if g == 0 and medium in POOL_MEDIA and lane
+        ]
+        if not lower and not pools:
+            gpu_depths = self._gpu_depths(block_hashes)
+            return self._result(gpu_depths, gpu_depths, gpu_depths, num_blocks)
+        pool_depths, max_depth = prefix_depths(self._level_masks(block_hashes, lower, pools))
+        if not max_depth:
+            return MatchResult({}, num_blocks)
+        prefix = block_hashes[:max_depth]
+        own_depths = prefix_depths(self._level_masks(prefix, lower, []))[0] if pools else pool_depths
+        gpu_depths = self._gpu_depths(prefix)
+        return self._result(gpu_depths, own_depths, pool_depths, num_blocks)
+
+    def _gpu_depths(self, hashes: Sequence[int]) -> dict[int, int]:
+        """Contiguous GPU depth (group 0) per slot bit holding ``hashes[0]``: jump search for slots without
+        gaps, a walk with early exit for the others. ``hashes`` is non-empty."""
+        get = self._gpu0.get
+        first = get(hashes[0], 0)
+        if not first:
+            return {}
+        dirty = first & self._dirty_mask
+        depths = jump_depths(get, hashes, first ^ dirty) if first ^ dirty else {}
+        if dirty:
+            depths.update(prefix_depths(map(and_, map(get, hashes, repeat(0)), repeat(dirty)))[0])
+        return depths
+
+    def _level_masks(
+        self,
+        hashes: Sequence[int],
+        lower: list[dict[int, int]],
+        pools: list[tuple[dict[int, int], int]],
+        group: int = 0,
+    ) -> Iterator[int]:
+        it: Iterator[int] = map(self._lanes.get((group, Medium.GPU), {}).get, hashes, repeat(0))
+        for lane in lower:
+            it = map(or_, it, map(lane.get, hashes, repeat(0)))
+        for lane, members in pools:
+
+            def expand(holders: int, members: int = members) -> int:
+                return holders | members if holders & members else holders
+
+            it = map(or_, it, map(expand, map(lane.get, hashes, repeat(0))))
+        return it
+
+    def _result(self, gpu: dict[int, int], own: dict[int, int], pool: dict[int, int], num_blocks: int) -> MatchResult:
+        best: dict[str, WorkerMatch] = {}
+        for bit, total in pool.items():
+            slot = self._slots_by_bit.get(bit)
+            if slot is None:
+                continue
+            num_gpu = gpu.get(bit, 0)
+            num_own = own.get(bit, 0)
+            found = WorkerMatch(slot.worker_id, slot.dp_rank, num_gpu, num_own - num_gpu, total - num_own)
+            current = best.get(slot.worker_id)
+            if current is None or (found.num_blocks, num_gpu, -slot.dp_rank) > (
+                current.num_blocks,
+                current.num_gpu_blocks,
+                -current.dp_rank,
+            ):
+                best[slot.worker_id] = found
+        return MatchResult(best, num_blocks)
+
+    def _match_hybrid(self, block_hashes: Sequence[int]) -> MatchResult:
+        num_blocks = len(block_hashes)
+        groups = sorted(self._groups)
+        specs = [self._groups[g] for g in groups]
+        per_level: list[dict[int, int]] = []
+        for level in range(3):
+            bitsets_by_group = []
+            for group in groups:
+                lower = [
+                    lane for (g, m), lane in self._lanes.items() if g == group and m in OWN_LOWER_MEDIA and level >= 1
+                ]
+                pools = [
+                    (lane, self._pool_masks.get(m, 0))
+                    for (g, m), lane in self._lanes.items()
+                    if g == group and m in POOL_MEDIA and level >= 2
+                ]
+                masks = list(self._level_masks(block_hashes, lower, pools, group))
+                bitsets_by_group.append(position_bitsets(masks))
+            bits = set().union(*bitsets_by_group)
+            per_level.append(
+                {
+                    bit: length
+                    for bit in bits
+                    if (
+                        length := hybrid_prefix_len(
+                            [b.get(bit, 0) for b in bitsets_by_group], specs, num_blocks, self._block_size
+                        )
+                    )
+                }
+            )
+        return self._result(per_level[0], per_level[1], per_level[2], num_blocks)
+
+    # ------------------------------------------------------------------ introspection
+
+    def num_blocks(self) -> int:
+        """Indexed blocks (entries)."""
+        return len(self._parent)
+
+    def stats(self) -> IndexStats:
+        """Sizes per worker and tier, and the counters."""
+        by_worker: dict[str, dict[str, int]] = {}
+        for slot in self._slots.values():
+            sizes = by_worker.setdefault(slot.worker_id, {})
+            for (_, medium), count in slot.num_held.items():
+                sizes[medium.value] = sizes.get(medium.value, 0) + count
+        counters = dict(self._counters)
+        counters["num_parked_events"] = sum(len(w) for s in self._slots.values() for w in s.parked.values())
+        return IndexStats(len(self._parent), self._num_approx, by_worker, counters)
+
+    def dump_worker(self, worker_id: str) -> list[ChainDump]:
+        """A worker's chains (group 0), each from its first held block to a held leaf, sorted.
+
+        Raises:
+            UnknownWorkerError: the worker was never seen.
+        """
+        slots = self._worker_slots(worker_id)
+        if not slots:
+            raise UnknownWorkerError(worker_id)
+        group0 = [(medium, lane) for (g, medium), lane in self._lanes.items() if g == 0]
+        chains: list[ChainDump] = []
+        for slot in sorted(slots, key=lambda s: s.dp_rank):
+            mask = slot.mask
+            candidates = set(slot.engine.values()) | {h for _, h in slot.span_held} | set(slot.approx)
+            held = {h for h in candidates if any(lane.get(h, 0) & mask for _, lane in group0)}
+            parents = {self._parent.get(h) for h in held}
+            for leaf in held - parents:
+                chain = [leaf]
+                while (up := self._parent.get(chain[-1])) in held and up is not None:
+                    chain.append(up)
+                chain.reverse()
+                media = tuple(tuple(medium.value for medium, lane in group0 if lane.get(h, 0) & mask) for h in chain)
+                chains.append(ChainDump(slot.dp_rank, tuple(chain), media))
+        chains.sort(key=lambda c: (c.dp_rank, c.block_hashes))
+        return chains

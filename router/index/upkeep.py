@@ -1,0 +1,249 @@
+"""Upkeep of the prefix index: clearing workers and tiers, the block cap (LRU pruning), approximate mode.
+
+Eviction order for the block cap: oldest stored (or re-stored) entry first (``parent``'s insertion order), leaves
+only; a parent becomes a leaf when its last child goes and is pruned next if it was older than that child.
+Approximate blocks expire in expiry order (a heap of insert records); a record whose block was refreshed,
+confirmed by an event or dropped since is skipped.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from itertools import repeat
+
+from events.types import Medium
+from router.index.errors import UnknownWorkerError
+from router.index.match import iter_bits
+from router.index.slots import Slot
+from router.index.state import GPU0, POOL_MEDIA, IndexState
+
+
+class UpkeepMixin(IndexState):
+    """Clearing, pruning and approximate mode of ``PrefixIndex``."""
+
+    # ------------------------------------------------------------------ clearing
+
+    def _clear_slot(self, slot: Slot, medium: Medium | None, *, include_pool: bool) -> None:
+        """Drop a slot's holdings on one medium, or on all its own media (and the pool ones if asked).
+
+        Visits ``slot.engine.values()``, ``slot.span_held`` and ``slot.approx`` only: O(the slot's blocks).
+        """
+        self._counters["num_worker_clears"] += 1
+        lane_keys = [
+            key
+            for key in self._lanes
+            if (key[1] == medium if medium is not None else include_pool or key[1] not in POOL_MEDIA)
+        ]
+        candidates = set(slot.engine.values())
+        candidates.update(h for _, h in slot.span_held)
+        candidates.update(slot.approx)
+        mask = slot.mask
+        keep = ~mask
+        freed: list[int] = []
+        for lane_key in lane_keys:
+            if not slot.num_held.get(lane_key):
+                continue
+            lane = self._lanes[lane_key]
+            for block_hash in candidates:
+                holders = lane.get(block_hash, 0)
+                if holders & mask:
+                    holders &= keep
+                    if holders:
+                        lane[block_hash] = holders
+                    else:
+                        del lane[block_hash]
+                        freed.append(block_hash)
+            slot.num_held[lane_key] = 0
+        cleared = set(lane_keys)
+        if slot.copies:
+            slot.copies = {key: n for key, n in slot.copies.items() if key[0] not in cleared}
+        if slot.span_held:
+            slot.span_held = {key for key in slot.span_held if key[0] not in cleared}
+        if GPU0 in cleared:
+            self._num_approx -= len(slot.approx)
+            slot.approx.clear()
+            self._reset_gaps(slot)
+        if medium is None:
+            slot.parked.clear()
+            slot.parked_order.clear()
+        if medium is None and include_pool:
+            slot.engine.clear()
+            slot.spans.clear()
+        else:
+            mapped_hashes = {h for h in candidates if self._slot_holds(slot, h)}
+            slot.engine = {eh: h for eh, h in slot.engine.items() if h in mapped_hashes}
+            slot.spans = {key: k for key, k in slot.spans.items() if key[1] in slot.engine}
+        for block_hash in freed:
+            self._maybe_delete_entry(block_hash)
+
+    def clear_worker(self, worker_id: str, medium: Medium | None = None) -> None:
+        """Drop a worker's holdings (all dp ranks) on one medium, or on every medium including pools.
+
+        Raises:
+            UnknownWorkerError: the worker was never seen.
+        """
+        slots = self._worker_slots(worker_id)
+        if not slots:
+            raise UnknownWorkerError(worker_id)
+        for slot in slots:
+            self._clear_slot(slot, medium, include_pool=True)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker entirely (removed from the fleet); a no-op for an unknown worker."""
+        for slot in self._worker_slots(worker_id):
+            self._clear_slot(slot, None, include_pool=True)
+            slot.is_live = False
+            del self._slots[(slot.worker_id, slot.dp_rank)]
+            del self._slots_by_bit[slot.bit]
+            self._free_bits.append(slot.bit)
+        self._recompute_pool_masks()
+
+    def clear(self) -> None:
+        """Drop every block of every worker (workers, pools and groups stay configured)."""
+        for lane in self._lanes.values():
+            lane.clear()
+        self._parent.clear()
+        self._children.clear()
+        self._rooted.clear()
+        self._dangling.clear()
+        self._dirty_mask = 0
+        for slot in self._slots.values():
+            slot.is_live = False
+            fresh = Slot(slot.worker_id, slot.dp_rank, slot.bit)
+            self._slots[(slot.worker_id, slot.dp_rank)] = fresh
+            self._slots_by_bit[slot.bit] = fresh
+        self._approx_queue.clear()
+        self._num_approx = 0
+
+    def _maybe_sweep_engine(self, slot: Slot) -> None:
+        """Drop engine-hash mappings of blocks the slot no longer holds once they outnumber its holdings."""
+        if len(slot.engine) <= 2 * sum(slot.num_held.values()) + 4096:
+            return
+        stale = [eh for eh, h in slot.engine.items() if not self._slot_holds(slot, h)]
+        for engine_hash in stale:
+            del slot.engine[engine_hash]
+        if slot.spans:
+            slot.spans = {key: k for key, k in slot.spans.items() if key[1] in slot.engine}
+
+    # ------------------------------------------------------------------ the block cap
+
+    def _prune(self) -> None:
+        parent = self._parent
+        children = self._children
+        excess = len(parent) - int(self.config.max_blocks * self.config.prune_target_ratio)
+        skipped: set[int] = set()
+        touched: set[Slot] = set()
+        for block_hash in list(parent):
+            if excess <= 0:
+                break
+            if block_hash not in parent:
+                continue
+            if block_hash in children:
+                skipped.add(block_hash)
+                continue
+            current = block_hash
+            while True:
+                up = self._evict_entry(current, touched)
+                excess -= 1
+                if excess <= 0 or up not in skipped or up in children or up not in parent:
+                    break
+                current = up
+        for slot in touched:
+            self._maybe_sweep_engine(slot)
+
+    def _evict_entry(self, block_hash: int, touched: set[Slot]) -> int:
+        """Delete a leaf entry with all its holdings; returns its parent hash."""
+        for lane_key, lane in self._lanes.items():
+            holders = lane.pop(block_hash, 0)
+            for bit in iter_bits(holders):
+                slot = self._slots_by_bit[bit]
+                touched.add(slot)
+                slot.num_held[lane_key] -= 1
+                if slot.copies:
+                    slot.copies.pop((lane_key, block_hash), None)
+                if slot.span_held:
+                    slot.span_held.discard((lane_key, block_hash))
+                if lane_key == GPU0:
+                    if self._is_gap(slot.mask, block_hash):
+                        self._add_gaps(slot, -1)
+                    if slot.approx.pop(block_hash, None) is not None:
+                        self._num_approx -= 1
+        up = self._unlink(block_hash)
+        self._counters["num_pruned_blocks"] += 1
+        return up
+
+    # ------------------------------------------------------------------ approximate mode
+
+    def insert_approximate(
+        self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0, ttl_s: float | None = None
+    ) -> None:
+        """Record that a routing decision sent these blocks to a worker (no events, or not yet confirmed).
+
+        The blocks (our hashes from the root, group 0, GPU) expire ``ttl_s`` (default ``approx_ttl_s``) after
+        ``now_s`` unless an event of the worker stores them first (then they are the event's and stop expiring).
+        Re-inserting refreshes the expiry. Blocks beyond ``approx_max_blocks`` evict the soonest-expiring
+        approximate ones. Records of different TTLs expire in expiry order (a heap).
+
+        Args:
+            worker_id: the chosen worker.
+            block_hashes: the request's block hashes, root-most first.
+            now_s: monotonic time in seconds.
+            dp_rank: the worker's rank, if known.
+            ttl_s: lifetime in seconds of these blocks, or ``None`` for ``approx_ttl_s``.
+
+        Raises:
+            ValueError: ``ttl_s`` is not positive.
+        """
+        if ttl_s is not None and ttl_s <= 0.0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.expire(now_s)
+        if not block_hashes:
+            return
+        slot = self._slot(worker_id, dp_rank)
+        hashes = list(block_hashes)
+        _, is_consistent = self._link(hashes, 0, True)
+        expiry = now_s + (self.config.approx_ttl_s if ttl_s is None else ttl_s)
+        lane = self._gpu0
+        mask = slot.mask
+        approx = slot.approx
+        num_new = 0
+        olds = list(map(lane.get, hashes, repeat(0)))
+        for block_hash, old in zip(hashes, olds, strict=True):
+            if old & mask:
+                if block_hash in approx:
+                    approx[block_hash] = expiry
+                continue
+            lane[block_hash] = old | mask
+            approx[block_hash] = expiry
+            num_new += 1
+        slot.num_held[GPU0] = slot.num_held.get(GPU0, 0) + num_new
+        self._gaps_after_chain_hold(slot, hashes, olds, is_consistent)
+        self._num_approx += num_new
+        self._counters["num_approx_blocks_inserted"] += num_new
+        self._approx_seq += 1
+        heapq.heappush(self._approx_queue, (expiry, self._approx_seq, slot, tuple(hashes)))
+        if self._num_approx > self.config.approx_max_blocks:
+            target = int(self.config.approx_max_blocks * self.config.prune_target_ratio)
+            while self._num_approx > target and self._approx_queue:
+                self._expire_record(*heapq.heappop(self._approx_queue))
+        if len(self._parent) > self.config.max_blocks:
+            self._prune()
+
+    def expire(self, now_s: float) -> int:
+        """Drop approximate blocks whose TTL ended at or before ``now_s``; returns how many went."""
+        queue = self._approx_queue
+        num_expired = 0
+        while queue and queue[0][0] <= now_s:
+            num_expired += self._expire_record(*heapq.heappop(queue))
+        return num_expired
+
+    def _expire_record(self, expiry: float, seq: int, slot: Slot, hashes: tuple[int, ...]) -> int:
+        if not slot.is_live:
+            return 0
+        num_expired = 0
+        for block_hash in hashes:
+            if slot.approx.get(block_hash) == expiry and self._drop(slot, GPU0, block_hash):
+                num_expired += 1
+        self._counters["num_approx_blocks_expired"] += num_expired
+        return num_expired
