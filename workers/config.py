@@ -6,7 +6,8 @@ A YAML profile uses the kebab-case keys below, grouped as the struct tree::
     model: llama-3-8b-sim
     port: 8100
     kv-events-endpoint: "tcp://*:5557"
-    kv-cache: {num-gpu-blocks: 4096, num-cpu-blocks: 16384, block-size: 16, cpu-store-policy: all}
+    kv-cache: {num-gpu-blocks: 4096, num-cpu-blocks: 16384, block-size: 16, cpu-store-policy: all,
+               pool: {backend: mooncake, master-address: "127.0.0.1:50051", store-policy: all}}
     scheduler: {max-num-seqs: 256, max-num-batched-tokens: 8192, max-model-len: 131072}
     timing: {prefill-s-per-token: 2.38e-5, host-to-gpu-bytes-per-s: 55.0e9, ...}
     time-scale: 1.0
@@ -30,6 +31,32 @@ PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
 
+class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """The shared pool tier (``workers.kv.pool_tier``), below the CPU tier."""
+
+    backend: Literal["sim", "mooncake"] = "sim"
+    """``sim``: an in-process pool shared by the workers of this process that name it; ``mooncake``: a Mooncake
+    Store client (optional extra ``mooncake``)."""
+    name: str = "default"
+    """Sim pool name: workers of one process naming the same pool share it."""
+    capacity_blocks: Positive = 65536
+    """Sim pool size in blocks (LRU beyond it)."""
+    store_policy: Literal["all", "prompt_only", "none"] = "all"
+    """Which newly cached GPU blocks are written through to the pool."""
+    master_address: str = "127.0.0.1:50051"
+    """Mooncake master RPC address."""
+    metadata_server: str = "P2PHANDSHAKE"
+    """Mooncake metadata server (``http://127.0.0.1:8080/metadata``, or ``P2PHANDSHAKE`` for none)."""
+    local_hostname: str = "127.0.0.1"
+    """This client's address for Mooncake transfers."""
+    global_segment_size: NonNegative = 256 << 20
+    """Bytes this worker contributes to the pool (0: a pure client)."""
+    local_buffer_size: NonNegative = 64 << 20
+    """Mooncake client transfer buffer (at least one block's value)."""
+    protocol: str = "tcp"
+    """Mooncake transport."""
+
+
 class KVCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
     """The KV manager's pools."""
 
@@ -41,6 +68,8 @@ class KVCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
     """Tokens per block."""
     cpu_store_policy: Literal["all", "prompt_only", "none"] = "all"
     """Which newly cached GPU blocks are written through to CPU: every one, prompt blocks only, or none."""
+    pool: PoolConfig | None = None
+    """The shared pool tier (``None``: none)."""
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
@@ -83,6 +112,10 @@ class TimingProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
     """GPU -> CPU copy bandwidth (stores)."""
     copy_latency_s: NonNegativeFloat = 2.0e-5
     """Fixed latency per copy job."""
+    pool_bytes_per_s: PositiveFloat = 20.0e9
+    """Shared pool <-> GPU bandwidth, each direction (stores and restores; RDMA-class network)."""
+    pool_latency_s: NonNegativeFloat = 1.0e-4
+    """Fixed latency per pool copy job."""
     eos_probability: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
     """Chance per sampled token that it is EOS (0: outputs run to ``max_tokens``)."""
     seed: int = 0

@@ -146,6 +146,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._restoring: dict[int, Request] = {}
+        self._num_restoring = 0
         self._scheduled: list[tuple[Request, int]] = []
         self._freed: list[str] = []
         self.num_preemptions = 0
@@ -153,7 +154,7 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         """Running plus restoring requests."""
-        return len(self.running) + len(self._restoring)
+        return len(self.running) + self._num_restoring
 
     @property
     def num_waiting(self) -> int:
@@ -259,8 +260,9 @@ class Scheduler:
                     )
                 )
         stores, restores = self.kv.take_copies()
+        pool_stores, pool_restores = self.kv.take_pool_copies()
         freed, self._freed = tuple(self._freed), []
-        return ScheduledStep(tuple(prefills), tuple(decodes), stores, restores, freed)
+        return ScheduledStep(tuple(prefills), tuple(decodes), stores, restores, freed, pool_stores, pool_restores)
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
         while self.waiting and budget > 0 and self.num_running < self.config.max_num_seqs:
@@ -271,13 +273,16 @@ class Scheduler:
             num_new = min(len(tokens) - num_cached, budget)
             if not self.kv.admit(req.kv, hit, num_cached + num_new):
                 break
+            num_cached = req.kv.num_cached_blocks * self.kv.block_size  # a pool fetch may shorten the hit
             self.waiting.popleft()
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
             req.num_computed_tokens = num_cached
             if req.kv.restore_job_id is not None:
                 req.status = RequestStatus.RESTORING
-                self._restoring[req.kv.restore_job_id] = req
+                for job_id in req.kv.restore_job_ids:
+                    self._restoring[job_id] = req
+                self._num_restoring += 1
                 continue
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -336,6 +341,9 @@ class Scheduler:
         req = self._restoring.pop(job_id, None)
         if req is None:
             raise KVCacheError(f"restore job {job_id} has no request")
+        if seq is None:
+            return  # other jobs of the same restore still in flight
+        self._num_restoring -= 1
         if seq.is_freed or req.status is RequestStatus.FINISHED:
             return
         req.status = RequestStatus.RUNNING

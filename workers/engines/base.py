@@ -90,8 +90,9 @@ class BlockCopy(msgspec.Struct, frozen=True, gc=False):
 
     Attributes:
         job_id: unique per worker process, reported back on completion.
-        src_block_ids: block ids in the source pool (GPU for stores, CPU for restores).
-        dst_block_ids: block ids in the destination pool, same length.
+        src_block_ids: block ids in the source pool (GPU for stores, CPU for restores; empty for a restore from
+            the shared pool, which is addressed by block hash).
+        dst_block_ids: block ids in the destination pool, same length (empty for a store to the shared pool).
     """
 
     job_id: int
@@ -107,6 +108,9 @@ class ScheduledStep(msgspec.Struct, frozen=True, gc=False):
         decodes: decoding sequences, in scheduling order.
         stores: GPU -> CPU copies issued this step.
         restores: CPU -> GPU copies issued this step.
+        pool_stores: GPU -> shared pool copies issued this step (job ids share the space of ``stores``; their
+            completions are reported in ``finished_store_job_ids``). Only the sim engine runs them.
+        pool_restores: shared pool -> GPU copies (completions in ``finished_restore_job_ids``).
         freed_request_ids: sequences finished or aborted since the last step (engines drop per-request state).
     """
 
@@ -115,6 +119,8 @@ class ScheduledStep(msgspec.Struct, frozen=True, gc=False):
     stores: tuple[BlockCopy, ...] = ()
     restores: tuple[BlockCopy, ...] = ()
     freed_request_ids: tuple[str, ...] = ()
+    pool_stores: tuple[BlockCopy, ...] = ()
+    pool_restores: tuple[BlockCopy, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -124,7 +130,9 @@ class ScheduledStep(msgspec.Struct, frozen=True, gc=False):
     @property
     def is_empty(self) -> bool:
         """No compute and no new copies."""
-        return not (self.prefills or self.decodes or self.stores or self.restores)
+        return not (
+            self.prefills or self.decodes or self.stores or self.restores or self.pool_stores or self.pool_restores
+        )
 
 
 class StepResult(msgspec.Struct, frozen=True, gc=False):

@@ -14,8 +14,9 @@ Copies run on two copy engines (one per direction) beside the compute, FIFO each
     copy_s = copy_latency_s + num_blocks * block_size * kv_bytes_per_token / bandwidth
              (host_to_gpu_bytes_per_s for restores, gpu_to_host_bytes_per_s for stores)
 
-A job issued at simulated time t starts at max(t, when its engine frees up). A step with no compute but copies
-in flight lasts until the next copy lands. The engine keeps its own simulated clock (``clock_s``).
+Shared pool copies (``pool_stores`` / ``pool_restores``) run the same way on two more FIFO lanes, at
+``pool_bytes_per_s`` with ``pool_latency_s`` per job. A job issued at simulated time t starts at max(t, when
+its engine frees up). A step with no compute but copies in flight lasts until the next copy lands. The engine keeps its own simulated clock (``clock_s``).
 
 Sampled token for a sequence at position p: ``splitmix64(seed * 0x9E3779B97F4A7C15 + p)`` picks an id from
 ``output_token_ids``; when ``eos_probability`` > 0 the top 53 bits, read as a fraction, below it give EOS.
@@ -74,10 +75,11 @@ class TimingModel:
             total += self.decode_s(len(step.decodes), sum(d.position for d in step.decodes))
         return total
 
-    def copy_s(self, num_blocks: int, bytes_per_s: float) -> float:
-        """Duration of one copy job of ``num_blocks`` blocks."""
+    def copy_s(self, num_blocks: int, bytes_per_s: float, latency_s: float | None = None) -> float:
+        """Duration of one copy job of ``num_blocks`` blocks (``latency_s``: default ``copy_latency_s``)."""
         p = self.profile
-        return p.copy_latency_s + num_blocks * self.block_size * p.kv_bytes_per_token / bytes_per_s
+        lat = p.copy_latency_s if latency_s is None else latency_s
+        return lat + num_blocks * self.block_size * p.kv_bytes_per_token / bytes_per_s
 
 
 class SimEngine:
@@ -112,6 +114,8 @@ class SimEngine:
         self.clock_s = 0.0
         self._h2d_free_at_s = 0.0
         self._d2h_free_at_s = 0.0
+        self._pool_in_free_at_s = 0.0
+        self._pool_out_free_at_s = 0.0
         self._stores: list[tuple[float, int]] = []
         self._restores: list[tuple[float, int]] = []
         self.num_steps = 0
@@ -125,11 +129,17 @@ class SimEngine:
         return self._vocab[h % len(self._vocab)]
 
     def _issue(
-        self, jobs: Sequence[BlockCopy], free_at_s: float, bytes_per_s: float, heap: list[tuple[float, int]]
+        self,
+        jobs: Sequence[BlockCopy],
+        free_at_s: float,
+        bytes_per_s: float,
+        heap: list[tuple[float, int]],
+        latency_s: float | None = None,
     ) -> float:
         for job in jobs:
             start = max(self.clock_s, free_at_s)
-            free_at_s = start + self.timing.copy_s(len(job.src_block_ids), bytes_per_s)
+            n = max(len(job.src_block_ids), len(job.dst_block_ids))
+            free_at_s = start + self.timing.copy_s(n, bytes_per_s, latency_s)
             heapq.heappush(heap, (free_at_s, job.job_id))
         return free_at_s
 
@@ -138,6 +148,14 @@ class SimEngine:
         p = self.timing.profile
         self._h2d_free_at_s = self._issue(step.restores, self._h2d_free_at_s, p.host_to_gpu_bytes_per_s, self._restores)
         self._d2h_free_at_s = self._issue(step.stores, self._d2h_free_at_s, p.gpu_to_host_bytes_per_s, self._stores)
+        if step.pool_stores:
+            self._pool_out_free_at_s = self._issue(
+                step.pool_stores, self._pool_out_free_at_s, p.pool_bytes_per_s, self._stores, p.pool_latency_s
+            )
+        if step.pool_restores:
+            self._pool_in_free_at_s = self._issue(
+                step.pool_restores, self._pool_in_free_at_s, p.pool_bytes_per_s, self._restores, p.pool_latency_s
+            )
         duration = self.timing.step_s(step)
         if duration == 0.0 and (self._stores or self._restores):
             nxt = min(h[0][0] for h in (self._stores, self._restores) if h)

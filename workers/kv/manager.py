@@ -40,6 +40,7 @@ from workers.errors import KVCacheError
 from workers.kv.block_pool import BlockMeta, BlockPool, stored_events
 from workers.kv.cpu_tier import CpuTier
 from workers.kv.hashing import BlockHash, extend_block_hashes, namespace_root, to_engine_hash
+from workers.kv.pool_tier import PoolStore, PoolTier, build_pool_store
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ class SequenceKV:
         block_ids: the GPU block table.
         num_cached_blocks: leading blocks of ``block_ids`` already registered (or being restored).
         cpu_pinned: CPU blocks this sequence pinned for its restore.
-        restore_job_id: the restore in flight into this sequence's blocks, or ``None``.
+        restore_job_id: the restore in flight into this sequence's blocks (its first job), or ``None``.
+        restore_job_ids: every job of that restore (CPU part, pool part); the blocks register when all landed.
         is_freed: ``free`` was called (blocks released, or to be released when the restore lands).
     """
 
@@ -68,6 +70,7 @@ class SequenceKV:
         "num_cached_blocks",
         "cpu_pinned",
         "restore_job_id",
+        "restore_job_ids",
         "is_freed",
     )
 
@@ -81,6 +84,7 @@ class SequenceKV:
         self.num_cached_blocks = 0
         self.cpu_pinned: list[BlockHash] = []
         self.restore_job_id: int | None = None
+        self.restore_job_ids: tuple[int, ...] = ()
         self.is_freed = False
 
 
@@ -91,18 +95,20 @@ class PrefixHit(msgspec.Struct, frozen=True, gc=False):
         gpu_block_ids: GPU blocks of the leading hit, in order.
         num_cpu_blocks: further blocks found on the CPU tier (to restore).
         block_size: tokens per block.
+        num_pool_blocks: further blocks found in the shared pool after those (to restore).
     """
 
     gpu_block_ids: tuple[int, ...]
     num_cpu_blocks: int
     block_size: int
+    num_pool_blocks: int = 0
     token_ids: Sequence[int] = ()
     """The tokens looked up (a reference, not a copy): a restore builds its blocks' metas from them."""
 
     @property
     def num_blocks(self) -> int:
-        """GPU plus CPU hit blocks."""
-        return len(self.gpu_block_ids) + self.num_cpu_blocks
+        """GPU plus CPU plus pool hit blocks."""
+        return len(self.gpu_block_ids) + self.num_cpu_blocks + self.num_pool_blocks
 
     @property
     def num_cached_tokens(self) -> int:
@@ -111,12 +117,15 @@ class PrefixHit(msgspec.Struct, frozen=True, gc=False):
 
 
 class _RestoreJob:
-    __slots__ = ("seq", "block_ids", "metas")
+    """One restore of a sequence (shared by its CPU and pool jobs): registered on GPU when all jobs landed."""
 
-    def __init__(self, seq: SequenceKV, block_ids: list[int], metas: list[BlockMeta]) -> None:
+    __slots__ = ("seq", "block_ids", "metas", "remaining")
+
+    def __init__(self, seq: SequenceKV, block_ids: list[int], metas: list[BlockMeta], remaining: int) -> None:
         self.seq = seq
         self.block_ids = block_ids
         self.metas = metas
+        self.remaining = remaining
 
 
 def max_cached_blocks(num_prompt_tokens: int, block_size: int) -> int:
@@ -127,8 +136,13 @@ def max_cached_blocks(num_prompt_tokens: int, block_size: int) -> int:
 class KVCacheManager:
     """GPU pool + optional CPU tier + events (module docstring)."""
 
-    def __init__(self, config: KVCacheConfig) -> None:
-        """Build empty pools from ``config``."""
+    def __init__(self, config: KVCacheConfig, pool_store: PoolStore | None = None) -> None:
+        """Build empty pools from ``config``.
+
+        Args:
+            config: sizes and policies.
+            pool_store: the shared pool's store (default: built from ``config.pool``, if set).
+        """
         self.config = config
         self.block_size = config.block_size
         self._events: list[KVEvent] = []
@@ -139,6 +153,15 @@ class KVCacheManager:
             else None
         )
         self._store_policy = config.cpu_store_policy if self.cpu is not None else "none"
+        if pool_store is None and config.pool is not None:
+            pool_store = build_pool_store(config.pool, self._on_pool_evict)
+        self.pool: PoolTier | None = (
+            PoolTier(pool_store, config.block_size, self._emit, self.gpu.holds_all) if pool_store is not None else None
+        )
+        self._pool_policy = (config.pool.store_policy if config.pool is not None else "all") if self.pool else "none"
+        self._pending_pool_stores: list[BlockCopy] = []
+        self._pending_pool_restores: list[BlockCopy] = []
+        self._pool_store_jobs: set[int] = set()
         self._next_job_id = 0
         self._pending_stores: list[BlockCopy] = []
         self._pending_restores: list[BlockCopy] = []
@@ -163,9 +186,22 @@ class KVCacheManager:
         self._pending_restores.clear()
         return stores, restores
 
+    def take_pool_copies(self) -> tuple[tuple[BlockCopy, ...], tuple[BlockCopy, ...]]:
+        """Shared pool store and restore jobs to issue in the next engine step: ``(pool_stores, pool_restores)``."""
+        stores, restores = tuple(self._pending_pool_stores), tuple(self._pending_pool_restores)
+        self._pending_pool_stores.clear()
+        self._pending_pool_restores.clear()
+        return stores, restores
+
     def has_pending_copies(self) -> bool:
-        """Whether copy jobs wait to be issued (``take_copies``)."""
-        return bool(self._pending_stores or self._pending_restores)
+        """Whether copy jobs wait to be issued (``take_copies``, ``take_pool_copies``)."""
+        return bool(
+            self._pending_stores or self._pending_restores or self._pending_pool_stores or self._pending_pool_restores
+        )
+
+    def _on_pool_evict(self, keys: list[str]) -> None:
+        if self.pool is not None:
+            self.pool.on_evict(keys)
 
     def _job_id(self) -> int:
         self._next_job_id += 1
@@ -195,8 +231,15 @@ class KVCacheManager:
         num_cpu = 0
         if self.cpu is not None and len(gpu_ids) < limit:
             num_cpu = self.cpu.lookup(hashes[len(gpu_ids) : limit])
+        num_pool = 0
+        if self.pool is not None and len(gpu_ids) + num_cpu < limit:
+            num_pool = self.pool.lookup(hashes[len(gpu_ids) + num_cpu : limit])
         return PrefixHit(
-            gpu_block_ids=tuple(gpu_ids), num_cpu_blocks=num_cpu, block_size=self.block_size, token_ids=token_ids
+            gpu_block_ids=tuple(gpu_ids),
+            num_cpu_blocks=num_cpu,
+            block_size=self.block_size,
+            num_pool_blocks=num_pool,
+            token_ids=token_ids,
         )
 
     def admit(self, seq: SequenceKV, hit: PrefixHit, num_tokens: int) -> bool:
@@ -218,22 +261,40 @@ class KVCacheManager:
         num_needed = max(0, -(-num_tokens // self.block_size) - len(hit.gpu_block_ids))
         if num_needed > self.gpu.num_free_blocks - self.gpu.num_free_among(hit.gpu_block_ids):
             return False
+        first = len(hit.gpu_block_ids)
+        num_restore = hit.num_cpu_blocks + hit.num_pool_blocks
+        metas = self._metas(seq, hit.token_ids, first, first + num_restore) if num_restore else []
+        num_pool = hit.num_pool_blocks
+        if num_pool:
+            assert self.pool is not None
+            num_pool = self.pool.fetch(metas[hit.num_cpu_blocks :])  # into host memory now: evictions can't bite
+            if num_pool < hit.num_pool_blocks:
+                del metas[hit.num_cpu_blocks + num_pool :]
         self.gpu.touch(hit.gpu_block_ids)
         seq.block_ids = [*hit.gpu_block_ids, *self.gpu.allocate(num_needed)]
-        seq.num_cached_blocks = hit.num_blocks
+        seq.num_cached_blocks = first + hit.num_cpu_blocks + num_pool
         seq.is_freed = False
+        if not metas:
+            return True
+        jobs = (1 if hit.num_cpu_blocks else 0) + (1 if num_pool else 0)
+        record = _RestoreJob(seq, seq.block_ids[first : first + len(metas)], metas, jobs)
+        job_ids: list[int] = []
         if hit.num_cpu_blocks:
             assert self.cpu is not None
-            first = len(hit.gpu_block_ids)
             hashes = seq.block_hashes[first : first + hit.num_cpu_blocks]
             slots = self.cpu.pin(hashes)
             seq.cpu_pinned = list(hashes)
-            dst = seq.block_ids[first : first + hit.num_cpu_blocks]
             job_id = self._job_id()
-            metas = self._metas(seq, hit.token_ids, first, first + hit.num_cpu_blocks)
-            self._restore_jobs[job_id] = _RestoreJob(seq, dst, metas)
-            self._pending_restores.append(BlockCopy(job_id, tuple(slots), tuple(dst)))
-            seq.restore_job_id = job_id
+            self._restore_jobs[job_id] = record
+            self._pending_restores.append(BlockCopy(job_id, tuple(slots), tuple(record.block_ids[: len(slots)])))
+            job_ids.append(job_id)
+        if num_pool:
+            job_id = self._job_id()
+            self._restore_jobs[job_id] = record
+            self._pending_pool_restores.append(BlockCopy(job_id, (), tuple(record.block_ids[hit.num_cpu_blocks :])))
+            job_ids.append(job_id)
+        seq.restore_job_id = job_ids[0]
+        seq.restore_job_ids = tuple(job_ids)
         return True
 
     def _metas(self, seq: SequenceKV, token_ids: Sequence[int], start: int, end: int) -> list[BlockMeta]:
@@ -291,15 +352,26 @@ class KVCacheManager:
         metas = self._metas(seq, token_ids, start, end)
         self.gpu.cache_blocks(seq.block_ids[start:end], metas)
         seq.num_cached_blocks = end
-        if self._store_policy == "none":
-            return
-        if self._store_policy == "prompt_only":
-            n = num_prompt_tokens // bs - start
-            if n <= 0:
-                return
-            if n < len(metas):
-                metas = metas[:n]
-        self._store(seq.block_ids, start, seq.block_hashes[start : start + len(metas)], metas)
+        if self._store_policy != "none":
+            cpu_metas = metas
+            if self._store_policy == "prompt_only":
+                cpu_metas = metas[: max(0, num_prompt_tokens // bs - start)]
+            if cpu_metas:
+                self._store(seq.block_ids, start, seq.block_hashes[start : start + len(cpu_metas)], cpu_metas)
+        if self._pool_policy != "none":
+            if self._pool_policy == "prompt_only":
+                metas = metas[: max(0, num_prompt_tokens // bs - start)]
+            if metas:
+                self._pool_store(seq.block_ids, start, seq.block_hashes[start : start + len(metas)], metas)
+
+    def _pool_store(self, block_ids: list[int], start: int, hashes: list[BlockHash], metas: list[BlockMeta]) -> None:
+        """One write-through job to the shared pool (``PoolTier``)."""
+        assert self.pool is not None
+        job_id = self._job_id()
+        chosen = self.pool.prepare_store(job_id, hashes, metas)
+        if chosen:
+            self._pool_store_jobs.add(job_id)
+            self._pending_pool_stores.append(BlockCopy(job_id, tuple(block_ids[start + i] for i in chosen), ()))
 
     def _store(self, block_ids: list[int], start: int, hashes: list[BlockHash], metas: list[BlockMeta]) -> None:
         """One write-through store job for ``metas`` (held by ``block_ids[start:]``), batched (``CpuTier``)."""
@@ -336,17 +408,23 @@ class KVCacheManager:
             seq.cpu_pinned = []
 
     def complete_store(self, job_id: int) -> None:
-        """A store job landed (see ``CpuTier.complete_store``)."""
+        """A store job landed (see ``CpuTier.complete_store``, ``PoolTier.complete_store``)."""
+        if job_id in self._pool_store_jobs:
+            self._pool_store_jobs.discard(job_id)
+            assert self.pool is not None
+            self.pool.complete_store(job_id)
+            return
         if self.cpu is None:
             raise KVCacheError(f"store job {job_id} without a CPU tier")
         self.cpu.complete_store(job_id)
 
-    def complete_restore(self, job_id: int) -> SequenceKV:
-        """A restore landed: register its blocks on GPU (``BlockStored`` GPU), unpin the CPU sources.
+    def complete_restore(self, job_id: int) -> SequenceKV | None:
+        """A restore job landed; once all jobs of the sequence's restore did, register its blocks on GPU
+        (``BlockStored`` GPU) and unpin the CPU sources.
 
         Returns:
             The sequence it belongs to (now runnable, unless it was freed meanwhile: then its blocks are
-            released here).
+            released here); ``None`` while other jobs of the same restore are in flight.
 
         Raises:
             KVCacheError: an unknown job.
@@ -354,10 +432,14 @@ class KVCacheManager:
         job = self._restore_jobs.pop(job_id, None)
         if job is None:
             raise KVCacheError(f"unknown restore job {job_id}")
+        job.remaining -= 1
+        if job.remaining > 0:
+            return None
         seq = job.seq
         self.gpu.cache_blocks(job.block_ids, job.metas)
         self.num_restored_blocks += len(job.block_ids)
         seq.restore_job_id = None
+        seq.restore_job_ids = ()
         if seq.cpu_pinned:
             assert self.cpu is not None
             self.cpu.unpin(seq.cpu_pinned)
@@ -378,6 +460,8 @@ class KVCacheManager:
             return False
         if self.cpu is not None:
             self.cpu.reset()
+        if self.pool is not None:
+            self.pool.reset()
         self._events.append(AllBlocksCleared())
         return True
 
