@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from itertools import repeat
+from operator import and_, or_
+from typing import cast
 
 from events.types import Medium
 from router.index.config import GroupSpec, IndexConfig
@@ -211,15 +213,19 @@ class IndexState:
             else:
                 self._add_child(first_parent, hashes[0])
             return True, True
+        # Touch (move to most recent) in chain order: pop every block, reinsert in order.
+        olds: list[int | None] = list(map(parent.pop, hashes, repeat(None)))
+        if None not in olds:  # every block was an entry (a second holder storing the same chain)
+            parent.update(zip(hashes, cast(list[int], olds), strict=True))
+            return False, olds[1:] == hashes[:-1]
         is_consistent = True
         prev = first_parent
-        for position, block_hash in enumerate(hashes):
-            old = parent.pop(block_hash, None)
+        for position, (block_hash, old) in enumerate(zip(hashes, olds, strict=True)):
             if old is not None:
                 parent[block_hash] = old
                 if old != prev and position:
                     is_consistent = False
-            else:
+            elif block_hash not in parent:  # (a block repeated in the chain was reinserted already)
                 parent[block_hash] = prev
                 if is_rooted and not position:
                     self._rooted.add(block_hash)
@@ -286,6 +292,10 @@ class IndexState:
     def _gaps_after_chain_hold(self, slot: Slot, hashes: list[int], olds: list[int], is_consistent: bool) -> None:
         """Account gaps after the slot's bit was set on every block of a chain (``olds``: masks before)."""
         mask = slot.mask
+        if is_consistent and not slot.num_gaps:  # only the first block can be a new gap
+            if not olds[0] & mask and self._is_gap(mask, hashes[0]):
+                self._add_gaps(slot, 1)
+            return
         newly = list(dict.fromkeys(h for h, old in zip(hashes, olds, strict=True) if not old & mask))
         if not newly:
             return
@@ -330,8 +340,10 @@ class IndexState:
                 self._add_gaps(slot, 1)
             return
         olds = list(map(lane.get, hashes, repeat(0)))
-        lane.update(zip(hashes, [old | mask for old in olds], strict=True))
-        dups = [h for h, old in zip(hashes, olds, strict=True) if old & mask]
+        lane.update(zip(hashes, map(or_, olds, repeat(mask)), strict=True))
+        dups = (
+            [h for h, old in zip(hashes, olds, strict=True) if old & mask] if any(map(and_, olds, repeat(mask))) else []
+        )
         slot.num_held[lane_key] = slot.num_held.get(lane_key, 0) + len(hashes) - len(dups)
         if lane_key == GPU0:
             self._gaps_after_chain_hold(slot, hashes, olds, is_consistent)
