@@ -16,7 +16,8 @@ Copies run on two copy engines (one per direction) beside the compute, FIFO each
 
 Shared pool copies (``pool_stores`` / ``pool_restores``) run the same way on two more FIFO lanes, at
 ``pool_bytes_per_s`` with ``pool_latency_s`` per job. A job issued at simulated time t starts at max(t, when
-its engine frees up). A step with no compute but copies in flight lasts until the next copy lands. The engine keeps its own simulated clock (``clock_s``).
+its engine frees up). A step with no compute but copies in flight lasts until the next copy lands. The engine
+keeps its own simulated clock (``clock_s``).
 
 Sampled token for a sequence at position p: ``splitmix64(seed * 0x9E3779B97F4A7C15 + p)`` picks an id from
 ``output_token_ids``; when ``eos_probability`` > 0 the top 53 bits, read as a fraction, below it give EOS.

@@ -1,0 +1,94 @@
+"""Shared pool tier against a real ``mooncake_master`` on loopback (skipped without the ``mooncake`` extra)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mooncake.store")
+
+from workers.config import KVCacheConfig  # noqa: E402
+from workers.kv.hashing import extend_block_hashes, namespace_root, to_engine_hash  # noqa: E402
+from workers.kv.manager import KVCacheManager, SequenceKV  # noqa: E402
+from workers.kv.pool_tier import MooncakePoolStore  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+BS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[str]:
+    binary = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+    if not Path(binary).exists():
+        pytest.skip("mooncake_master not installed")
+    rpc, metrics = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [binary, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--metrics_host=127.0.0.1",
+         f"--metrics_port={metrics}", "--default_kv_lease_ttl=2000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", rpc), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            pytest.skip("mooncake_master did not start")
+        yield f"127.0.0.1:{rpc}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_block_stored_by_a_is_restored_by_b_through_mooncake(master: str):
+    cfg = KVCacheConfig(num_gpu_blocks=8, block_size=BS)
+    sa = MooncakePoolStore(master, global_segment_size=32 << 20, local_buffer_size=16 << 20)
+    sb = MooncakePoolStore(master, global_segment_size=0, local_buffer_size=16 << 20)
+    try:
+        a, b = KVCacheManager(cfg, pool_store=sa), KVCacheManager(cfg, pool_store=sb)
+        prompt = [1000 + i for i in range(8)]
+        seq = SequenceKV("a")
+        assert a.admit(seq, a.find_prefix(seq, prompt, 8), 8)
+        a.cache_computed(seq, prompt, 8, 8)
+        (store,), _ = a.take_pool_copies()
+        a.take_events()
+        a.complete_store(store.job_id)
+        (ev,) = a.take_events()
+        h = [to_engine_hash(x) for x in extend_block_hashes([], namespace_root(), prompt, BS)]
+        assert ev.block_hashes == tuple(h) and ev.token_ids == ()
+        seq_b = SequenceKV("b")
+        hit = b.find_prefix(seq_b, prompt + [1], 9)
+        assert hit.num_pool_blocks == 2 and hit.num_cached_tokens == 8
+        assert b.admit(seq_b, hit, 9)
+        (), (restore,) = b.take_pool_copies()
+        assert b.complete_restore(restore.job_id) is seq_b
+        assert b.pool is not None and b.pool.num_blocks_fetched == 2
+        # rule 2 across workers: B does not store what A stored
+        dup = SequenceKV("dup")
+        dup.block_ids = b.gpu.allocate(2)
+        b.cache_computed(dup, prompt, 8, 8)
+        assert b.take_pool_copies() == ((), ()) and b.pool.num_stores_skipped_stored == 2
+    finally:
+        sb.close()
+        sa.close()

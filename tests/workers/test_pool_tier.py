@@ -1,0 +1,157 @@
+"""Shared pool tier (MOONCAKE): cross-worker restores, store rules, events, eviction, scheduler end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from events.types import BlockRemoved, BlockStored, Medium
+from workers.config import KVCacheConfig, SchedulerConfig, TimingProfile
+from workers.engines.base import SamplingParams
+from workers.engines.sim import SimEngine
+from workers.kv.hashing import extend_block_hashes, namespace_root, to_engine_hash
+from workers.kv.manager import KVCacheManager, SequenceKV
+from workers.kv.pool_tier import SimPool, pool_key
+from workers.scheduler import Request, Scheduler
+
+pytestmark = pytest.mark.unit
+
+BS = 4
+PROMPT = list(range(8))
+
+
+def eh(tokens: list[int]) -> list[int]:
+    return [to_engine_hash(h) for h in extend_block_hashes([], namespace_root(), tokens, BS)]
+
+
+def worker(pool: SimPool, num_gpu_blocks: int = 8) -> KVCacheManager:
+    holder: list[KVCacheManager] = []
+    client = pool.attach(lambda keys: holder[0]._on_pool_evict(keys))
+    kv = KVCacheManager(KVCacheConfig(num_gpu_blocks=num_gpu_blocks, block_size=BS), pool_store=client)
+    holder.append(kv)
+    return kv
+
+
+def prefill(kv: KVCacheManager, rid: str, tokens: list[int]) -> tuple[SequenceKV, int]:
+    seq = SequenceKV(rid)
+    hit = kv.find_prefix(seq, tokens, len(tokens))
+    assert kv.admit(seq, hit, len(tokens))
+    kv.cache_computed(seq, tokens, len(tokens), len(tokens))
+    return seq, hit.num_cached_tokens
+
+
+def test_block_stored_by_a_is_restored_by_b_and_counts_as_cached():
+    pool = SimPool(16)
+    a, b = worker(pool), worker(pool)
+    prefill(a, "a", PROMPT)
+    (store,), () = a.take_pool_copies()
+    assert store.src_block_ids == (0, 1) and store.dst_block_ids == ()
+    assert len(pool) == 0  # not visible before the copy lands
+    a.take_events()
+    a.complete_store(store.job_id)
+    h = eh(PROMPT)
+    assert a.take_events() == [
+        BlockStored(
+            block_hashes=(h[0], h[1]), parent_block_hash=None, token_ids=(), block_size=BS, medium=Medium.MOONCAKE
+        )
+    ]
+    assert pool.keys() == [pool_key(x) for x in extend_block_hashes([], namespace_root(), PROMPT, BS)]
+    # worker B: 2 blocks found in the pool, restored into reserved GPU blocks, reported cached
+    seq = SequenceKV("b")
+    hit = b.find_prefix(seq, PROMPT + [8], 9)
+    assert (hit.gpu_block_ids, hit.num_cpu_blocks, hit.num_pool_blocks, hit.num_cached_tokens) == ((), 0, 2, 8)
+    assert b.admit(seq, hit, 9)
+    assert seq.block_ids == [0, 1, 2] and seq.num_cached_blocks == 2
+    (), (restore,) = b.take_pool_copies()
+    assert restore.src_block_ids == () and restore.dst_block_ids == (0, 1)
+    assert b.take_events() == []  # nothing registered on GPU before the copy lands
+    assert b.complete_restore(restore.job_id) is seq
+    assert b.take_events() == [
+        BlockStored(block_hashes=(h[0], h[1]), parent_block_hash=None, token_ids=tuple(PROMPT), block_size=BS)
+    ]
+    assert b.pool is not None and b.pool.num_blocks_fetched == 2
+    # the next turn on B hits on its GPU
+    b.cache_computed(seq, PROMPT + [8], 9, 9)
+    b.free(seq)
+    seq2 = SequenceKV("b2")
+    hit2 = b.find_prefix(seq2, PROMPT + [8, 9], 10)
+    assert (hit2.gpu_block_ids, hit2.num_pool_blocks) == ((0, 1), 0)
+
+
+def test_pool_store_rules():
+    pool = SimPool(16)
+    a, b = worker(pool), worker(pool)
+    sa, _ = prefill(a, "a", PROMPT)
+    (store,), _ = a.take_pool_copies()
+    assert a.pool is not None and b.pool is not None
+    # rule 1: an identical store in flight on the same worker is skipped
+    dup = SequenceKV("dup")
+    dup.block_ids = a.gpu.allocate(2)
+    a.cache_computed(dup, PROMPT, 8, 8)
+    assert a.take_pool_copies() == ((), ())
+    assert a.pool.num_stores_skipped_in_flight == 2
+    # rule 3: the GPU copies go before the store lands; it still completes, and its event carries tokens
+    a.free(sa)
+    a.free(dup)
+    assert a.reset_prefix_cache()
+    a.take_events()
+    a.complete_store(store.job_id)
+    h = eh(PROMPT)
+    assert a.take_events() == [
+        BlockStored(
+            block_hashes=(h[0], h[1]),
+            parent_block_hash=None,
+            token_ids=tuple(PROMPT),
+            block_size=BS,
+            medium=Medium.MOONCAKE,
+        )
+    ]
+    # rule 2: a block already in the pool (stored by another worker) is not stored again
+    prefill(b, "b", [100, 101, 102, 103] + PROMPT[:0])
+    b.take_pool_copies()
+    sb = SequenceKV("b2")
+    sb.block_ids = b.gpu.allocate(2)
+    b.cache_computed(sb, PROMPT, 8, 8)
+    assert b.take_pool_copies() == ((), ())
+    assert b.pool.num_stores_skipped_stored == 2
+    assert len(pool) == 2
+
+
+def test_pool_eviction_is_published_by_the_worker_that_stored():
+    pool = SimPool(2)
+    a, b = worker(pool), worker(pool)
+    prefill(a, "a", PROMPT)
+    (s1,), _ = a.take_pool_copies()
+    a.complete_store(s1.job_id)
+    a.take_events()
+    other = [50, 51, 52, 53]
+    prefill(b, "b", other)
+    (s2,), _ = b.take_pool_copies()
+    b.complete_store(s2.job_id)
+    assert a.take_events() == [BlockRemoved(block_hashes=(eh(PROMPT)[0],), medium=Medium.MOONCAKE)]
+    assert pool.num_evicted == 1
+
+
+def test_scheduler_restores_from_pool_then_runs():
+    pool = SimPool(64)
+    a = worker(pool, 16)
+    prompt = list(range(16))
+    prefill(a, "a", prompt)
+    (st,), _ = a.take_pool_copies()
+    a.complete_store(st.job_id)
+    b = worker(pool, 16)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), b, None)
+    engine = SimEngine(TimingProfile(), BS, [7], None)
+    req = Request("r1", prompt + [1], 2, SamplingParams(), ignore_eos=True)
+    sched.add_request(req)
+    step = sched.schedule()
+    assert step.prefills == () and step.restores == ()
+    assert len(step.pool_restores) == 1 and step.pool_restores[0].dst_block_ids == (0, 1, 2, 3)
+    assert req.num_cached_tokens == 16 and sched.num_running == 1
+    result = engine.execute(step)
+    p = TimingProfile()
+    assert result.duration_s == pytest.approx(p.pool_latency_s + 16 * p.kv_bytes_per_token / p.pool_bytes_per_s)
+    sched.update(result)
+    while sched.has_work() or engine.has_pending_copies():
+        sched.update(engine.execute(sched.schedule()))
+    assert req.finish_reason == "length" and req.all_token_ids[16:] == [1, 7, 7]
+    assert b.num_restored_blocks == 4 and sched.num_running == 0
