@@ -353,32 +353,37 @@ def bench_transfer(report: Report, ceil: dict[str, float]) -> None:
             f"({gbps(num_bytes, t_s_off) / ceil['d2h']:.3f} of d2h), restore {t_s_res} "
             f"({gbps(num_bytes, t_s_res) / ceil['h2d']:.3f} of h2d)"
         )
-    # The engine's path: KVTransfer's default mode, CPU slots in random order (every run one block long).
-    cpu_ids = torch.randperm(NUM_PREFIX_BLOCKS).tolist()
-    expected = host_src[cpu_ids].clone()
-    for chunk_blocks, copy_streams in ((128, 1), (64, 2), (128, 2), (128, 4), (32, 4)):
-        transfer = KVTransfer(pool, chunk_blocks=chunk_blocks, copy_streams=copy_streams)
+    # The engine's path (KVTransfer's default mode) for two CPU-slot layouts: the prefix's blocks in shuffled runs
+    # of 16 consecutive slots (staged), and every slot random (runs of one block: the kernel reads directly).
+    run_starts = (torch.randperm(NUM_PREFIX_BLOCKS // 16) * 16).tolist()
+    layouts = {
+        "CPU slots in runs of 16": [start + i for start in run_starts for i in range(16)],
+        "random CPU slots": torch.randperm(NUM_PREFIX_BLOCKS).tolist(),
+    }
+    for chunk_blocks in (64, 128):
+        transfer = KVTransfer(pool, chunk_blocks=chunk_blocks)
+        t = time_cuda(partial(_wait_for, transfer.restore, ids, host_src, layouts["CPU slots in runs of 16"]))
+        ratio = gbps(num_bytes, t) / ceil["h2d"]
+        report.say(f"restore, engine path, runs of 16, chunk={chunk_blocks}: {t}, {ratio:.3f} of h2d")
+    transfer = KVTransfer(pool)
+    for layout, cpu_ids in layouts.items():
+        expected = host_src[cpu_ids].clone()
         pool[:, :, ids.long()] = float("nan")
         _wait_for(transfer.restore, ids, host_src, cpu_ids)
         torch.cuda.synchronize()
         if not torch.equal(pool[:, :, ids.long()].permute(2, 0, 1, 3, 4, 5).cpu(), expected):
-            raise RuntimeError("staged restore with random CPU slots differs")
-        t = time_cuda(partial(_wait_for, transfer.restore, ids, host_src, cpu_ids), warmup=1, repeat=5)
-        report.say(
-            f"restore, engine path (mode auto, chunk={chunk_blocks}, streams={copy_streams}), random CPU slots, "
-            f"bit-exact: {t}, "
-            f"{gbps(num_bytes, t) / ceil['h2d']:.3f} of h2d"
+            raise RuntimeError(f"engine-path restore differs ({layout})")
+        del expected
+        t_eng = time_cuda(partial(_wait_for, transfer.restore, ids, host_src, cpu_ids), warmup=1, repeat=5)
+        bw_eng = gbps(num_bytes, t_eng)
+        report.row(
+            f"restore 32K-token prefix, engine path, {layout} (bit-exact)",
+            f"{bw_eng:.1f} GB/s ({t_eng.median_ms:.1f} ms)",
+            f"h2d {ceil['h2d']:.1f} GB/s",
+            bw_eng / ceil["h2d"],
+            ">= 0.93",
         )
-    transfer = KVTransfer(pool)
-    t_eng = time_cuda(partial(_wait_for, transfer.restore, ids, host_src, cpu_ids), warmup=1, repeat=5)
-    bw_eng = gbps(num_bytes, t_eng)
-    report.row(
-        "restore 32K-token prefix, engine path (staged runs of CPU ids; random CPU slots)",
-        f"{bw_eng:.1f} GB/s ({t_eng.median_ms:.1f} ms)",
-        f"h2d {ceil['h2d']:.1f} GB/s",
-        bw_eng / ceil["h2d"],
-        ">= 0.93",
-    )
+    cpu_ids = layouts["random CPU slots"]
     t_eng_off = time_cuda(partial(_wait_for, transfer.offload, ids, host, cpu_ids), warmup=1, repeat=5)
     bw_eng_off = gbps(num_bytes, t_eng_off)
     report.row(

@@ -116,3 +116,15 @@ def test_host_runs_group_consecutive_ids_and_split_at_chunks():
 def test_transfer_rejects_unknown_mode(model):
     with pytest.raises(ValueError, match="mode must be one of"):
         KVTransfer(model.allocate_kv_pool(4, BLOCK_SIZE), mode="fast")  # type: ignore[arg-type]
+
+
+def test_auto_restore_stages_only_long_runs(model):
+    from workers.model.kv_pool import STAGED_MIN_RUN_BYTES, _Run
+
+    pool = model.allocate_kv_pool(4, BLOCK_SIZE)
+    transfer = KVTransfer(pool)
+    block_bytes = pool[:, :, 0].numel() * pool.element_size()
+    long_run = -(-STAGED_MIN_RUN_BYTES // block_bytes)
+    assert transfer._runs_are_long([_Run(0, 0, long_run)])
+    assert not transfer._runs_are_long([_Run(0, 0, long_run), _Run(long_run, 0, 1)])
+    assert not transfer._runs_are_long([])
