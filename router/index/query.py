@@ -92,6 +92,16 @@ class QueryMixin(IndexState):
 
     def _result(self, gpu: dict[int, int], own: dict[int, int], pool: dict[int, int], num_blocks: int) -> MatchResult:
         best: dict[str, WorkerMatch] = {}
+        if gpu is own is pool:  # GPU only: the best rank is the deepest, then the lowest
+            slots_by_bit = self._slots_by_bit
+            for bit, depth in gpu.items():
+                slot = slots_by_bit.get(bit)
+                if slot is None:
+                    continue
+                current = best.get(slot.worker_id)
+                if current is None or (depth, -slot.dp_rank) > (current.num_gpu_blocks, -current.dp_rank):
+                    best[slot.worker_id] = WorkerMatch(slot.worker_id, slot.dp_rank, depth)
+            return MatchResult(best, num_blocks)
         for bit, total in pool.items():
             slot = self._slots_by_bit.get(bit)
             if slot is None:
