@@ -1,9 +1,9 @@
 """The cost model's online calibration against a sim worker twice slower than the profile the gateway believes.
 
 Both workers declare the default H200 profile (``workers.config.TimingProfile``) and the gateway's ``cache_aware``
-constants are that profile's; ``w0`` actually runs with every compute constant doubled. Both run at
-``time_scale`` 0.5 (two simulated seconds per wall second), which the gateway is told per worker (``time_scale``),
-so the TTFT it calibrates with is in the workers' simulated seconds, like the cost model's constants.
+constants are that profile's; ``w0`` actually runs with every compute constant doubled. The gateway is
+told each worker's ``time_scale`` (wall seconds per simulated second), so the TTFT it calibrates with is in the
+workers' simulated seconds, like the cost model's constants; real time (1.0) keeps wall-clock noise unamplified.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 from tests.router.sim_fleet import MODEL, Gw, SimWorker, connected, make_config, running
 from workers.config import TimingProfile
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-TIME_SCALE = 0.5
+TIME_SCALE = 1.0
 DECLARED = TimingProfile()
 SLOW = {
     "step-overhead-s": 2 * DECLARED.step_overhead_s,
@@ -70,11 +70,14 @@ async def test_a_worker_twice_slower_than_declared_is_learned_and_avoided():
             for i in range(1, MAX_CALIBRATION_REQUESTS):
                 worker, _ = await streamed_ttft_s(g, fresh_prompt(i))
                 assert worker == "w0"
-            # its predicted TTFT is now within 20 % of what it shows
-            worker, observed_s = await streamed_ttft_s(g, fresh_prompt(100))
-            predicted_s = g.gw.router.recent[-1].scores["w0"]
-            assert worker == "w0"
-            assert abs(predicted_s - observed_s) <= 0.2 * observed_s, (predicted_s, observed_s)
+            # its predicted TTFT is now within 20 % of what it shows (median of three, against scheduling noise)
+            pairs = []
+            for i in range(3):
+                worker, observed_s = await streamed_ttft_s(g, fresh_prompt(100 + i))
+                assert worker == "w0"
+                pairs.append((g.gw.router.recent[-1].scores["w0"], observed_s))
+            predicted_s, observed_s = sorted(pairs, key=lambda p: p[1])[1]
+            assert abs(predicted_s - observed_s) <= 0.2 * observed_s, pairs
             assert 1.6 <= calibrator.speed_factor("w0") <= 2.4
             # and traffic shifts away from it
             await g.admin("POST", "/admin/workers/w1/undrain")
