@@ -251,26 +251,32 @@ class Gateway:
         """An index counter (``kvgate_index_events_total{counter=...}``), e.g. ``num_resyncs``."""
         return int(sum_metric(self.metrics_text(), "kvgate_index_events_total", f'counter="{counter}"'))
 
+    def stream_counter(self, counter: str) -> int:
+        """A subscriber counter over all workers (``kvgate_event_stream_total{counter=...}``), e.g. ``num_blocks``:
+        only real KV events move it (pending entries the gateway inserts for routed requests do not)."""
+        return int(sum_metric(self.metrics_text(), "kvgate_event_stream_total", f'counter="{counter}"'))
+
     def wait_events_flowing(self, worker_id: str, timeout_s: float = 60.0) -> int:
-        """Send fresh 64-token prompts to ``worker_id`` until the index shows the blocks they stored.
+        """Send fresh 64-token prompts to ``worker_id`` until KV events from it reach the gateway.
 
         A ZMQ PUB drops what it publishes before a subscriber is attached, and a SUB that started before the
         engine reconnects with a backoff of up to 5 s, so "vLLM answers /health" does not yet mean "its events
-        reach the gateway". Returns the number of index resyncs seen meanwhile.
+        reach the gateway". Call it while no other worker is busy. Returns the index resyncs seen meanwhile.
         """
         deadline = time.monotonic() + timeout_s
         resyncs_before = self.index_counter("num_resyncs")
         attempt = 0
         while True:
             attempt += 1
-            before = self.index_blocks(worker_id)
+            before = self.stream_counter("num_batches")
             prompt = [100 + attempt % 300] + [7 + (attempt * 13 + i) % 400 for i in range(63)]
             resp = httpx.post(self.url + "/v1/completions", timeout=60.0, headers={"x-kvgate-worker": worker_id},
                               json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1})
             if resp.status_code == 200:
                 for _ in range(10):
                     time.sleep(0.2)
-                    if self.index_blocks(worker_id) != before or self.index_counter("num_resyncs") != resyncs_before:
+                    if self.stream_counter("num_batches") != before:
+                        time.sleep(0.3)
                         return self.index_counter("num_resyncs") - resyncs_before
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no KV events from {worker_id} reached the gateway in {timeout_s:.0f} s "

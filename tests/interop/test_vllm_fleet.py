@@ -114,10 +114,13 @@ def test_events_from_both_topologies_fill_the_index(fleet: Fleet) -> None:
     gw = fleet.gateway
     for worker_id, seed, num_tokens in (("vllm-a", 1, 200), ("vllm-b", 2, 130)):
         before = gw.index_blocks(worker_id)
+        num_event_blocks = gw.stream_counter("num_blocks")
         served = send(gw, "/v1/completions", {"prompt": token_ids(seed, num_tokens), "max_tokens": 1},
                       {"x-kvgate-worker": worker_id})
         assert (served.worker_id, served.predicted, served.reported) == (worker_id, 0, 0)
-        # max_tokens 1: vLLM computes the prompt only, so it stores its full blocks and nothing else.
+        # max_tokens 1: vLLM computes the prompt only, so it stores its full blocks and nothing else, and says so
+        # in BlockStored events (the subscriber's block count moves only on real events).
+        assert gw.stream_counter("num_blocks") == num_event_blocks + num_tokens // BLOCK_SIZE
         assert gw.index_blocks(worker_id) == before + num_tokens // BLOCK_SIZE
 
 
