@@ -17,6 +17,9 @@ Algorithm (version 1; any change must bump the version byte string and the test 
 * The chain is seeded by the parent's hash, so ``h[i]`` identifies the whole prefix ``tokens[:(i + 1) *
   block_size]`` within its namespace. Two different adapters (``lora_name``) or tenants (``cache_salt``) never
   produce the same chain, so they never share index entries.
+* Cost (131,072 tokens = 8,192 blocks of 16, 2-core host): about 0.65 ms from a uint32 array, 1.6 ms from a
+  Python list (the list-to-uint32 conversion is about 1 ms of it). The chain is inherently sequential, one
+  ``xxh3_64`` call per block; the buffer is cut into per-block ``bytes`` in one numpy call.
 * XXH3-64 (xxhash) is fast and not collision resistant. A collision can only mis-route a request, never serve
   wrong KV: the worker verifies its own prefix cache with its own hash.
 
@@ -101,6 +104,10 @@ def tokens_to_bytes(token_ids: TokenIds) -> bytes:
 
     Raises:
         ValueError: a token id is negative, too large, or not an integer; an array that is not 1-D.
+
+    A Python list or tuple goes through ``array.array("I", ...)``: measured on 131,072 tokens (2-core host,
+    best of 30), 0.96 ms, against 2.0 ms for ``struct.pack``, 2.4 ms for ``np.fromiter(dtype=np.uint32)`` and
+    3.5 ms for ``np.asarray(dtype=np.uint32)``.
     """
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1:

@@ -16,17 +16,20 @@ Figures (each printed beside its baseline and as a ratio):
   * memory: bytes per (block, worker) holding, by ``tracemalloc`` on a fleet of ``--memory-fraction`` size.
   * gc: one full ``gc.collect()`` with the structure alive.
 
-Measured (defaults: 1,000,000 blocks, 64 workers, 1.9 M holdings; an otherwise idle 16-core x86 host, one
-core used)::
+Measured (defaults: 1,000,000 blocks, 64 workers, 1.9 M holdings; a shared 2-core host with other jobs
+running, so absolute figures move 2-5x between runs: compare each with its same-run baseline)::
 
-    ingest        0.52 M blocks/s        node tree 0.41 M/s         (1.28x)
-    match 2048    p50 650 us, p99 918 us  node tree p50 711, p99 1558 (p99 0.59x)
-    gc pass       +1 ms over an empty heap  node tree +520 ms
-    hash 131072   1.08 ms (uint32 array), 2.56 ms (list)   one xxh3 pass 0.03 ms, memcpy 0.016 ms
-    memory        165 bytes per (block, worker)            node tree 290 (0.57x)
+    ingest        0.23-0.35 M blocks/s          node tree 0.16-0.40 M/s      (0.9-1.45x)
+    match 2048    p50 57-80 us, p99 169 us on the quietest run (4-8 ms under load)
+                                                node tree p50 970-1350 us    (p50 ~15x faster)
+    gc pass       +0-4 ms over an empty heap    node tree +300-1100 ms
+    hash 131072   0.65 ms (uint32 array), 1.6-1.7 ms (list)   one xxh3 pass 0.011 ms
+    memory        161 bytes per (block, worker)              node tree 290 (0.56x)
 
-The match walk is bound by one dict probe per block (about 300 ns each at 1 M entries, cache misses); see the
-package docstring for what would close the gap to the 200 us target.
+Match reads 2 positions per prompt when every holder holds all of it, plus about ``2 log2 n`` per distinct
+depth (the fleet's shared system prompts give 60+ workers a short match: about 70 probes); the rest is building
+the per-worker result. Ingest is bound by dict inserts into 1 M-entry tables (``parent``, ``children``, the
+lane, ``slot.engine``), about 0.5 us each on this host.
 """
 
 from __future__ import annotations
