@@ -35,6 +35,13 @@ class Admission:
         limit = self.config.max_inflight_requests
         return (limit == 0 or self.num_inflight < limit) and worker_has_room()
 
+    def try_acquire(self) -> bool:
+        """Take a slot at once when admission is off (no limits); ``False`` means call ``acquire``."""
+        if self.is_enabled:
+            return False
+        self.num_inflight += 1
+        return True
+
     async def acquire(self, worker_has_room: Callable[[], bool]) -> None:
         """Take a slot, waiting if needed.
 

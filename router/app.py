@@ -220,6 +220,7 @@ class _Hooks:
         if num:
             logger.info("worker %s removed: %d sessions will be routed afresh", worker.worker_id, num)
         await gw.transport.remove_worker(worker.worker_id)
+        gw.metrics.forget_worker(worker.worker_id)
         calibrator = gw.holder.calibrator
         if calibrator is not None:
             calibrator.forget(worker.worker_id)
@@ -346,11 +347,12 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         view = gw.tokenizers[model.name].view(parsed)
         if view.num_tokens == 0:
             raise InvalidFieldError("the prompt has no tokens", param="prompt")
-        candidates = gw.fleet.candidates(model.name)
         per_worker = gw.config.admission.max_inflight_per_worker
-        await gw.admission.acquire(
-            lambda: per_worker == 0 or any(w.num_inflight_requests < per_worker for w in candidates)
-        )
+        if not gw.admission.try_acquire():
+            candidates = gw.fleet.candidates(model.name)
+            await gw.admission.acquire(
+                lambda: per_worker == 0 or any(w.num_inflight_requests < per_worker for w in candidates)
+            )
     except GatewayError as exc:
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
         return error_response(exc)
@@ -361,8 +363,7 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         gw.metrics.decision_s.observe(time.perf_counter() - t0)
         out = await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream, request_id=request_id,
                                      policy_name=policy_name)
-        gw.metrics.request_duration_s.labels(plan.decision.worker_id or "", policy_name).observe(
-            time.perf_counter() - t0)
+        gw.metrics.worker(plan.decision.worker_id or "").duration_s(policy_name).observe(time.perf_counter() - t0)
         return out
     except GatewayError as exc:
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()

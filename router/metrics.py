@@ -71,6 +71,45 @@ class _CallbackCollector(Collector):
         return iter(())
 
 
+class WorkerMetrics:
+    """The labelled children of one worker's request-path series, resolved once (``labels()`` is a locked dict
+    lookup with label validation: too slow to repeat several times per request).
+
+    Attributes:
+        inflight: ``inflight_requests{worker}``.
+        ttft_s: ``ttft_seconds{worker}``.
+        predicted_cached_tokens: ``predicted_cached_tokens_total{worker}``.
+        reported_cached_tokens: ``reported_cached_tokens_total{worker}``.
+        checks_match: ``cached_tokens_checks_total{worker,result="match"}``.
+        checks_mismatch: ``cached_tokens_checks_total{worker,result="mismatch"}``.
+    """
+
+    __slots__ = ("_metrics", "worker_id", "inflight", "ttft_s", "predicted_cached_tokens", "reported_cached_tokens",
+                 "checks_match", "checks_mismatch", "_by_policy")
+
+    def __init__(self, metrics: GatewayMetrics, worker_id: str) -> None:
+        self._metrics = metrics
+        self.worker_id = worker_id
+        self.inflight = metrics.inflight_requests.labels(worker_id)
+        self.ttft_s = metrics.ttft_s.labels(worker_id)
+        self.predicted_cached_tokens = metrics.predicted_cached_tokens_total.labels(worker_id)
+        self.reported_cached_tokens = metrics.reported_cached_tokens_total.labels(worker_id)
+        self.checks_match = metrics.cached_tokens_checks_total.labels(worker_id, "match")
+        self.checks_mismatch = metrics.cached_tokens_checks_total.labels(worker_id, "mismatch")
+        self._by_policy: dict[str, Histogram] = {}
+
+    def duration_s(self, policy: str) -> Histogram:
+        """``request_duration_seconds{worker,policy}``."""
+        child = self._by_policy.get(policy)
+        if child is None:
+            child = self._by_policy[policy] = self._metrics.request_duration_s.labels(self.worker_id, policy)
+        return child
+
+    def requests(self, policy: str, status: int) -> Counter:
+        """``requests_total{worker,policy,status}``."""
+        return self._metrics.requests_child(self.worker_id, policy, status)
+
+
 class GatewayMetrics:
     """Every metric of one gateway app, registered in its own registry."""
 
@@ -118,6 +157,31 @@ class GatewayMetrics:
         )
         self._callbacks = _CallbackCollector()
         r.register(self._callbacks)
+        self._workers: dict[str, WorkerMetrics] = {}
+        self._requests: dict[tuple[str, str, int], Counter] = {}
+
+    def worker(self, worker_id: str) -> WorkerMetrics:
+        """The worker's cached series children (created on first use; ``forget_worker`` drops them)."""
+        wm = self._workers.get(worker_id)
+        if wm is None:
+            wm = self._workers[worker_id] = WorkerMetrics(self, worker_id)
+        return wm
+
+    def requests_child(self, worker_id: str, policy: str, status: int) -> Counter:
+        """``requests_total{worker,policy,status}``, cached per label tuple."""
+        key = (worker_id, policy, status)
+        child = self._requests.get(key)
+        if child is None:
+            if len(self._requests) > 65536:
+                self._requests.clear()
+            child = self._requests[key] = self.requests_total.labels(worker_id, policy, str(status))
+        return child
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop the cached children of a removed worker (its series stay in the registry)."""
+        self._workers.pop(worker_id, None)
+        for key in [k for k in self._requests if k[0] == worker_id]:
+            del self._requests[key]
 
     def add_callback(self, callback: Callable[[], Iterable[MetricSample]]) -> None:
         """Register a scrape-time source of samples (index, events, sessions, fleet)."""
@@ -125,9 +189,12 @@ class GatewayMetrics:
 
     def record_honesty(self, worker_id: str, predicted: int, reported: int) -> None:
         """Record one predicted-vs-reported pair of cached prompt tokens."""
-        self.predicted_cached_tokens_total.labels(worker_id).inc(predicted)
-        self.reported_cached_tokens_total.labels(worker_id).inc(reported)
-        self.cached_tokens_checks_total.labels(worker_id, "match" if predicted == reported else "mismatch").inc()
+        wm = self.worker(worker_id)
+        if predicted:
+            wm.predicted_cached_tokens.inc(predicted)
+        if reported:
+            wm.reported_cached_tokens.inc(reported)
+        (wm.checks_match if predicted == reported else wm.checks_mismatch).inc()
 
     def render(self) -> bytes:
         """The text exposition format of every series."""

@@ -142,9 +142,10 @@ class Proxy:
                 worker.worker_id, worker.config.url, request.method, request.path_qs, forward_headers, body
             )
             uncached = max(0, plan.num_prompt_tokens - plan.predicted_cached_tokens.get(worker.worker_id, 0))
+            wm = self._metrics.worker(worker.worker_id)
             worker.num_inflight_requests += 1
             worker.num_pending_prefill_tokens += uncached
-            self._metrics.inflight_requests.labels(worker.worker_id).inc()
+            wm.inflight.inc()
             is_relayed = False
             resp: UpstreamResponse | None = None
             try:
@@ -179,13 +180,13 @@ class Proxy:
                     out = await self._relay_stream(request, resp, extra, worker, plan, sent_at, uncached)
                 else:
                     out = await self._relay_body(request, resp, extra, worker, plan, sent_at, uncached)
-                self._metrics.requests_total.labels(worker.worker_id, policy_name, str(out.status)).inc()
+                wm.requests(policy_name, out.status).inc()
                 return out
             finally:
                 if resp is not None:
                     resp.release()
                 worker.num_inflight_requests -= 1
-                self._metrics.inflight_requests.labels(worker.worker_id).dec()
+                wm.inflight.dec()
                 if not is_relayed:
                     # Abandoned before the relay (failure, retry, or cancellation): undo the pending prefill.
                     worker.num_pending_prefill_tokens -= uncached
@@ -204,7 +205,7 @@ class Proxy:
         worker.num_decoding_requests += 1
         if not is_stream:
             return
-        self._metrics.ttft_s.labels(worker.worker_id).observe(ttft_s)
+        self._metrics.worker(worker.worker_id).ttft_s.observe(ttft_s)
         calibrator = self._holder.calibrator
         if calibrator is None or worker.worker_id != plan.decision.worker_id:
             return
@@ -218,7 +219,8 @@ class Proxy:
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp.headers, extra))
         is_first = True
-        tail = b""
+        recent: list[bytes] = []  # the stream's last chunks, at most 2 * SSE_TAIL_BYTES (joined when over)
+        num_recent_bytes = 0
         try:
             await out.prepare(request)
             async for chunk in resp.iter_chunks():
@@ -226,7 +228,11 @@ class Proxy:
                     self._first_byte(worker, plan, sent_at, uncached, True)
                     is_first = False
                 await out.write(chunk)
-                tail = (tail + chunk)[-SSE_TAIL_BYTES:] if len(chunk) < SSE_TAIL_BYTES else chunk[-SSE_TAIL_BYTES:]
+                recent.append(chunk)
+                num_recent_bytes += len(chunk)
+                if num_recent_bytes > 2 * SSE_TAIL_BYTES:
+                    recent = [b"".join(recent)[-SSE_TAIL_BYTES:]]
+                    num_recent_bytes = len(recent[0])
             await out.write_eof()
         except TransportError:
             logger.warning("worker %s broke the stream after the first byte; aborting the client stream",
@@ -241,6 +247,7 @@ class Proxy:
                 worker.num_pending_prefill_tokens -= uncached
             else:
                 worker.num_decoding_requests -= 1
+        tail = b"".join(recent)[-SSE_TAIL_BYTES:]
         self._check_honesty(worker, plan, cached_tokens_of(usage_from_sse_tail(tail)))
         return out
 

@@ -18,6 +18,9 @@
    blocks as it allocates them in ``schedule`` (chunk by chunk, before admitting the next waiting request);
    the sim worker caches them in ``update`` after the step that computed them, the same except for two
    requests admitted in one step (the later one misses that step's chunk of the earlier one);
+   A chain already held by the chosen worker and inserted for it less than ``REFRESH_FRACTION`` of its TTL ago
+   is not re-inserted (a repeated prompt would otherwise re-touch every block and queue one expiry record per
+   request): its entries may then expire up to that fraction of the TTL before a per-request refresh would have;
 6. the decision (every candidate's score) goes to a bounded ring for ``/admin/decisions``.
 """
 
@@ -37,6 +40,7 @@ from policies.config import KeySource, PolicyConfig
 from router.config import ModelConfig
 from router.errors import InvalidFieldError, NoWorkerError
 from router.fleet import Fleet, WorkerRuntime
+from router.index.config import IndexConfig
 from router.index.result import MatchResult
 from router.request_view import ParsedRequest, PromptView
 from router.sessions.base import SessionStore
@@ -44,11 +48,18 @@ from router.sessions.base import SessionStore
 logger = logging.getLogger(__name__)
 
 FORCE_WORKER_HEADERS = ("x-kvgate-worker", "x-smg-target-worker")
+REFRESH_FRACTION = 0.125
+"""A chain inserted for a worker is re-inserted (TTL refreshed) only this fraction of its TTL after the last time."""
+MAX_RECENT_INSERTS = 8192
+"""Bound on the memo of recent chain insertions (cleared when full)."""
 DEFAULT_KEY_SOURCES: tuple[KeySource, ...] = ("x-session-id", "x-smg-routing-key", "user")
 
 
 class IndexLike(Protocol):
     """The part of ``router.index.PrefixIndex`` the request path uses."""
+
+    @property
+    def config(self) -> IndexConfig: ...
 
     def match(self, block_hashes: Sequence[int]) -> MatchResult: ...
 
@@ -109,7 +120,7 @@ class DecisionRecord(msgspec.Struct, frozen=True, gc=False):
     session_key: str | None
     num_prompt_tokens: int
     predicted_cached_tokens: int
-    scores: dict[str, float]
+    scores: Mapping[str, float]
     cached_tokens: dict[str, int]
     decision_s: float
     at_s: float
@@ -129,6 +140,7 @@ class Router:
         self.holder = holder
         self._clock = clock
         self.recent: deque[DecisionRecord] = deque(maxlen=num_recent_decisions)
+        self._inserted_at_s: dict[tuple[str, int, int], float] = {}
 
     def session_key(self, headers: Mapping[str, str], parsed: ParsedRequest, view: PromptView) -> str | None:
         """The request's session key from the configured sources (``policies.derive_session_key``)."""
@@ -136,16 +148,23 @@ class Router:
 
     def states(
         self, candidates: Sequence[WorkerRuntime], model: ModelConfig, view: PromptView, now_s: float,
-        max_inflight: int,
+        max_inflight: int, match: MatchResult | None = None,
     ) -> tuple[WorkerState, ...]:
-        """Each candidate's ``WorkerState`` with cached tokens from one index match (capped, see module doc)."""
-        index = self._indexes.get(model.name)
-        match = index.match(view.block_hashes) if index is not None and view.block_hashes else None
+        """Each candidate's ``WorkerState`` with cached tokens from one index match (capped, see module doc).
+
+        Args:
+            match: the index match of ``view.block_hashes`` when the caller already has it (else made here).
+        """
+        if match is None:
+            match = self._match(model, view)
+        if match is None or not match.workers:
+            return tuple([worker.state(now_s, max_inflight=max_inflight) for worker in candidates])
+        matched = match.workers
         cap = view.num_cacheable_blocks
         bs = view.block_size
         out: list[WorkerState] = []
         for worker in candidates:
-            m = match.workers.get(worker.worker_id) if match is not None else None
+            m = matched.get(worker.worker_id)
             if m is None:
                 out.append(worker.state(now_s, max_inflight=max_inflight))
                 continue
@@ -154,6 +173,30 @@ class Router:
             pool = min(m.num_blocks, cap) - gpu - cpu
             out.append(worker.state(now_s, gpu * bs, cpu * bs, pool * bs, max_inflight))
         return tuple(out)
+
+    def _match(self, model: ModelConfig, view: PromptView) -> MatchResult | None:
+        index = self._indexes.get(model.name)
+        return index.match(view.block_hashes) if index is not None and view.block_hashes else None
+
+    def _insert(
+        self, index: IndexLike, worker: WorkerRuntime, block_hashes: Sequence[int], match: MatchResult | None,
+        now_s: float, ttl_s: float | None,
+    ) -> None:
+        """``index.insert_approximate`` unless the worker holds the chain and it was inserted recently (module doc)."""
+        num_blocks = len(block_hashes)
+        if not num_blocks:
+            return
+        key = (worker.worker_id, block_hashes[-1], num_blocks)
+        last_s = self._inserted_at_s.get(key)
+        if last_s is not None and match is not None:
+            held = match.workers.get(worker.worker_id)
+            window_s = (ttl_s if ttl_s is not None else index.config.approx_ttl_s) * REFRESH_FRACTION
+            if held is not None and held.num_gpu_blocks >= num_blocks and 0.0 <= now_s - last_s < window_s:
+                return
+        index.insert_approximate(worker.worker_id, block_hashes, now_s, ttl_s=ttl_s)
+        if len(self._inserted_at_s) >= MAX_RECENT_INSERTS:
+            self._inserted_at_s.clear()
+        self._inserted_at_s[key] = now_s
 
     async def route(
         self, request_id: str, parsed: ParsedRequest, model: ModelConfig, view: PromptView,
@@ -170,7 +213,8 @@ class Router:
         candidates = self._fleet.candidates(model.name)
         if not candidates:
             raise NoWorkerError(f"no worker serves model {parsed.model!r}", reason="no_workers")
-        states = self.states(candidates, model, view, now_s, max_inflight_per_worker)
+        match = self._match(model, view)
+        states = self.states(candidates, model, view, now_s, max_inflight_per_worker, match)
         session_key = self.session_key(headers, parsed, view)
         req = RequestView(
             request_id=request_id, model=parsed.model, num_prompt_tokens=view.num_tokens,
@@ -210,16 +254,15 @@ class Router:
         index = self._indexes.get(model.name) if view.block_hashes else None
         if index is not None:
             if chosen.is_approximate:
-                index.insert_approximate(chosen.worker_id, view.block_hashes, now_s)
+                self._insert(index, chosen, view.block_hashes, match, now_s, None)
             elif model.enable_pending_blocks and chosen.config.dp_ranks == 1:
                 num_full = view.num_tokens // chosen.block_size * chosen.block_size // view.block_size
-                index.insert_approximate(chosen.worker_id, view.block_hashes[:num_full], now_s,
-                                         ttl_s=model.pending_blocks_ttl_s)
+                self._insert(index, chosen, view.block_hashes[:num_full], match, now_s, model.pending_blocks_ttl_s)
         calibrator = holder.calibrator
         factor = calibrator.speed_factor(chosen.worker_id) if calibrator is not None else 1.0
         decision_s = time.perf_counter() - t0
         self.recent.append(DecisionRecord(
             request_id, parsed.model, decision.worker_id, decision.reason, decision.detail, session_key,
-            view.num_tokens, predicted[decision.worker_id], dict(decision.scores), predicted, decision_s, now_s,
+            view.num_tokens, predicted[decision.worker_id], decision.scores, predicted, decision_s, now_s,
         ))
         return RoutePlan(decision, order, predicted, view.num_tokens, session_key, factor, decision_s)

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import aiohttp
 import msgspec
+from yarl import URL
 
 from router.config import TimeoutsConfig
 from router.errors import TransportConnectError, TransportError, TransportTimeoutError
@@ -167,6 +168,7 @@ class AiohttpTransport:
         self._timeouts = timeouts
         self._limit = limit_per_worker
         self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._urls: dict[str, URL] = {}
         self._client_timeout = aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s)
 
     def _session(self, worker_id: str) -> aiohttp.ClientSession:
@@ -176,16 +178,22 @@ class AiohttpTransport:
             session = aiohttp.ClientSession(
                 connector=connector, timeout=self._client_timeout, auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
             self._sessions[worker_id] = session
         return session
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         url = request.base_url + request.path
+        parsed_url = self._urls.get(url)
+        if parsed_url is None:
+            if len(self._urls) > 4096:
+                self._urls.clear()
+            parsed_url = self._urls[url] = URL(url)
         session = self._session(request.worker_id)
         try:
             async with asyncio.timeout(self._timeouts.first_byte_s):
-                resp = await session.request(request.method, url, data=request.body, headers=request.headers)
+                resp = await session.request(request.method, parsed_url, data=request.body, headers=request.headers)
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise TransportTimeoutError(
                 f"worker {request.worker_id} timed out before the first byte", worker_id=request.worker_id,
