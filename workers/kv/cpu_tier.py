@@ -5,16 +5,34 @@ Data structures::
     entries     block_hash -> slot of every completed store, least recently used first (a plain dict: a touch
                 re-inserts); what lookups see
     slot_hash   [num_blocks] the u64 engine hash held by each slot (for events)
+    slot_meta   [num_blocks] the ``BlockMeta`` held by each slot (tokens and parent, for snapshots of blocks that
+                left the GPU); a reference to the meta the GPU index registered, set by slice on runs
     in_flight   hashes of stores issued but not completed (a set; small: the jobs of a few steps)
     jobs        job id -> (hashes, slots, engine hashes, metas) of one store in flight
     pins        block_hash -> restores reading it now (only pinned blocks are present)
-    free_slots  CPU slots holding nothing, lowest last (popped first)
+    free_runs   CPU slots holding nothing, as maximal runs of consecutive slots (``FreeRuns``)
+
+Slot allocation: a store job's blocks get consecutive slots where possible, so a restored prefix reads a few
+long runs of host memory (the torch engine's restore copies each run with one copy-engine transfer; random
+slots fall back to a kernel reading pinned memory, which reaches a lower fraction of the bandwidth)::
+
+    free runs cover n      the smallest run of length >= n (lowest start among equal lengths): slots
+                           start .. start + n - 1; the rest of the run stays free. A fresh pool is one run,
+                           so jobs get 0 .. n1 - 1, n1 .. n1 + n2 - 1, ...
+    no single run covers   the longest runs first, each cut to what is still needed
+    fewer free than n      every free slot, plus the least recently used unpinned entries evicted (exactly as
+                           many as missing: eviction order is untouched); the job's slots are all of these in
+                           ascending order, so the evicted slots of a previous job (consecutive when it got a run)
+                           stay runs
+
+A job's slots are always ascending, so block ``i`` of a job sits at ``slots[i]``.
 
 The store path is batched: one ``prepare_store`` and one ``complete_store`` per copy job, with the per-block
 work done by dict/list operations over whole runs, and no per-block Python objects. A completed block keeps
-nothing but its slot and engine hash (no ``BlockMeta``, no tokens: a restore rebuilds its metas from the
-restoring request's own tokens). Traffic that never comes back (every block new, nothing pinned) takes the fast
-path only: per block, one membership test and one insert on ``entries`` and, when full, one eviction.
+its slot, its engine hash and a reference to its meta (a restore rebuilds its metas from the restoring
+request's own tokens). Traffic that never comes back (every block new, nothing pinned) takes the fast path
+only: per block, one membership test and one insert on ``entries``, a set insert and removal on ``in_flight``
+and, when full, one eviction; per-slot arrays are written by slice when the job's slots are one run.
 
 Store life cycle (two phases, ``prepare_store`` / ``complete_store``):
   1. ``prepare_store`` picks the blocks to store, skipping any whose store is already in flight (rule 1) and
@@ -26,8 +44,9 @@ Store life cycle (two phases, ``prepare_store`` / ``complete_store``):
   3. ``complete_store`` makes the blocks visible to lookups and emits one ``BlockStored`` (CPU) per job, as
      vLLM's offloading connector does: engine hashes only, no parent and no tokens (the gateway resolves them
      through the GPU store of the same hashes). When some of the job's blocks already left the GPU prefix index
-     (rule 3), the event carries parent and tokens instead, so it still stands alone. Snapshots list stored
-     blocks token-less too (``stored_engine_hashes``).
+     (rule 3), the event carries parent and tokens instead, so it still stands alone. Snapshots list the
+     stored blocks' metas (``stored_metas``): the manager emits the blocks still on GPU token-less and the
+     others with tokens.
 
 Restores pin their source entries (``pin``) so they cannot be evicted mid-copy; each request unpins exactly
 the pins it took (``unpin``), never another's.
@@ -41,6 +60,8 @@ from collections.abc import Callable, Sequence
 from itertools import islice
 from operator import attrgetter
 
+from sortedcontainers import SortedDict, SortedList
+
 from events.types import BlockRemoved, BlockStored, EngineBlockHash, KVEvent, Medium
 from workers.errors import KVCacheError
 from workers.kv.block_pool import BlockMeta, engine_hash_of, stored_events
@@ -49,6 +70,92 @@ from workers.kv.hashing import BlockHash
 logger = logging.getLogger(__name__)
 
 _engine_hash_attr = attrgetter("engine_hash")
+
+
+class FreeRuns:
+    """Free slots of a pool as maximal runs of consecutive slots (allocation rules: module docstring).
+
+    Structures::
+
+        by_start    start -> length of each free run (sorted by start; neighbours merge on ``add``)
+        by_length   (length, start) of each free run (sorted: best fit by bisection, longest last)
+
+    Invariants: runs are disjoint and never adjacent (adjacent runs are merged); ``num_free`` is the sum of
+    their lengths.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        """All of ``0 .. num_slots - 1`` free (one run)."""
+        self._by_start: SortedDict = SortedDict()
+        self._by_length: SortedList = SortedList()
+        self.num_free = 0
+        if num_slots > 0:
+            self._insert(0, num_slots)
+            self.num_free = num_slots
+
+    def _insert(self, start: int, length: int) -> None:
+        self._by_start[start] = length
+        self._by_length.add((length, start))
+
+    def _delete(self, start: int, length: int) -> None:
+        del self._by_start[start]
+        self._by_length.remove((length, start))
+
+    def runs(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of every free run, by start."""
+        return list(self._by_start.items())
+
+    def take(self, num_slots: int) -> list[int]:
+        """Up to ``num_slots`` free slots (all free ones when fewer), ascending, in as few runs as the rules give."""
+        n = min(num_slots, self.num_free)
+        if n <= 0:
+            return []
+        by_length = self._by_length
+        self.num_free -= n
+        i = by_length.bisect_left((n, -1))
+        if i < len(by_length):
+            length, start = by_length[i]
+            self._delete(start, length)
+            if length > n:
+                self._insert(start + n, length - n)
+            return list(range(start, start + n))
+        runs: list[tuple[int, int]] = []
+        need = n
+        while need:
+            length, start = by_length[-1]
+            self._delete(start, length)
+            k = min(length, need)
+            if k < length:
+                self._insert(start + k, length - k)
+            runs.append((start, k))
+            need -= k
+        runs.sort()
+        return [slot for start, k in runs for slot in range(start, start + k)]
+
+    def add(self, slots: Sequence[int]) -> None:
+        """Return ascending, distinct ``slots`` (none of them free) to the free runs, merging neighbours."""
+        if not slots:
+            return
+        self.num_free += len(slots)
+        by_start = self._by_start
+        start = prev = slots[0]
+        for slot in (*slots[1:], -1):
+            if slot == prev + 1:
+                prev = slot
+                continue
+            length = prev - start + 1
+            i = by_start.bisect_left(start)
+            if i > 0:
+                left_start, left_length = by_start.peekitem(i - 1)
+                if left_start + left_length == start:
+                    self._delete(left_start, left_length)
+                    start, length = left_start, left_length + length
+            right_length = by_start.get(start + length)
+            if right_length is not None:
+                self._delete(start + length, right_length)
+                length += right_length
+            self._insert(start, length)
+            start = prev = slot
 
 
 class CpuTier:
@@ -82,10 +189,11 @@ class CpuTier:
         self._on_gpu = on_gpu
         self._entries: dict[BlockHash, int] = {}
         self._slot_hash: list[int] = [0] * num_blocks
+        self._slot_meta: list[BlockMeta | None] = [None] * num_blocks
         self._in_flight: set[BlockHash] = set()
         self._jobs: dict[int, tuple[list[BlockHash], list[int], tuple[EngineBlockHash, ...], Sequence[BlockMeta]]] = {}
         self._pins: dict[BlockHash, int] = {}
-        self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free = FreeRuns(num_blocks)
         self.num_stores_skipped_in_flight = 0
         self.num_stores_skipped_stored = 0
         self.num_stores_skipped_full = 0
@@ -95,7 +203,7 @@ class CpuTier:
     @property
     def num_free_blocks(self) -> int:
         """Slots holding nothing (not counting evictable entries)."""
-        return len(self._free_slots)
+        return self._free.num_free
 
     @property
     def num_stored_blocks(self) -> int:
@@ -156,23 +264,25 @@ class CpuTier:
             engine_hashes = tuple(map(_engine_hash_attr, metas))
             if None in engine_hashes:
                 engine_hashes = tuple(map(engine_hash_of, metas))
-            deque(map(self._slot_hash.__setitem__, slots, engine_hashes), maxlen=0)
+            first = slots[0]
+            if slots[-1] - first == len(slots) - 1:  # one run (slots ascend)
+                self._slot_hash[first : first + len(slots)] = engine_hashes
+                self._slot_meta[first : first + len(slots)] = metas
+            else:
+                deque(map(self._slot_hash.__setitem__, slots, engine_hashes), maxlen=0)
+                deque(map(self._slot_meta.__setitem__, slots, metas), maxlen=0)
             self._jobs[job_id] = (hashes, slots, engine_hashes, metas)
         return chosen, slots
 
     def _take_slots(self, n: int) -> list[int]:
-        """``n`` slots (fewer when too few are free or evictable): free ones first, then LRU evictions."""
-        free = self._free_slots
-        k = len(free)
-        if k >= n:
-            out = free[k - n :]
-            del free[k - n :]
-            out.reverse()
-            return out
-        out = free[::-1]
-        free.clear()
+        """``n`` slots, ascending (fewer when too few are free or evictable): free runs first, then LRU evictions
+        (allocation rules: module docstring)."""
+        free = self._free
+        if free.num_free >= n:
+            return free.take(n)
+        out = free.take(free.num_free)
         entries = self._entries
-        need = n - k
+        need = n - len(out)
         if not self._pins:
             victims = list(islice(entries, need))
         else:
@@ -180,7 +290,6 @@ class CpuTier:
             victims = list(islice((h for h in entries if h not in pins), need))
         if victims:
             slots = list(map(entries.pop, victims))
-            out.extend(slots)
             self._emit(
                 BlockRemoved(
                     block_hashes=tuple(map(self._slot_hash.__getitem__, slots)),  # type: ignore[arg-type]
@@ -188,6 +297,8 @@ class CpuTier:
                 )
             )
             self.num_blocks_evicted += len(victims)
+            out += slots
+            out.sort()
         return out
 
     def complete_store(self, job_id: int) -> None:
@@ -268,13 +379,21 @@ class CpuTier:
         pins = self._pins
         entries = self._entries
         dropped = [h for h in entries if h not in pins]
-        self._free_slots.extend(map(entries.pop, dropped))
-        self._free_slots.sort(reverse=True)
+        slots = sorted(map(entries.pop, dropped))
+        self._free.add(slots)
         return len(dropped)
 
     def stored_engine_hashes(self) -> list[EngineBlockHash]:
         """The engine hashes of every stored block, least recently used first (for snapshots)."""
         return list(map(self._slot_hash.__getitem__, self._entries.values()))  # type: ignore[arg-type]
+
+    def stored_metas(self) -> list[BlockMeta]:
+        """The metas of every stored block, least recently used first (for snapshots)."""
+        return list(map(self._slot_meta.__getitem__, self._entries.values()))  # type: ignore[arg-type]
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of every run of free slots, by start (introspection, tests)."""
+        return self._free.runs()
 
     def lru_order(self) -> list[BlockHash]:
         """Test-only: stored hashes, evicted-next first."""
