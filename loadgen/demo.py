@@ -9,9 +9,10 @@ Steps:
    the workers. Each worker then holds a fraction of the slice's distinct blocks (reported; well under half with
    4 workers), so where requests go decides the hit ratio.
 3. Start the sim workers (``kvgate worker --engine sim``) running ``time_scale`` times faster than real time,
-   then for each policy: reset the workers' prefix caches, start ``kvgate serve`` with that policy, replay the
-   slice open-loop on its timestamps (``time_scale`` times faster; times reported in simulated seconds), stop
-   the gateway.
+   with prefill ``prefill_slowdown`` times slower than their default profile (a larger model, so queueing shows;
+   ``cache_aware`` gets the same rates and no online calibration), then for each policy: reset the workers'
+   prefix caches, start ``kvgate serve`` with that policy, replay the slice open-loop on its timestamps
+   (``time_scale`` times faster; times reported in simulated seconds), stop the gateway.
 4. Print the comparison table and the acceptance checks, write ``results.json``, ``results.md``,
    ``records.jsonl`` and the plots to ``--out``; stop every process it started, also on Ctrl-C or SIGTERM.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import logging
 import math
 import signal
@@ -30,6 +32,7 @@ from types import FrameType
 from typing import Any
 
 import msgspec
+import yaml
 from rich.console import Console
 
 from loadgen.ceiling import CacheBound, ceiling, lru_bound
@@ -40,7 +43,9 @@ from loadgen.replay import ReplayConfig
 from loadgen.report import RunSummary, markdown_table
 from loadgen.runner import RunOutcome, replay_with_progress, write_results
 from loadgen.sessions import derive_sessions
-from loadgen.traces import TraceRequest, read_mooncake
+from loadgen.traces import TraceRequest, read_mooncake, spread_buckets
+from policies.config import CacheAwareConfig
+from workers.config import TimingProfile
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +61,14 @@ DEFAULT_TRACE_CANDIDATES = ("../shared/traces/conversation_trace.jsonl", "shared
 """Where the trace is looked for, relative to the repository root, when ``--trace`` is not given."""
 
 
-DEFAULT_MAX_REQUESTS = 400
+DEFAULT_MAX_REQUESTS = 450
 """Requests in the default slice."""
-QUICK_MAX_REQUESTS = 150
+QUICK_MAX_REQUESTS = 120
 """Requests in the ``--quick`` slice."""
+
+
+PREFILL_SLOWDOWN = 1.5
+"""Default ``prefill_slowdown``: a model about 1.5 times the size of Llama-3-8B on the same GPU."""
 
 
 class DemoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
@@ -75,7 +84,7 @@ class DemoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename
     """Trace time where the slice starts, seconds."""
     max_requests: int = DEFAULT_MAX_REQUESTS
     """Requests in the slice."""
-    time_scale: float = 10.0
+    time_scale: float = 5.0
     """Simulated seconds per wall second (workers run ``--time-scale 1/this``)."""
     max_output_tokens: int = 16
     """Cap on each request's output tokens."""
@@ -87,6 +96,11 @@ class DemoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename
     """Fleet sizing: capacity multiplier for output tokens and running requests."""
     num_cpu_blocks: int = 0
     """CPU-tier blocks per worker."""
+    spread_buckets: bool = False
+    """Spread the requests sharing one bucketed timestamp evenly up to the next one (``traces.spread_buckets``)."""
+    prefill_slowdown: float = PREFILL_SLOWDOWN
+    """The sim workers prefill this many times slower than their default profile (Llama-3-8B on one H200), i.e. a
+    larger model; ``cache_aware``'s cost model is given the same rates."""
     policies: tuple[str, ...] = tuple(POLICIES)
     """Runs, by label (``POLICIES``)."""
     request_timeout_s: float = 60.0
@@ -97,6 +111,34 @@ class DemoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename
     """Live progress bars."""
     write_plots: bool = True
     """Write the PNG plots."""
+
+
+def worker_profile(config: DemoConfig) -> dict[str, Any]:
+    """The sim workers' ``--profile``: the default timing with prefill ``prefill_slowdown`` times slower."""
+    base = TimingProfile()
+    return {
+        "timing": {
+            "prefill-s-per-token": base.prefill_s_per_token * config.prefill_slowdown,
+            "attention-s-per-token-pair": base.attention_s_per_token_pair * config.prefill_slowdown,
+        }
+    }
+
+
+def gateway_policy(label: str, config: DemoConfig) -> dict[str, Any]:
+    """The gateway ``policy`` section of a run: ``POLICIES[label]`` with ``cache_aware``'s cost model set to the
+    workers' prefill rates. Calibration is off: the rates are exact, and the TTFT the gateway observes is in wall
+    seconds of time-scaled workers, not in the workers' seconds."""
+    policy = copy.deepcopy(POLICIES[label])
+    defaults = CacheAwareConfig()
+    knobs = {
+        "prefill_linear_tokens_per_s": defaults.prefill_linear_tokens_per_s / config.prefill_slowdown,
+        "prefill_quadratic_tokens_sq_per_s": defaults.prefill_quadratic_tokens_sq_per_s / config.prefill_slowdown,
+        "enable_calibration": False,
+    }
+    for section in (policy, policy.get("inner")):
+        if section is not None and section.get("name") == "cache_aware":
+            section.update(knobs)
+    return policy
 
 
 class FleetSizing(msgspec.Struct, frozen=True):
@@ -187,6 +229,8 @@ async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcom
     raw = read_mooncake(config.trace, start_s=config.start_s, max_requests=config.max_requests)
     if not raw:
         raise LoadgenError(f"the slice of {config.trace} holds no requests")
+    if config.spread_buckets:
+        raw = spread_buckets(raw)
     requests = derive_sessions(raw)
     sizing = size_fleet(requests, config)
     console.print(
@@ -215,11 +259,14 @@ async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcom
             )
             for i in range(config.num_workers)
         ]
-        fleet.start_workers(specs)
+        profile_path = out_dir / "logs" / "worker-profile.yaml"
+        profile_path.parent.mkdir(parents=True, exist_ok=True)
+        profile_path.write_text(yaml.safe_dump(worker_profile(config), sort_keys=False))
+        fleet.start_workers(specs, ["--profile", str(profile_path)])
         await fleet.wait_ready()
         for label in config.policies:
             await fleet.reset_caches()
-            fleet.start_gateway(POLICIES[label], config.block_size)
+            fleet.start_gateway(gateway_policy(label, config), config.block_size)
             await fleet.wait_ready()
             assert fleet.gateway is not None
             replay = ReplayConfig(
@@ -287,6 +334,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens, help="cap on output tokens")
     parser.add_argument("--headroom", type=float, default=d.headroom, help="fleet capacity multiplier")
+    parser.add_argument(
+        "--prefill-slowdown",
+        type=float,
+        default=d.prefill_slowdown,
+        help="sim workers prefill this many times slower than Llama-3-8B on one H200 (cache_aware is told)",
+    )
+    parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="spread the requests of each bucketed timestamp of the trace (~3 s) up to the next one (default: bursts)",
+    )
     parser.add_argument("--num-cpu-blocks", type=int, default=d.num_cpu_blocks, help="CPU-tier blocks per worker")
     parser.add_argument(
         "--policies", default=",".join(d.policies), help="comma-separated runs, from: " + ", ".join(POLICIES)
@@ -311,6 +369,8 @@ def _demo_config(args: argparse.Namespace) -> DemoConfig:
         raise LoadgenError("--num-workers, --max-requests, --time-scale and --max-output-tokens must be positive")
     if args.headroom < 1.0:
         raise LoadgenError("--headroom must be >= 1")
+    if args.prefill_slowdown <= 0:
+        raise LoadgenError("--prefill-slowdown must be positive")
     return DemoConfig(
         trace=trace,
         out=args.out,
@@ -320,6 +380,8 @@ def _demo_config(args: argparse.Namespace) -> DemoConfig:
         time_scale=args.time_scale,
         max_output_tokens=args.max_output_tokens,
         headroom=args.headroom,
+        prefill_slowdown=args.prefill_slowdown,
+        spread_buckets=args.spread,
         num_cpu_blocks=args.num_cpu_blocks,
         policies=policies,
         startup_timeout_s=args.startup_timeout_s,

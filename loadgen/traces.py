@@ -167,6 +167,47 @@ def read_mooncake(
     return requests
 
 
+MOONCAKE_BUCKET_S = 3.0
+"""The conversation trace's timestamps are bucketed at about this many seconds (traces README)."""
+
+
+def spread_buckets(requests: Sequence[TraceRequest], bucket_s: float = MOONCAKE_BUCKET_S) -> list[TraceRequest]:
+    """Spread the requests that share one timestamp evenly over the gap to the next timestamp (at most
+    ``bucket_s``), in file order.
+
+    The Mooncake conversation trace records arrivals bucketed at about 3 s (up to 28 requests share one
+    timestamp); replayed as is, each bucket is one burst. Request ``j`` of ``k`` sharing timestamp ``t`` arrives
+    at ``t + j * gap / k``: the order, the per-bucket counts and the mean rate stay; the last bucket uses
+    ``bucket_s``.
+
+    Args:
+        requests: in arrival order.
+        bucket_s: the trace's bucket width, seconds (> 0).
+
+    Returns:
+        The requests with new ``arrival_s``.
+
+    Raises:
+        ValueError: ``bucket_s`` is not positive.
+    """
+    if bucket_s <= 0:
+        raise ValueError(f"bucket_s must be positive, got {bucket_s}")
+    out: list[TraceRequest] = []
+    i = 0
+    while i < len(requests):
+        t = requests[i].arrival_s
+        j = i
+        while j < len(requests) and requests[j].arrival_s == t:
+            j += 1
+        gap = min(bucket_s, requests[j].arrival_s - t) if j < len(requests) else bucket_s
+        k = j - i
+        out.extend(
+            msgspec.structs.replace(r, arrival_s=t + n * gap / k) for n, r in enumerate(requests[i:j])
+        )
+        i = j
+    return out
+
+
 def _agentic_requests(
     entries: Sequence[Any],
     *,

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from loadgen.demo import DemoConfig, acceptance, size_fleet
+from loadgen.demo import DemoConfig, acceptance, gateway_policy, size_fleet, worker_profile
 from loadgen.sessions import derive_sessions
 from loadgen.traces import read_mooncake
 from router.cli import main as kvgate
@@ -18,6 +18,24 @@ def test_fleet_sizing_reaches_the_lru_target_and_splits_capacity():
     assert sizing.fleet_lru.hit_ratio >= 0.97 * sizing.ceiling.hit_ratio
     assert sizing.worker_share_of_distinct < 0.5
     assert sizing.num_gpu_blocks_per_worker * 16 >= 2 * max(r.num_prompt_tokens for r in requests)
+
+
+@pytest.mark.unit
+def test_worker_profile_and_cost_model_share_the_prefill_slowdown():
+    from policies.config import CacheAwareConfig
+    from workers.config import TimingProfile
+
+    config = DemoConfig(trace=TRACE, prefill_slowdown=2.0)
+    timing = worker_profile(config)["timing"]
+    assert timing["prefill-s-per-token"] == 2 * TimingProfile().prefill_s_per_token
+    assert timing["attention-s-per-token-pair"] == 2 * TimingProfile().attention_s_per_token_pair
+    ca = CacheAwareConfig()
+    knobs = {"prefill_linear_tokens_per_s": ca.prefill_linear_tokens_per_s / 2,
+             "prefill_quadratic_tokens_sq_per_s": ca.prefill_quadratic_tokens_sq_per_s / 2,
+             "enable_calibration": False}  # fmt: skip
+    assert gateway_policy("cache_aware", config) == {"name": "cache_aware", **knobs}
+    assert gateway_policy("session_sticky+cache_aware", config)["inner"] == {"name": "cache_aware", **knobs}
+    assert gateway_policy("round_robin", config) == {"name": "round_robin"}
 
 
 @pytest.mark.unit

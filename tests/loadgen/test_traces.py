@@ -3,7 +3,14 @@ import json
 import pytest
 
 from loadgen.errors import TraceError
-from loadgen.traces import detect_format, read_agentic_session, read_agentic_sessions, read_mooncake
+from loadgen.traces import (
+    TraceRequest,
+    detect_format,
+    read_agentic_session,
+    read_agentic_sessions,
+    read_mooncake,
+    spread_buckets,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -140,3 +147,14 @@ def test_detect_format(tmp_path):
     (tmp_path / "a.csv").write_text("x")
     with pytest.raises(TraceError, match="unknown trace format"):
         detect_format(tmp_path / "a.csv")
+
+
+@pytest.mark.unit
+def test_spread_buckets_keeps_order_counts_and_rate():
+    reqs = [TraceRequest(arrival_s=t, num_prompt_tokens=10, num_output_tokens=1, hash_ids=(0,), block_size=512)
+            for t in (0.0, 0.0, 0.0, 3.0, 4.0, 4.0)]  # fmt: skip
+    assert [r.arrival_s for r in spread_buckets(reqs)] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.5]
+    assert [r.arrival_s for r in spread_buckets(reqs, bucket_s=0.5)] == [0.0, 0.5 / 3, 1.0 / 3, 3.0, 4.0, 4.25]
+    assert spread_buckets([]) == []
+    with pytest.raises(ValueError, match="bucket_s"):
+        spread_buckets(reqs, bucket_s=0.0)
