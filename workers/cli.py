@@ -1,6 +1,8 @@
 """``kvgate worker``: run a reference worker.
 
-Flags override the YAML profile (``--profile``), which overrides the defaults of ``workers.config``.
+Flags override the YAML profile (``--profile``), which overrides the defaults of ``workers.config``. The shared
+pool tier (``kv-cache.pool``) is enabled by any ``--pool-*`` / ``--mooncake-*`` flag, e.g.
+``--pool-backend mooncake --mooncake-master 127.0.0.1:50051`` or ``--pool-backend sim --pool-name fleet-a``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ FLAGS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
     ("--num-cpu-blocks", ("kv-cache", "num-cpu-blocks"), int),
     ("--block-size", ("kv-cache", "block-size"), int),
     ("--cpu-store-policy", ("kv-cache", "cpu-store-policy"), str),
+    ("--pool-backend", ("kv-cache", "pool", "backend"), str),
+    ("--pool-name", ("kv-cache", "pool", "name"), str),
+    ("--pool-capacity-blocks", ("kv-cache", "pool", "capacity-blocks"), int),
+    ("--pool-store-policy", ("kv-cache", "pool", "store-policy"), str),
+    ("--mooncake-master", ("kv-cache", "pool", "master-address"), str),
+    ("--mooncake-metadata-server", ("kv-cache", "pool", "metadata-server"), str),
+    ("--mooncake-local-hostname", ("kv-cache", "pool", "local-hostname"), str),
+    ("--mooncake-protocol", ("kv-cache", "pool", "protocol"), str),
+    ("--mooncake-global-segment-size", ("kv-cache", "pool", "global-segment-size"), int),
+    ("--mooncake-local-buffer-size", ("kv-cache", "pool", "local-buffer-size"), int),
     ("--max-num-seqs", ("scheduler", "max-num-seqs"), int),
     ("--max-num-batched-tokens", ("scheduler", "max-num-batched-tokens"), int),
     ("--max-model-len", ("scheduler", "max-model-len"), int),
@@ -63,7 +75,10 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             continue
         node = raw
         for key in path[:-1]:
-            node = node.setdefault(key, {})
+            child = node.get(key)
+            if not isinstance(child, dict):  # absent, or null in the profile (``pool: null``)
+                child = node[key] = {}
+            node = child
         node[path[-1]] = value
     return build_config(raw)
 

@@ -8,11 +8,14 @@ A YAML profile uses the kebab-case keys below, grouped as the struct tree::
     kv-events-endpoint: "tcp://*:5557"
     kv-cache: {num-gpu-blocks: 4096, num-cpu-blocks: 16384, block-size: 16, cpu-store-policy: all,
                pool: {backend: mooncake, master-address: "127.0.0.1:50051", store-policy: all}}
+               # or pool: {backend: sim, name: fleet-a, capacity-blocks: 65536}
     scheduler: {max-num-seqs: 256, max-num-batched-tokens: 8192, max-model-len: 131072}
     timing: {prefill-s-per-token: 2.38e-5, host-to-gpu-bytes-per-s: 55.0e9, ...}
     time-scale: 1.0
 
-CLI flags given explicitly override the profile (``workers.cli``).
+CLI flags given explicitly override the profile (``workers.cli``); any ``--pool-*`` or ``--mooncake-*`` flag creates
+the ``kv-cache.pool`` section (backend ``sim`` unless ``--pool-backend`` says otherwise). The ``torch`` engine
+refuses a pool section (``WorkerConfig.__post_init__``).
 """
 
 from __future__ import annotations
@@ -151,6 +154,18 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rena
     """Batching limits."""
     timing: TimingProfile = msgspec.field(default_factory=TimingProfile)
     """Sim engine timing."""
+
+    def __post_init__(self) -> None:
+        """Refuse combinations no engine runs.
+
+        Raises:
+            ValueError: the ``torch`` engine with a shared pool tier (its pool copies are sim-engine only).
+        """
+        if self.engine == "torch" and self.kv_cache.pool is not None:
+            raise ValueError(
+                "the torch engine does not run shared pool copies: remove kv-cache.pool (the --pool-* and "
+                "--mooncake-* flags) or use --engine sim"
+            )
 
 
 def load_profile(path: str | Path) -> dict[str, object]:

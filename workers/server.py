@@ -7,7 +7,9 @@ Endpoints::
     POST /tokenize                                {"prompt": str | [ids]} or {"messages": [...]} -> {"tokens", "count"}
     GET  /health                                  200 while the engine loop runs
     GET  /metrics                                 Prometheus text (a registry per app)
-    GET  /load                                    JSON: running/waiting requests, KV usage, free blocks per tier,
+    GET  /load                                    JSON: running/waiting requests, KV usage, free blocks per tier
+                                                  (``MOONCAKE`` too where the pool store reports it; ``pool``:
+                                                  its used/free blocks and the blocks this worker announced),
                                                   start id (random per process start: a change means a restart)
     GET  /kv/snapshot                             the cached blocks as one KV event batch (see below)
     POST /reset_prefix_cache                      drop every cached block (409 while requests hold blocks)
@@ -20,7 +22,8 @@ SSE framing (as vLLM): each chunk is ``data: <json>\\n\\n``; the stream ends wit
 vLLM's rule ``block_size * min(hit_blocks, (prompt_tokens - 1) // block_size)`` (``workers.kv.manager``).
 
 Snapshot: the body is an ``events/encode.py`` batch (msgpack, vLLM wire shape, decodable by ``events/decode.py``)
-holding ``AllBlocksCleared`` then ``BlockStored`` runs for the GPU tier then the CPU tier, parents first. Headers:
+holding ``AllBlocksCleared`` then ``BlockStored`` runs for the GPU tier then the CPU tier, parents first: CPU blocks
+also on GPU token-less, CPU-only blocks with parent and tokens (``KVCacheManager.snapshot_events``). Headers:
 ``x-kvgate-last-seq`` is the seq of the last batch published on the live stream *before* the snapshot was taken
 (-1: none yet), ``x-kvgate-start-id`` the worker's start id. A subscriber splices: apply the snapshot, then apply
 live batches with ``seq > last_seq`` (drop those ``<= last_seq``; replay ``last_seq + 1 ..`` if it missed any).
@@ -486,19 +489,29 @@ def load_info(worker: Worker) -> dict[str, Any]:
     total = {"GPU": kv.gpu.num_blocks}
     if kv.cpu is not None:
         total["CPU"] = kv.cpu.num_blocks
-    return {
+    free = kv.free_blocks_by_medium()
+    pool: dict[str, int] | None = None
+    if kv.pool is not None:
+        pool = kv.pool.block_counts()
+        if "num_free_blocks" in pool:
+            free["MOONCAKE"] = pool["num_free_blocks"]
+            total["MOONCAKE"] = pool["num_free_blocks"] + pool["num_used_blocks"]
+    out = {
         "worker_id": worker.config.worker_id,
         "model": worker.config.model,
         "start_id": worker.start_id,
         "num_running_requests": core.scheduler.num_running,
         "num_waiting_requests": core.scheduler.num_waiting,
         "kv_usage": kv.gpu.usage,
-        "num_free_blocks": kv.free_blocks_by_medium(),
+        "num_free_blocks": free,
         "num_total_blocks": total,
         "num_gpu_cached_blocks": kv.gpu.num_cached_blocks,
         "block_size": kv.block_size,
         "last_event_seq": core.last_published_seq,
     }
+    if pool is not None:
+        out["pool"] = pool
+    return out
 
 
 async def load(request: web.Request) -> web.Response:

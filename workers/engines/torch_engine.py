@@ -99,6 +99,9 @@ class TorchEngine:
     def execute(self, step: ScheduledStep) -> StepResult:
         """Run one step (module docstring); ``duration_s`` is measured wall time."""
         start_s = time.perf_counter()
+        if step.pool_stores or step.pool_restores:
+            # their jobs would never be reported: fail the step rather than leave requests waiting forever
+            raise RuntimeError("the torch engine does not run shared pool copies (WorkerConfig refuses a pool tier)")
         for copy in step.stores:
             self._stores.append(_Job(copy.job_id, self._copy(copy, to_cpu=True)))
         for copy in step.restores:

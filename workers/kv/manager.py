@@ -33,11 +33,11 @@ from collections.abc import Sequence
 
 import msgspec
 
-from events.types import AllBlocksCleared, BlockStored, KVEvent, Medium
+from events.types import AllBlocksCleared, BlockStored, EngineBlockHash, KVEvent, Medium
 from workers.config import KVCacheConfig
 from workers.engines.base import BlockCopy
 from workers.errors import KVCacheError
-from workers.kv.block_pool import BlockMeta, BlockPool, stored_events
+from workers.kv.block_pool import BlockMeta, BlockPool, chain_order, engine_hash_of, stored_events
 from workers.kv.cpu_tier import CpuTier
 from workers.kv.hashing import BlockHash, extend_block_hashes, namespace_root, to_engine_hash
 from workers.kv.pool_tier import PoolStore, PoolTier, build_pool_store
@@ -466,26 +466,45 @@ class KVCacheManager:
         return True
 
     def snapshot_events(self) -> list[KVEvent]:
-        """The current cache as KV events: ``AllBlocksCleared``, then ``BlockStored`` runs for the GPU (parents
-        before children, with tokens), then one token-less ``BlockStored`` for the CPU tier (engine hashes, least
-        recently used first, as its live store events are). Applying them to an empty index reproduces the GPU
-        state, and the CPU state of every block the index can resolve by engine hash."""
+        """The current cache as KV events, in an order an empty gateway index resolves::
+
+            AllBlocksCleared
+            BlockStored GPU   runs of the GPU prefix index, parents before children, with tokens
+            BlockStored CPU   one token-less event: engine hashes of the CPU blocks also on GPU (resolved through
+                              the GPU stores above), least recently used first, as live store events are
+            BlockStored CPU   runs of the CPU-only blocks (evicted from GPU), parents before children, with parent
+                              and tokens from the blocks' metas, so they resolve without a GPU store
+
+        Applying them to an empty index reproduces every tier's state. A CPU-only run whose parent is on no tier
+        stays unresolved (parked by the gateway), as no lookup of the worker can reach it either.
+        """
         events: list[KVEvent] = [AllBlocksCleared()]
         events.extend(stored_events(self.gpu.cached_metas(), self.block_size, Medium.GPU))
         if self.cpu is not None and self.cpu.num_stored_blocks:
-            events.append(
-                BlockStored(
-                    block_hashes=tuple(self.cpu.stored_engine_hashes()),
-                    parent_block_hash=None,
-                    token_ids=(),
-                    block_size=self.block_size,
-                    medium=Medium.CPU,
+            on_gpu = self.gpu.get_cached_block
+            resident: list[EngineBlockHash] = []
+            cpu_only: list[BlockMeta] = []
+            for meta in self.cpu.stored_metas():
+                if on_gpu(meta.block_hash) is None:
+                    cpu_only.append(meta)
+                else:
+                    resident.append(engine_hash_of(meta))
+            if resident:
+                events.append(
+                    BlockStored(
+                        block_hashes=tuple(resident),
+                        parent_block_hash=None,
+                        token_ids=(),
+                        block_size=self.block_size,
+                        medium=Medium.CPU,
+                    )
                 )
-            )
+            events.extend(stored_events(chain_order(cpu_only), self.block_size, Medium.CPU))
         return events
 
     def free_blocks_by_medium(self) -> dict[str, int]:
-        """Free blocks per tier (GPU: ref_cnt 0, cached or not; CPU: empty slots plus unpinned entries)."""
+        """Free blocks per tier (GPU: ref_cnt 0, cached or not; CPU: empty slots plus stored entries, which are
+        evicted on demand; the shared pool's figures come from ``PoolTier.block_counts``)."""
         out = {Medium.GPU.value: self.gpu.num_free_blocks}
         if self.cpu is not None:
             out[Medium.CPU.value] = self.cpu.num_free_blocks + self.cpu.num_stored_blocks

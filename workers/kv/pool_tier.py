@@ -81,6 +81,10 @@ class PoolStore(Protocol):
         """Release the connection."""
         ...
 
+    def num_blocks(self) -> tuple[int, int] | None:
+        """``(used, capacity)`` of the whole pool in blocks, or ``None`` where the store does not say."""
+        ...
+
 
 class SimPool:
     """An in-process pool shared by the workers of one process (module docstring)."""
@@ -151,6 +155,9 @@ class SimPoolClient:
     def close(self) -> None:
         self.pool._listeners.pop(self.client_id, None)
 
+    def num_blocks(self) -> tuple[int, int] | None:
+        return len(self.pool._data), self.pool.capacity_blocks
+
 
 _SIM_POOLS: dict[str, SimPool] = {}
 
@@ -210,6 +217,9 @@ class MooncakePoolStore:
 
     def close(self) -> None:
         self._store.close()
+
+    def num_blocks(self) -> tuple[int, int] | None:
+        return None  # values of any size share Mooncake segments: no block count to report
 
 
 def build_pool_store(config: PoolConfig, on_evict: Callable[[list[str]], None] | None = None) -> PoolStore:
@@ -339,6 +349,17 @@ class PoolTier:
             n += 1
         self.num_blocks_fetched += n
         return n
+
+    def block_counts(self) -> dict[str, int]:
+        """For the load endpoint: ``num_used_blocks`` and ``num_free_blocks`` of the whole pool where the store
+        reports them, and ``num_blocks_stored_here`` (announced by this worker and not known to be evicted)."""
+        out = {"num_blocks_stored_here": len(self._stored_here)}
+        counts = self.store.num_blocks()
+        if counts is not None:
+            used, capacity = counts
+            out["num_used_blocks"] = used
+            out["num_free_blocks"] = max(0, capacity - used)
+        return out
 
     def reset(self) -> None:
         """Forget what this worker announced (the shared pool itself is not cleared by one worker)."""
