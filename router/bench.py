@@ -12,7 +12,9 @@ In front of it, each in its own process and measured in the same run with the sa
 
 The load generator runs in this process (aiohttp, ``--concurrency`` connections). CPU µs per request is the
 proxy process's user+system time (``/proc/<pid>/stat``) over the measured requests; latency p50/p99 are client
-side. Figures are printed as ratios to the baselines of the same run.
+side (each measurement after its own warm-up). ``--rounds`` interleaved rounds (the target order rotated each
+round, so drift on a shared machine hits every target) give per target the median and the best (lowest) CPU and
+its spread; figures are printed as ratios to the baselines of the same run.
 
 (b) Routing decision time for a 32,768-token chat: the request view (incremental tokenization + hashing) plus
 index match and policy select, for the first turn and for an incremental next turn.
@@ -169,6 +171,30 @@ async def _measure(pid: int | None, port: int, body: bytes, n: int, c: int) -> d
             "cpu_us": (cpu1 - cpu0) / n * 1e6 if pid else float("nan")}
 
 
+def _report(kind: str, runs: dict[str, list[dict[str, float]]], n: int, c: int, rounds: int) -> None:
+    """One table: per target the median over rounds of p50/p99 and CPU, the best (lowest) CPU and its spread
+    (max - min); ratios to the bare proxy for the medians and for the bests."""
+    def med(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[name])
+
+    def best(name: str) -> float:
+        return min(r["cpu_us"] for r in runs[name])
+
+    direct = med("direct", "p50_ms")
+    base_med, base_best = med("bare", "cpu_us"), best("bare")
+    print(f"\n{kind}, 2 KB prompt, {n} requests x {rounds} rounds, concurrency {c} (medians over rounds)")
+    print(f"{'target':8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'CPU us/req':>11} {'best':>7} {'spread':>7} "
+          f"{'/bare':>6} {'best/bare':>9}")
+    for name in runs:
+        if name == "direct":
+            print(f"{name:8} {med(name, 'p50_ms'):8.3f} {med(name, 'p99_ms'):8.3f} {0.0:8.3f}")
+            continue
+        cpus = [r["cpu_us"] for r in runs[name]]
+        print(f"{name:8} {med(name, 'p50_ms'):8.3f} {med(name, 'p99_ms'):8.3f} {med(name, 'p50_ms') - direct:8.3f} "
+              f"{med(name, 'cpu_us'):11.1f} {best(name):7.1f} {max(cpus) - min(cpus):7.1f} "
+              f"{med(name, 'cpu_us') / base_med:6.2f} {best(name) / base_best:9.2f}")
+
+
 def _free_ports(k: int) -> list[int]:
     import socket
 
@@ -181,8 +207,8 @@ def _free_ports(k: int) -> list[int]:
     return ports
 
 
-async def bench_proxy(num_requests: int, concurrency: int) -> None:
-    """Benchmark (a); prints one table per request kind."""
+async def bench_proxy(num_requests: int, concurrency: int, rounds: int = 3) -> None:
+    """Benchmark (a); prints one table per request kind (``rounds`` interleaved measurements per target)."""
     py = sys.executable
     b1, b2, bare, gate, sgl = _free_ports(5)
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -222,16 +248,14 @@ async def bench_proxy(num_requests: int, concurrency: int) -> None:
         prompt = "x" * 2000
         for kind, stream in (("non-streaming", False), ("streaming", True)):
             body = msgspec.json.encode({"model": "m", "prompt": prompt, "max_tokens": 4, "stream": stream})
-            results = {name: await _measure(pid if name != "direct" else None, port, body, num_requests,
-                                            concurrency) for name, (pid, port) in targets.items()}
-            base = results["bare"]["cpu_us"]
-            direct = results["direct"]["p50_ms"]
-            print(f"\n{kind}, 2 KB prompt, {num_requests} requests, concurrency {concurrency}")
-            print(f"{'target':8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'CPU us/req':>11} {'/bare':>6}")
-            for name, r in results.items():
-                ratio = r["cpu_us"] / base if base else float("nan")
-                print(f"{name:8} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['p50_ms'] - direct:8.3f} "
-                      f"{r['cpu_us']:11.1f} {ratio:6.2f}")
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
+            names = list(targets)
+            for r in range(rounds):  # interleaved rounds, the order rotated each round: drift hits every target
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    pid, port = targets[name]
+                    runs[name].append(await _measure(pid if name != "direct" else None, port, body, num_requests,
+                                                     concurrency))
+            _report(kind, runs, num_requests, concurrency, rounds)
     finally:
         for p in procs.values():
             p.terminate()
@@ -285,7 +309,9 @@ def main() -> None:
     parser.add_argument("--upstream", default="")
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds per target")
     parser.add_argument("--skip-proxy", action="store_true")
+    parser.add_argument("--skip-decision", action="store_true")
     args = parser.parse_args()
     import uvloop
 
@@ -294,9 +320,10 @@ def main() -> None:
     elif args.role == "bare":
         uvloop.run(_bare_proxy(int(args.ports), args.upstream))
     else:
-        bench_decision()
+        if not args.skip_decision:
+            bench_decision()
         if not args.skip_proxy:
-            uvloop.run(bench_proxy(args.requests, args.concurrency))
+            uvloop.run(bench_proxy(args.requests, args.concurrency, args.rounds))
 
 
 if __name__ == "__main__":
