@@ -3,16 +3,24 @@
 Per request:
 
 1. Candidates: healthy, not draining workers (``policies.candidates``).
-2. Score each candidate: ``TTFTCostModel.estimate_s`` with its online speed factor (``TTFTCalibrator``).
+2. Score each candidate: ``TTFTCostModel.estimate_s`` with its online speed factor (``TTFTCalibrator``), and
+   rank by that score plus the recompute penalty (below).
 3. Busy thresholds: a candidate at or over ``max_running_requests``, ``max_kv_usage`` or
    ``max_pending_prefill_tokens`` is saturated and excluded, unless every candidate is saturated (then all
    compete and the reason says so).
 4. Order the rest by the tie-break rule below; temperature 0 takes the first, otherwise a seeded softmax draw.
 
+Ranking cost: ``ttft + recompute_penalty * prefill`` where ``prefill`` is the (speed-scaled) prefill time of the
+tokens the worker lacks. With the penalty at 0 the policy is greedy on this request's TTFT; above 0 it also charges
+the work a recompute adds to the fleet: every request queued behind this one on that worker waits for the
+recomputed tokens, and a conversation moved off the worker holding its prefix loses that prefix's hit. The
+penalty applies equally to every worker for a prompt nobody holds, so it only matters when some worker has a hit.
+``Decision.scores`` stay the estimated TTFT (the calibrator compares them with observed TTFTs).
+
 Tie-break rule (deterministic): scores are compared at microsecond resolution (``round(score * 1e6)``); equal
 scores prefer more GPU-cached tokens, then fewer running requests, then configuration order.
 
-Softmax (as Dynamo's router does it): scores of the competing workers are min-max normalized to [0, 1] (all
+Softmax (as Dynamo's router does it): ranking costs of the competing workers are min-max normalized to [0, 1] (all
 equal: all 0), ``p_i = exp(-x_i / temperature) / sum_j exp(-x_j / temperature)``, one ``rng.random()`` draw.
 
 The Decision: ``scores`` holds every candidate's estimate (saturated ones too, for the admin's decision list);
@@ -102,12 +110,14 @@ class CacheAwarePolicy:
             model.overhead_s,
         )
         config = self.config
+        recompute_penalty = config.recompute_penalty
         max_running = config.max_running_requests
         max_kv_usage = config.max_kv_usage
         max_pending = config.max_pending_prefill_tokens
         has_thresholds = max_running is not None or max_kv_usage is not None or max_pending is not None
         factors = self.calibrator.log_speed_factors_view() if self.calibrator is not None else None
         scores: dict[str, float] = {}
+        costs: list[float] = []
         competing: list[tuple[int, int, int, int]] = []
         saturated: list[tuple[int, int, int, int]] = []
         for index, w in enumerate(candidates):
@@ -121,21 +131,26 @@ class CacheAwarePolicy:
             if k_pool > n - k_gpu - k_cpu:
                 k_pool = n - k_gpu - k_cpu
             k = k_gpu + k_cpu + k_pool
+            prefill = (n - k) * s_per_token + (n_sq - k * k) * s_per_token_sq
             work = (
-                (w.num_pending_prefill_tokens + n - k) * s_per_token
+                w.num_pending_prefill_tokens * s_per_token
                 + w.num_waiting_requests * per_waiting_s
                 + w.num_running_requests * per_running_s
-                + (n_sq - k * k) * s_per_token_sq
+                + prefill
                 + k_cpu * host_s_per_token
                 + k_pool * pool_s_per_token
             )
             if factors is not None:
                 log_factor = factors.get(w.worker_id)
                 if log_factor is not None:
-                    work *= math.exp(log_factor)
+                    factor = math.exp(log_factor)
+                    work *= factor
+                    prefill *= factor
             score = overhead_s + work
             scores[w.worker_id] = score
-            key = (round(score * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, w.num_running_requests, index)
+            cost = score + recompute_penalty * prefill
+            costs.append(cost)
+            key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, w.num_running_requests, index)
             if has_thresholds and (
                 (max_running is not None and w.num_running_requests >= max_running)
                 or (max_kv_usage is not None and w.kv_usage >= max_kv_usage)
@@ -151,7 +166,7 @@ class CacheAwarePolicy:
         ranked = [candidates[key[3]] for key in competing]
         reason = "min_ttft"
         if self.config.temperature > 0.0 and len(ranked) > 1:
-            pick = self._softmax_index([scores[w.worker_id] for w in ranked])
+            pick = self._softmax_index([costs[key[3]] for key in competing])
             ranked.insert(0, ranked.pop(pick))
             reason = "softmax"
         chosen = ranked[0]

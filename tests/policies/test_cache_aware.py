@@ -288,3 +288,20 @@ def test_is_saturated_agrees_with_select(fields, saturated):
     assert p.is_saturated(worker) is saturated
     decision = p.select(make_view(16_384), make_snapshot(worker, make_worker("w1")))
     assert decision.worker_id == ("w1" if saturated else "w0")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("recompute_penalty", "worker_id"), [(0.0, "w1"), (1.0, "w0")])
+def test_recompute_penalty_keeps_a_busy_holder_that_greedy_ttft_would_leave(recompute_penalty, worker_id):
+    # w0 holds 12,288 of 16,384 tokens but has 20,000 tokens queued; w1 is idle and holds nothing.
+    # TTFT: w0 0.6536 s, w1 0.5228 s (greedy picks w1). Ranking cost with penalty 1 adds each one's own prefill:
+    # w0 0.6536 + 0.1506 = 0.8042, w1 0.5228 + 0.5198 = 1.0426 (w0 keeps its conversation).
+    workers = (
+        make_worker("w0", num_gpu_cached_tokens=12_288, num_pending_prefill_tokens=20_000),
+        make_worker("w1"),
+    )
+    decision = policy(recompute_penalty=recompute_penalty).select(make_view(16_384), make_snapshot(*workers))
+    assert decision.worker_id == worker_id
+    assert decision.scores["w0"] == pytest.approx(expected_ttft_s(16_384, k_gpu=12_288, pending=20_000))
+    assert decision.scores["w1"] == pytest.approx(expected_ttft_s(16_384))
+    assert decision.scores["w0"] > decision.scores["w1"]
