@@ -21,6 +21,7 @@ with the body exactly as sent. Every error is an OpenAI-style JSON body (``route
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import os
@@ -362,8 +363,7 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
                                      max_inflight_per_worker=per_worker)
         gw.metrics.decision_s.observe(time.perf_counter() - t0)
         out = await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream, request_id=request_id,
-                                     policy_name=policy_name)
-        gw.metrics.worker(plan.decision.worker_id or "").duration_s(policy_name).observe(time.perf_counter() - t0)
+                                     policy_name=policy_name, received_at=t0)
         return out
     except GatewayError as exc:
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
@@ -435,6 +435,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         from router.discovery import run_discovery
 
         tasks.append(asyncio.create_task(run_discovery(gw.config, gw.fleet), name="discovery"))
+    # Everything built so far (modules, config, tokenizer tables, the app) lives as long as the process: move it
+    # out of the collector's generations so a full collection no longer walks it on the request path.
+    gc.freeze()
     try:
         yield
     finally:

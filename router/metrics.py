@@ -1,8 +1,11 @@
 """Prometheus metrics of the gateway, in a per-app ``CollectorRegistry`` (no process-global state).
 
-Counters and histograms updated on the request path live in ``GatewayMetrics``; figures owned by other
-components (index size, event counters, sessions, circuit states) are read at scrape time through callbacks
-registered with ``add_callback`` so the request path never pays for them.
+The request path's series (requests, durations, TTFT, decision time, honesty, in flight) are plain numbers per
+worker (``WorkerMetrics``, ``HistogramCounts``: an update is an integer add, no lock, no label lookup) turned into
+metric families at scrape time; only the rare ones (rejections, retries) are ``prometheus_client`` counters.
+Figures owned by other components (index size, event counters, sessions, circuit states) are read at scrape time
+through callbacks registered with ``add_callback`` so the request path never pays for them. Everything runs on the
+event loop thread.
 
 Series (all prefixed ``kvgate_``)::
 
@@ -26,10 +29,11 @@ Series (all prefixed ``kvgate_``)::
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
@@ -71,117 +75,158 @@ class _CallbackCollector(Collector):
         return iter(())
 
 
-class WorkerMetrics:
-    """The labelled children of one worker's request-path series, resolved once (``labels()`` is a locked dict
-    lookup with label validation: too slow to repeat several times per request).
+class HistogramCounts:
+    """A Prometheus-style histogram kept as plain counts (exported at scrape time).
 
-    Attributes:
-        inflight: ``inflight_requests{worker}``.
-        ttft_s: ``ttft_seconds{worker}``.
-        predicted_cached_tokens: ``predicted_cached_tokens_total{worker}``.
-        reported_cached_tokens: ``reported_cached_tokens_total{worker}``.
-        checks_match: ``cached_tokens_checks_total{worker,result="match"}``.
-        checks_mismatch: ``cached_tokens_checks_total{worker,result="mismatch"}``.
+    ``counts[i]`` is the number of observations in ``(bounds[i - 1], bounds[i]]``; the last item counts those above
+    every bound (``+Inf``). Times are in seconds.
     """
 
-    __slots__ = ("_metrics", "worker_id", "inflight", "ttft_s", "predicted_cached_tokens", "reported_cached_tokens",
-                 "checks_match", "checks_mismatch", "_by_policy")
+    __slots__ = ("bounds", "counts", "sum", "_les")
 
-    def __init__(self, metrics: GatewayMetrics, worker_id: str) -> None:
-        self._metrics = metrics
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self._les = [repr(float(b)) for b in bounds] + ["+Inf"]
+
+    def observe(self, value: float) -> None:
+        """Count one observation."""
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative ``(le, count)`` pairs, ``+Inf`` last."""
+        out: list[tuple[str, float]] = []
+        total = 0
+        for le, n in zip(self._les, self.counts, strict=True):
+            total += n
+            out.append((le, float(total)))
+        return out
+
+
+class WorkerMetrics:
+    """One worker's request-path series as plain numbers, exported at scrape time (a ``prometheus_client`` child
+    costs a lock and label checks per update: too much for several updates per request).
+
+    Attributes:
+        worker_id: the worker.
+        num_inflight: ``inflight_requests{worker}``.
+        ttft_s: ``ttft_seconds{worker}``.
+        num_predicted_cached_tokens: ``predicted_cached_tokens_total{worker}``.
+        num_reported_cached_tokens: ``reported_cached_tokens_total{worker}``.
+        num_checks_match: ``cached_tokens_checks_total{worker,result="match"}``.
+        num_checks_mismatch: ``cached_tokens_checks_total{worker,result="mismatch"}``.
+        num_requests: ``requests_total{worker,policy,status}`` keyed by ``(policy, status)``.
+        duration_s: ``request_duration_seconds{worker,policy}`` keyed by policy.
+    """
+
+    __slots__ = ("worker_id", "num_inflight", "ttft_s", "num_predicted_cached_tokens", "num_reported_cached_tokens",
+                 "num_checks_match", "num_checks_mismatch", "num_requests", "duration_s")
+
+    def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
-        self.inflight = metrics.inflight_requests.labels(worker_id)
-        self.ttft_s = metrics.ttft_s.labels(worker_id)
-        self.predicted_cached_tokens = metrics.predicted_cached_tokens_total.labels(worker_id)
-        self.reported_cached_tokens = metrics.reported_cached_tokens_total.labels(worker_id)
-        self.checks_match = metrics.cached_tokens_checks_total.labels(worker_id, "match")
-        self.checks_mismatch = metrics.cached_tokens_checks_total.labels(worker_id, "mismatch")
-        self._by_policy: dict[str, Histogram] = {}
+        self.num_inflight = 0
+        self.ttft_s = HistogramCounts(LATENCY_BUCKETS_S)
+        self.num_predicted_cached_tokens = 0
+        self.num_reported_cached_tokens = 0
+        self.num_checks_match = 0
+        self.num_checks_mismatch = 0
+        self.num_requests: dict[tuple[str, int], int] = {}
+        self.duration_s: dict[str, HistogramCounts] = {}
 
-    def duration_s(self, policy: str) -> Histogram:
-        """``request_duration_seconds{worker,policy}``."""
-        child = self._by_policy.get(policy)
-        if child is None:
-            child = self._by_policy[policy] = self._metrics.request_duration_s.labels(self.worker_id, policy)
-        return child
+    def count_request(self, policy: str, status: int, duration_s: float) -> None:
+        """One finished request: ``requests_total`` and ``request_duration_seconds``."""
+        key = (policy, status)
+        requests = self.num_requests
+        requests[key] = requests.get(key, 0) + 1
+        hist = self.duration_s.get(policy)
+        if hist is None:
+            hist = self.duration_s[policy] = HistogramCounts(LATENCY_BUCKETS_S)
+        hist.observe(duration_s)
 
-    def requests(self, policy: str, status: int) -> Counter:
-        """``requests_total{worker,policy,status}``."""
-        return self._metrics.requests_child(self.worker_id, policy, status)
+
+class _RequestPathCollector(Collector):
+    """Exports every ``WorkerMetrics`` and the decision-time histogram."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        workers = list(m.workers.values())
+        requests = CounterMetricFamily("kvgate_requests", "Proxied requests by final status.",
+                                       labels=["worker", "policy", "status"])
+        duration = HistogramMetricFamily("kvgate_request_duration_seconds",
+                                         "Gateway receive to last byte sent, seconds.", labels=["worker", "policy"])
+        ttft = HistogramMetricFamily("kvgate_ttft_seconds",
+                                     "Time to first token seen by the gateway (streaming), seconds.", labels=["worker"])
+        predicted = CounterMetricFamily("kvgate_predicted_cached_tokens",
+                                        "Cached prompt tokens predicted on the chosen worker.", labels=["worker"])
+        reported = CounterMetricFamily("kvgate_reported_cached_tokens",
+                                       "Cached prompt tokens the worker reported in usage.", labels=["worker"])
+        checks = CounterMetricFamily("kvgate_cached_tokens_checks",
+                                     "Honesty checks: predicted vs reported cached tokens.",
+                                     labels=["worker", "result"])
+        inflight = GaugeMetricFamily("kvgate_inflight_requests", "Requests in flight through this gateway.",
+                                     labels=["worker"])
+        for w in workers:
+            wid = w.worker_id
+            for (policy, status), n in list(w.num_requests.items()):
+                requests.add_metric([wid, policy, str(status)], float(n))
+            for policy, hist in list(w.duration_s.items()):
+                duration.add_metric([wid, policy], hist.buckets(), hist.sum)
+            ttft.add_metric([wid], w.ttft_s.buckets(), w.ttft_s.sum)
+            predicted.add_metric([wid], float(w.num_predicted_cached_tokens))
+            reported.add_metric([wid], float(w.num_reported_cached_tokens))
+            checks.add_metric([wid, "match"], float(w.num_checks_match))
+            checks.add_metric([wid, "mismatch"], float(w.num_checks_mismatch))
+            inflight.add_metric([wid], float(w.num_inflight))
+        decision = HistogramMetricFamily("kvgate_decision_seconds",
+                                         "Routing decision time (view, sessions, policy), seconds.")
+        decision.add_metric([], m.decision_s.buckets(), m.decision_s.sum)
+        yield from (requests, duration, ttft, decision, predicted, reported, checks, inflight)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
 
 
 class GatewayMetrics:
-    """Every metric of one gateway app, registered in its own registry."""
+    """Every metric of one gateway app, registered in its own registry.
+
+    Attributes:
+        workers: per worker id, its request-path series (``worker()`` creates them).
+        decision_s: ``decision_seconds``.
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests_total = Counter(
-            "kvgate_requests", "Proxied requests by final status.", ["worker", "policy", "status"], registry=r
-        )
-        self.request_duration_s = Histogram(
-            "kvgate_request_duration_seconds", "Gateway receive to last byte sent, seconds.", ["worker", "policy"],
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )
-        self.ttft_s = Histogram(
-            "kvgate_ttft_seconds", "Time to first token seen by the gateway (streaming), seconds.", ["worker"],
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )
-        self.decision_s = Histogram(
-            "kvgate_decision_seconds", "Routing decision time (view, sessions, policy), seconds.",
-            buckets=DECISION_BUCKETS_S, registry=r,
-        )
         self.rejected_total = Counter(
             "kvgate_rejected", "Requests refused before routing, by reason.", ["reason"], registry=r
         )
         self.retries_total = Counter(
             "kvgate_retries", "Attempts abandoned before the first byte and retried.", ["worker", "reason"], registry=r
         )
-        self.predicted_cached_tokens_total = Counter(
-            "kvgate_predicted_cached_tokens", "Cached prompt tokens predicted on the chosen worker.", ["worker"],
-            registry=r,
-        )
-        self.reported_cached_tokens_total = Counter(
-            "kvgate_reported_cached_tokens", "Cached prompt tokens the worker reported in usage.", ["worker"],
-            registry=r,
-        )
-        self.cached_tokens_checks_total = Counter(
-            "kvgate_cached_tokens_checks", "Honesty checks: predicted vs reported cached tokens.",
-            ["worker", "result"], registry=r,
-        )
-        self.inflight_requests = Gauge(
-            "kvgate_inflight_requests", "Requests in flight through this gateway.", ["worker"], registry=r
-        )
         self.admission_queue_depth = Gauge(
             "kvgate_admission_queue_depth", "Requests waiting for admission.", registry=r
         )
+        self.workers: dict[str, WorkerMetrics] = {}
+        self.decision_s = HistogramCounts(DECISION_BUCKETS_S)
+        r.register(_RequestPathCollector(self))
         self._callbacks = _CallbackCollector()
         r.register(self._callbacks)
-        self._workers: dict[str, WorkerMetrics] = {}
-        self._requests: dict[tuple[str, str, int], Counter] = {}
 
     def worker(self, worker_id: str) -> WorkerMetrics:
-        """The worker's cached series children (created on first use; ``forget_worker`` drops them)."""
-        wm = self._workers.get(worker_id)
+        """The worker's request-path series (created on first use)."""
+        wm = self.workers.get(worker_id)
         if wm is None:
-            wm = self._workers[worker_id] = WorkerMetrics(self, worker_id)
+            wm = self.workers[worker_id] = WorkerMetrics(worker_id)
         return wm
 
-    def requests_child(self, worker_id: str, policy: str, status: int) -> Counter:
-        """``requests_total{worker,policy,status}``, cached per label tuple."""
-        key = (worker_id, policy, status)
-        child = self._requests.get(key)
-        if child is None:
-            if len(self._requests) > 65536:
-                self._requests.clear()
-            child = self._requests[key] = self.requests_total.labels(worker_id, policy, str(status))
-        return child
-
     def forget_worker(self, worker_id: str) -> None:
-        """Drop the cached children of a removed worker (its series stay in the registry)."""
-        self._workers.pop(worker_id, None)
-        for key in [k for k in self._requests if k[0] == worker_id]:
-            del self._requests[key]
+        """Drop a removed worker's series."""
+        self.workers.pop(worker_id, None)
 
     def add_callback(self, callback: Callable[[], Iterable[MetricSample]]) -> None:
         """Register a scrape-time source of samples (index, events, sessions, fleet)."""
@@ -190,11 +235,12 @@ class GatewayMetrics:
     def record_honesty(self, worker_id: str, predicted: int, reported: int) -> None:
         """Record one predicted-vs-reported pair of cached prompt tokens."""
         wm = self.worker(worker_id)
-        if predicted:
-            wm.predicted_cached_tokens.inc(predicted)
-        if reported:
-            wm.reported_cached_tokens.inc(reported)
-        (wm.checks_match if predicted == reported else wm.checks_mismatch).inc()
+        wm.num_predicted_cached_tokens += predicted
+        wm.num_reported_cached_tokens += reported
+        if predicted == reported:
+            wm.num_checks_match += 1
+        else:
+            wm.num_checks_mismatch += 1
 
     def render(self) -> bytes:
         """The text exposition format of every series."""

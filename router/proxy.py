@@ -119,9 +119,12 @@ class Proxy:
 
     async def forward(
         self, request: web.Request, body: bytes, plan: RoutePlan, *, is_stream: bool, request_id: str,
-        policy_name: str,
+        policy_name: str, received_at: float | None = None,
     ) -> web.StreamResponse:
         """Send ``body`` to the plan's workers (best first, retrying before the first byte) and relay the answer.
+
+        The served request is counted for the worker that answered (``requests_total``, and
+        ``request_duration_seconds`` from ``received_at``, a ``time.perf_counter()`` reading, else from now).
 
         Raises:
             UpstreamError: every attempt failed before the first byte (502; 504 if the last one timed out).
@@ -145,7 +148,7 @@ class Proxy:
             wm = self._metrics.worker(worker.worker_id)
             worker.num_inflight_requests += 1
             worker.num_pending_prefill_tokens += uncached
-            wm.inflight.inc()
+            wm.num_inflight += 1
             is_relayed = False
             resp: UpstreamResponse | None = None
             try:
@@ -180,13 +183,14 @@ class Proxy:
                     out = await self._relay_stream(request, resp, extra, worker, plan, sent_at, uncached)
                 else:
                     out = await self._relay_body(request, resp, extra, worker, plan, sent_at, uncached)
-                wm.requests(policy_name, out.status).inc()
+                wm.count_request(policy_name, out.status,
+                                 time.perf_counter() - (received_at if received_at is not None else sent_at))
                 return out
             finally:
                 if resp is not None:
                     resp.release()
                 worker.num_inflight_requests -= 1
-                wm.inflight.dec()
+                wm.num_inflight -= 1
                 if not is_relayed:
                     # Abandoned before the relay (failure, retry, or cancellation): undo the pending prefill.
                     worker.num_pending_prefill_tokens -= uncached
