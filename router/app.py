@@ -21,7 +21,6 @@ with the body exactly as sent. Every error is an OpenAI-style JSON body (``route
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import logging
 import os
@@ -435,9 +434,6 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         from router.discovery import run_discovery
 
         tasks.append(asyncio.create_task(run_discovery(gw.config, gw.fleet), name="discovery"))
-    # Everything built so far (modules, config, tokenizer tables, the app) lives as long as the process: move it
-    # out of the collector's generations so a full collection no longer walks it on the request path.
-    gc.freeze()
     try:
         yield
     finally:

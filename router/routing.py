@@ -222,7 +222,12 @@ class Router:
             session_key=session_key,
         )
         snapshot = Snapshot(workers=states, now_s=now_s)
-        forced = next((headers[h] for h in FORCE_WORKER_HEADERS if h in headers), None)
+        forced = None
+        if headers:
+            for name in FORCE_WORKER_HEADERS:
+                forced = headers.get(name)
+                if forced is not None:
+                    break
         holder = self.holder
         if forced is not None:
             if forced not in {w.worker_id for w in candidates}:
@@ -247,9 +252,12 @@ class Router:
         if decision.worker_id is None:
             raise NoWorkerError(f"no worker available for model {parsed.model!r}: {decision.reason}",
                                 reason=decision.reason)
-        by_id = {w.worker_id: w for w in candidates}
-        chosen = by_id[decision.worker_id]
-        order = [chosen] + [by_id[w] for w in decision.ranking if w != decision.worker_id and w in by_id]
+        chosen_id = decision.worker_id
+        chosen = next(w for w in candidates if w.worker_id == chosen_id)
+        order = [chosen]
+        if len(decision.ranking) > 1:
+            by_id = {w.worker_id: w for w in candidates}
+            order += [by_id[w] for w in decision.ranking if w != chosen_id and w in by_id]
         predicted = {s.worker_id: s.num_cached_tokens for s in states}
         index = self._indexes.get(model.name) if view.block_hashes else None
         if index is not None:
