@@ -7,7 +7,8 @@ killed with its group at the end (or when a test kills it on purpose).
 Fleet shared by the module (``fleet`` fixture), started once because a vLLM start takes about a minute on 2 cores::
 
     client ──HTTP──> gateway (kvgate serve, session_sticky{cache_aware}, events.bind_endpoint = tcp://127.0.0.1:B)
-                        │  SUB connects to tcp://127.0.0.1:P ──────────> vllm-a  (PUB binds tcp://*:P)
+                        │  SUB connects to tcp://127.0.0.1:P ──────────> vllm-a  (PUB binds tcp://*:P,
+                        │  DEALER connects to tcp://127.0.0.1:R ───────>          replay ROUTER binds tcp://*:R)
                         │  SUB binds tcp://127.0.0.1:B  <── connects ─── vllm-b  (PUB topic kv@vllm-b@tiny)
                         └─HTTP──> both, block size 32, 24 KV blocks each (768 tokens: evictions happen)
 """
@@ -157,6 +158,8 @@ class VllmWorker:
     """Where vLLM's PUB goes: ``tcp://*:P`` binds, ``tcp://127.0.0.1:P`` connects."""
     topic: str
     log_dir: Path
+    replay_endpoint: str | None = None
+    """vLLM's replay ROUTER (always bound), e.g. ``tcp://*:P``, or ``None``."""
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     num_gpu_blocks: int = NUM_GPU_BLOCKS
@@ -168,7 +171,7 @@ class VllmWorker:
 
     def argv(self) -> list[str]:
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events_endpoint,
-                  "topic": self.topic}
+                  "replay_endpoint": self.replay_endpoint, "topic": self.topic}
         return [
             str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
             "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL_NAME,
@@ -308,7 +311,7 @@ def gateway_config(port: int, bind_endpoint: str, workers: list[dict[str, object
 
 
 def worker_entry(worker_id: str, url: str, *, events_endpoint: str | None, topology: str,
-                 pools: tuple[str, ...] = ()) -> dict[str, object]:
+                 replay_endpoint: str | None = None, pools: tuple[str, ...] = ()) -> dict[str, object]:
     """One ``workers[]`` entry for a vLLM worker: no load or snapshot endpoint (vLLM has neither)."""
     entry: dict[str, object] = {
         "id": worker_id, "url": url, "model": MODEL_NAME, "topology": topology,
@@ -316,6 +319,8 @@ def worker_entry(worker_id: str, url: str, *, events_endpoint: str | None, topol
     }
     if events_endpoint is not None:
         entry["events_endpoint"] = events_endpoint
+    if replay_endpoint is not None:
+        entry["replay_endpoint"] = replay_endpoint
     if pools:
         entry["pools"] = list(pools)
     return entry
@@ -350,11 +355,13 @@ def interop_ready() -> None:
 def fleet(interop_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Start vllm-a (PUB binds, gateway connects) and vllm-b (PUB connects to the gateway's SUB) and the gateway."""
     log_dir = tmp_path_factory.mktemp("interop")
-    bind_port, a_events_port = free_port(), free_port()
-    a = VllmWorker("vllm-a", free_port(), f"tcp://*:{a_events_port}", "kv-events", log_dir)
+    bind_port, a_events_port, a_replay_port = free_port(), free_port(), free_port()
+    a = VllmWorker("vllm-a", free_port(), f"tcp://*:{a_events_port}", "kv-events", log_dir,
+                   replay_endpoint=f"tcp://*:{a_replay_port}")
     b = VllmWorker("vllm-b", free_port(), f"tcp://127.0.0.1:{bind_port}", f"kv@vllm-b@{MODEL_NAME}", log_dir)
     workers = [
-        worker_entry(a.worker_id, a.url, events_endpoint=f"tcp://127.0.0.1:{a_events_port}", topology="connect"),
+        worker_entry(a.worker_id, a.url, events_endpoint=f"tcp://127.0.0.1:{a_events_port}", topology="connect",
+                     replay_endpoint=f"tcp://127.0.0.1:{a_replay_port}"),
         worker_entry(b.worker_id, b.url, events_endpoint=None, topology="bind"),
     ]
     policy: dict[str, object] = {

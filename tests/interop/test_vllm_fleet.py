@@ -240,6 +240,22 @@ def test_openai_client_through_the_gateway(fleet: Fleet) -> None:
     assert last.prompt_tokens_details.cached_tokens == cacheable_tokens(last.prompt_tokens, 99)
 
 
+def test_cache_salt_separates_tenants(fleet: Fleet) -> None:
+    """vLLM hashes ``cache_salt`` into a prompt's first block (its events carry it in ``extra_keys``); the gateway
+    puts it in the request's namespace: a salted prefix is a hit only for the same salt, on both sides."""
+    gw = fleet.gateway
+    prompt = token_ids(90, 150)
+    first = send(gw, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-a"})
+    same = send(gw, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-a"})
+    other = send(gw, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-b"},
+                 {"x-kvgate-worker": first.worker_id})
+    unsalted = send(gw, "/v1/completions", {"prompt": prompt, "max_tokens": 1}, {"x-kvgate-worker": first.worker_id})
+    assert (first.predicted, first.reported) == (0, 0)
+    assert (same.worker_id, same.predicted, same.reported) == (first.worker_id, 128, 128)
+    assert (other.predicted, other.reported) == (0, 0)
+    assert (unsalted.predicted, unsalted.reported) == (0, 0)
+
+
 def test_worker_killed_mid_stream_then_restarted(fleet: Fleet) -> None:
     """Kill the session's worker mid-stream: the client gets an error, the session moves; the restarted worker's
     sequence restart is detected and its stale index entries are cleared."""
@@ -275,11 +291,31 @@ def test_worker_killed_mid_stream_then_restarted(fleet: Fleet) -> None:
     assert moved.worker_id == "vllm-b" and moved.predicted == moved.reported
     again = send(gw, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}, session)
     assert again.worker_id == "vllm-b" and again.reported == again.predicted > 0
+    sessions = httpx.get(gw.url + "/admin/sessions").json()["sessions"]
+    owners = [e["worker_id"] for e in sessions if e["session_key"].endswith(":interop-session-1")]
+    assert owners == ["vllm-b"]  # stored as "<source>:<value>"
 
-    # The restarted vLLM publishes from seq 0 again: the gateway must drop everything it knew about vllm-a.
+    # The restarted vLLM publishes from seq 0 again: the gateway asks vLLM's replay ROUTER whether it still follows
+    # the same publisher, sees it does not, and drops everything it knew about vllm-a.
+    num_replay_requests = gw.stream_counter("num_replay_requests")
     assert fleet.restart("vllm-a") == 1
+    assert gw.stream_counter("num_replay_requests") > num_replay_requests
     assert sum_metric(gw.metrics_text(), "kvgate_index_events_total", 'counter="num_resyncs"') == resyncs_before + 1
     wait_events_settled(gw)
     assert gw.index_blocks("vllm-a") == 64 // BLOCK_SIZE  # only the probe prompt that carried the restart
     after = send(gw, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}, {"x-kvgate-worker": "vllm-a"})
     assert after.predicted == after.reported == 0
+
+
+def test_no_mismatch_over_the_whole_module(fleet: Fleet) -> None:
+    """The gateway's own honesty metric over every request of this module that vLLM answered with usage."""
+    text = fleet.gateway.metrics_text()
+    num_matches = sum_metric(text, "kvgate_cached_tokens_checks_total", 'result="match"')
+    num_mismatches = sum_metric(text, "kvgate_cached_tokens_checks_total", 'result="mismatch"')
+    predicted = sum_metric(text, "kvgate_predicted_cached_tokens_total")
+    reported = sum_metric(text, "kvgate_reported_cached_tokens_total")
+    print(f"gateway honesty: {num_matches:.0f} matches, {num_mismatches:.0f} mismatches, "
+          f"{predicted:.0f} tokens predicted, {reported:.0f} reported")
+    assert num_mismatches == 0
+    assert num_matches >= 36  # the module's own requests with usage; the fixture's probes add a few
+    assert predicted == reported > 0
