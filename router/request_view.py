@@ -140,7 +140,7 @@ def parse_request(kind: RequestKind, body: bytes) -> ParsedRequest:
         return _from_completion(completion)
     except msgspec.ValidationError as exc:
         text = str(exc)
-        if text.startswith("Expected `object`"):
+        if text.startswith("Expected `object`") and "- at `$." not in text:
             raise InvalidJSONError("the request body must be a JSON object") from exc
         raise InvalidFieldError(text, param=_field_of(text)) from exc
     except msgspec.DecodeError as exc:
@@ -192,15 +192,14 @@ def _from_completion(body: _CompletionBody) -> ParsedRequest:
     else:
         if not raw:
             raise InvalidFieldError("'prompt' must not be empty", param="prompt")
-        if len(raw) == 1 and isinstance(raw[0], str | list):
-            raw = [raw[0]] if isinstance(raw[0], str) else raw[0]
-            if isinstance(raw[0], str):
-                if not raw[0]:
-                    raise InvalidFieldError("'prompt' must not be empty", param="prompt")
-                prompt = raw[0]
-                _check_max_tokens(body.max_tokens, "max_tokens")
-                return ParsedRequest("completions", body.model, body.stream, body.max_tokens, body.user,
-                                     body.cache_salt, prompt=prompt)
+        if len(raw) == 1 and isinstance(raw[0], str):
+            if not raw[0]:
+                raise InvalidFieldError("'prompt' must not be empty", param="prompt")
+            _check_max_tokens(body.max_tokens, "max_tokens")
+            return ParsedRequest("completions", body.model, body.stream, body.max_tokens, body.user,
+                                 body.cache_salt, prompt=raw[0])
+        if len(raw) == 1 and isinstance(raw[0], list):
+            raw = raw[0]  # one prompt of token ids; its items are checked below
         if not raw or not all(type(t) is int and t >= 0 for t in raw):
             raise InvalidFieldError(
                 "'prompt' must be a string, an array of token ids, or an array with one of those", param="prompt"
