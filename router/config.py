@@ -14,6 +14,7 @@ import logging
 import os
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 import yaml
@@ -151,6 +152,13 @@ class WorkerConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
             raise ValueError("id must not be empty")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        try:
+            parts = urlsplit(self.url)
+            parts.port  # noqa: B018  (parsing the port raises ValueError for a non-numeric one)
+        except ValueError as exc:
+            raise ValueError(f"url {self.url!r} does not parse: {exc}") from exc
+        if not parts.hostname:
+            raise ValueError(f"url {self.url!r} names no host")
         _positive("dp_ranks", self.dp_ranks)
         if self.block_size is not None:
             _positive("block_size", self.block_size)

@@ -39,6 +39,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
+from events.errors import EventsConfigError
 from events.types import EventBatch
 from policies.base import WorkerState
 from router.config import CircuitBreakerConfig, GatewayConfig, WorkerConfig
@@ -314,7 +315,7 @@ class Fleet:
         """Register a worker, start its event subscription and its warm-up.
 
         Raises:
-            ConfigError: duplicate id or unknown model.
+            ConfigError: duplicate id, unknown model, or an events endpoint that cannot be connected.
         """
         if config.id in self.workers:
             raise ConfigError(f"worker: id {config.id!r} already exists")
@@ -325,7 +326,13 @@ class Fleet:
         worker = WorkerRuntime(config, self._block_size(config), self._config.circuit_breaker)
         self.workers[config.id] = worker
         self._reindex()
-        await self._hooks.on_worker_added(worker)
+        try:
+            await self._hooks.on_worker_added(worker)
+        except EventsConfigError as exc:  # e.g. an events endpoint ZMQ refuses: undo, leave nothing behind
+            del self.workers[config.id]
+            self._reindex()
+            await self._hooks.on_worker_removed(worker)
+            raise ConfigError(f"worker: {exc}") from exc
         if config.has_events:
             self.start_warmup(worker)
         logger.info("worker %s added (%s, model %s)", config.id, config.url, config.model)
