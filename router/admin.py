@@ -23,6 +23,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 
 import msgspec
 from aiohttp import web
@@ -30,6 +31,7 @@ from aiohttp import web
 from policies import PolicyError, build_policy, decode_policy_config, encode_policy_config
 from router.config import decode_worker
 from router.errors import AuthError, ConfigError, GatewayError, InvalidJSONError, NotFoundError
+from router.index import UnknownWorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -149,13 +151,15 @@ async def clear_index(request: web.Request) -> web.StreamResponse:
         worker = gw.fleet.get(str(worker_id))
         index = gw.index_for(worker)
         if index is not None:
-            index.clear_worker(worker.worker_id)
+            with suppress(UnknownWorkerError):  # nothing indexed for it yet: nothing to clear
+                index.clear_worker(worker.worker_id)
         return _json({"cleared": [worker.worker_id]})
     cleared = []
     for worker in gw.fleet.workers.values():
         index = gw.index_for(worker)
         if index is not None:
-            index.clear_worker(worker.worker_id)
+            with suppress(UnknownWorkerError):
+                index.clear_worker(worker.worker_id)
             cleared.append(worker.worker_id)
     return _json({"cleared": cleared})
 
