@@ -40,6 +40,8 @@ from router.errors import (
     BodyTooLargeError,
     GatewayError,
     InvalidFieldError,
+    MethodNotAllowedError,
+    NotFoundError,
     OverloadedError,
     UnknownModelError,
 )
@@ -313,6 +315,28 @@ def error_response(exc: GatewayError) -> web.Response:
     return web.Response(status=exc.status, body=body, content_type="application/json", headers=headers)
 
 
+def _add_json_fallbacks(app: web.Application) -> None:
+    """OpenAI-style JSON errors instead of aiohttp's plain-text ones: 405 (with ``Allow``) for a known path called
+    with another method, 404 for any other path. Added after every route, so a matching route always wins."""
+    for resource in list(app.router.resources()):
+        if not isinstance(resource, web.Resource):
+            continue
+        allowed = sorted({route.method for route in resource})
+
+        async def not_allowed(request: web.Request, allowed: list[str] = allowed) -> web.StreamResponse:
+            response = error_response(MethodNotAllowedError(
+                f"{request.method} is not allowed on {request.path}; allowed: {', '.join(allowed)}"))
+            response.headers["Allow"] = ", ".join(allowed)
+            return response
+
+        resource.add_route("*", not_allowed)
+
+    async def not_found(request: web.Request) -> web.StreamResponse:
+        return error_response(NotFoundError(f"no route {request.method} {request.path}"))
+
+    app.router.add_route("*", "/{path:.*}", not_found)
+
+
 def _headers_of(request: web.Request) -> dict[str, str]:
     """Lower-cased routing-relevant headers (session and force-worker headers)."""
     out: dict[str, str] = {}
@@ -493,5 +517,6 @@ def build_app(
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     add_admin_routes(app, admin_token)
+    _add_json_fallbacks(app)
     app.cleanup_ctx.append(_lifecycle)
     return app

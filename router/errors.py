@@ -9,7 +9,8 @@ Every error a client can see maps to one OpenAI-style error body (``{"error": {"
     │   ├── InvalidJSONError          body is not JSON, or not a JSON object
     │   ├── InvalidFieldError         a field has the wrong type or value (``param`` names it)
     │   ├── BodyTooLargeError (413)   body over ``limits.max_body_bytes``
-    │   └── UnknownModelError (404)   no worker serves the requested model
+    │   ├── UnknownModelError (404)   no worker serves the requested model
+    │   └── MethodNotAllowedError (405)  a route called with a method it does not take
     ├── AuthError (401)               admin call without the right bearer token
     ├── NotFoundError (404)           admin call naming an unknown worker or session
     ├── OverloadedError (429)         admission queue full or queue wait timed out (carries ``retry_after_s``)
@@ -69,6 +70,12 @@ class UnknownModelError(RequestError):
 
     status = 404
     error_type = "not_found_error"
+
+
+class MethodNotAllowedError(RequestError):
+    """The path exists but does not take the request's method."""
+
+    status = 405
 
 
 class AuthError(GatewayError):
