@@ -382,27 +382,35 @@ async def _stream_response(
             payload["usage"] = None
         return b"data: " + enc(payload) + b"\n\n"
 
-    if is_chat:
-        await resp.write(chunk("", None, role=True))
-    while True:
-        out = await stream.queue.get()
-        done = out.finish_reason is not None
-        text = detok.add(out.new_token_ids, done)
-        if detok.stopped and not done:
-            worker.core.finish_request(rid, "stop")
-            done, out.finish_reason = True, "stop"
-        if text and not done:
-            await resp.write(chunk(text, None))
-        if done:
-            if text:
+    # As vLLM does, the chat role chunk goes out with the first output (after prefill), so TTFT measured on a
+    # streamed chat is the time to the first generated token.
+    is_role_pending = is_chat
+    try:
+        while True:
+            out = await stream.queue.get()
+            if is_role_pending:
+                await resp.write(chunk("", None, role=True))
+                is_role_pending = False
+            done = out.finish_reason is not None
+            text = detok.add(out.new_token_ids, done)
+            if detok.stopped and not done:
+                worker.core.finish_request(rid, "stop")
+                done, out.finish_reason = True, "stop"
+            if text and not done:
                 await resp.write(chunk(text, None))
-            await resp.write(chunk(None if is_chat else "", out.finish_reason))
-            _record(worker, req, out.finish_reason or "stop")
-            break
-    if include_usage:
-        await resp.write(b"data: " + enc({**base, "choices": [], "usage": _usage(req)}) + b"\n\n")
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+            if done:
+                if text:
+                    await resp.write(chunk(text, None))
+                await resp.write(chunk(None if is_chat else "", out.finish_reason))
+                _record(worker, req, out.finish_reason or "stop")
+                break
+        if include_usage:
+            await resp.write(b"data: " + enc({**base, "choices": [], "usage": _usage(req)}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:
+        # The client went away mid-stream: the caller's ``finally`` frees the request's blocks.
+        logger.debug("client disconnected mid-stream: request_id=%s", rid)
     return resp
 
 
