@@ -1,7 +1,8 @@
 """Kernel tests run on the GPU when there is one, else in Triton's CPU interpreter at small sizes.
 
-Triton picks the interpreter when a kernel is *defined* (at import of its module), so the variable is set here,
-before any test module imports ``kernels.*``, and only on machines without CUDA.
+Triton picks the interpreter when a kernel is *defined* (at import of its module); the root ``tests/conftest.py``
+sets ``TRITON_INTERPRET=1`` on machines without CUDA before any folder is collected (kept here too for runs rooted
+in this folder).
 """
 
 from __future__ import annotations
