@@ -31,6 +31,7 @@ import msgspec
 import pytest
 import zmq
 
+from tests.interop.client import send, token_ids, wait_events_settled
 from tests.interop.conftest import (
     BLOCK_SIZE,
     MOONCAKE_MASTER,
@@ -44,7 +45,6 @@ from tests.interop.conftest import (
     wait_http_ok,
     worker_entry,
 )
-from tests.interop.test_vllm_fleet import send, token_ids, wait_events_settled
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
 
