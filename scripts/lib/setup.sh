@@ -12,7 +12,7 @@ kvgate_apt_install() {
 kvgate_python() {
   local py
   for py in python3.13 python3.12 python3.11 python3; do
-    if command -v "$py" >/dev/null 2>&1 && "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    if command -v "$py" >/dev/null 2>&1 && "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
       echo "$py"; return 0
     fi
   done
