@@ -8,6 +8,10 @@ caused to reach the gateway before the next one, so each prediction is made on t
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
 import time
 from typing import Any, cast
 
@@ -202,6 +206,26 @@ def test_worker_killed_mid_stream_then_restarted(fleet: Fleet) -> None:
 
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
     max_tokens = MAX_MODEL_LEN - first.num_prompt_tokens - 1
+    process = fleet.workers["vllm-a"].process
+    assert process is not None and process.popen is not None
+    pgid = process.popen.pid
+    # The tiny model generates a whole stream in well under a second, faster than a client reads it: throttle
+    # vllm-a (run 5 ms, stop 45 ms) so the stream is still being generated when it dies.
+    stop_throttle = threading.Event()
+
+    def throttle() -> None:
+        while not stop_throttle.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGCONT)
+            time.sleep(0.005)
+            if stop_throttle.is_set():
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGSTOP)
+            time.sleep(0.045)
+
+    throttler = threading.Thread(target=throttle, daemon=True)
+    throttler.start()
     stream = client.chat.completions.create(
         model=MODEL_NAME, messages=cast(Any, messages), max_tokens=max_tokens, stream=True,
         extra_body={"ignore_eos": True}, extra_headers=session)
@@ -213,7 +237,9 @@ def test_worker_killed_mid_stream_then_restarted(fleet: Fleet) -> None:
         for _ in stream:
             num_chunks += 1
             if num_chunks == 2:
-                fleet.workers["vllm-a"].process.kill()  # type: ignore[union-attr]
+                stop_throttle.set()
+                throttler.join()
+                process.kill()
     assert 2 <= num_chunks < max_tokens
     assert time.monotonic() - t0 < 30
 
