@@ -57,7 +57,8 @@ POLICIES: dict[str, dict[str, Any]] = {
 }
 """The demo's runs: label -> gateway ``policy`` section."""
 
-DEFAULT_TRACE_CANDIDATES = ("../shared/traces/conversation_trace.jsonl", "shared/traces/conversation_trace.jsonl")
+DEFAULT_TRACE_CANDIDATES = ("loadgen/data/conversation_trace_head.jsonl",)
+"""The bundled slice: the first 1,000 requests of Mooncake's ``conversation_trace.jsonl`` (``loadgen/data/``)."""
 """Where the trace is looked for, relative to the repository root, when ``--trace`` is not given."""
 
 
@@ -300,7 +301,7 @@ def _print_results(console: Console, summaries: Sequence[RunSummary], checks: Se
 
 
 def find_default_trace() -> str | None:
-    """The bundled trace next to the repository (``DEFAULT_TRACE_CANDIDATES``), or ``None``."""
+    """The bundled trace slice (``DEFAULT_TRACE_CANDIDATES``), or ``None``."""
     root = Path(__file__).resolve().parent.parent
     for candidate in DEFAULT_TRACE_CANDIDATES:
         path = (root / candidate).resolve()
@@ -314,7 +315,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     d = DemoConfig(trace="")
     parser.add_argument(
-        "--trace", default=None, help="conversation_trace.jsonl (default: ../shared/traces/ next to the repository)"
+        "--trace",
+        default=None,
+        help="conversation_trace.jsonl (default: its first 1,000 requests, bundled in loadgen/data/)",
     )
     parser.add_argument("--out", default=d.out, help="directory for results.json, results.md, plots and logs")
     parser.add_argument("--quick", action="store_true", help="a smaller slice (under a minute)")
@@ -359,7 +362,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _demo_config(args: argparse.Namespace) -> DemoConfig:
     trace = args.trace or find_default_trace()
     if trace is None:
-        raise LoadgenError("conversation_trace.jsonl not found next to the repository; pass --trace PATH")
+        raise LoadgenError("the bundled trace loadgen/data/conversation_trace_head.jsonl is missing; pass --trace PATH")
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:

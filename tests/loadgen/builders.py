@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from loadgen.client import RequestRecord
 from loadgen.traces import TraceRequest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUNDLED_TRACE = str(REPO_ROOT / "loadgen" / "data" / "conversation_trace_head.jsonl")
+"""The first 1,000 requests of Mooncake's conversation_trace.jsonl, shipped with the demo."""
+AGENTIC_TRACE = str(REPO_ROOT / "tests" / "fixtures" / "traces" / "kv_cache_tester_trace_0003.json")
+"""One kv-cache-tester agentic session file (with sub-agents)."""
+
 
 
 def make_request(

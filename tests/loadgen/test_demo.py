@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -7,7 +8,7 @@ from loadgen.sessions import derive_sessions
 from loadgen.traces import read_mooncake
 from router.cli import main as kvgate
 
-TRACE = "/work/shared/traces/conversation_trace.jsonl"
+TRACE = str(Path(__file__).resolve().parents[2] / "loadgen" / "data" / "conversation_trace_head.jsonl")
 
 
 @pytest.mark.unit

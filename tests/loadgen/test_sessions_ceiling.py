@@ -3,7 +3,7 @@ import pytest
 from loadgen.ceiling import ceiling, lru_bound
 from loadgen.sessions import derive_sessions, shared_head_length
 
-from .builders import make_request
+from .builders import BUNDLED_TRACE, make_request
 
 pytestmark = pytest.mark.unit
 
@@ -35,7 +35,7 @@ def test_sessions_without_shared_head_and_namespaces():
 def test_real_trace_does_not_make_one_giant_session():
     from loadgen.traces import read_mooncake
 
-    reqs = derive_sessions(read_mooncake("/work/shared/traces/conversation_trace.jsonl", max_requests=1000))
+    reqs = derive_sessions(read_mooncake(BUNDLED_TRACE, max_requests=1000))
     sizes: dict[str, int] = {}
     for r in reqs:
         sizes[r.session_id] = sizes.get(r.session_id, 0) + 1
@@ -80,5 +80,5 @@ def test_lru_bound_matches_ceiling_when_large_and_evicts_when_small():
 def test_real_slice_ceiling():
     from loadgen.traces import read_mooncake
 
-    reqs = read_mooncake("/work/shared/traces/conversation_trace.jsonl", max_requests=400)
+    reqs = read_mooncake(BUNDLED_TRACE, max_requests=400)
     assert ceiling(reqs).hit_ratio == pytest.approx(0.137, abs=0.001)

@@ -11,6 +11,7 @@ from loadgen.traces import (
     read_mooncake,
     spread_buckets,
 )
+from tests.loadgen.builders import AGENTIC_TRACE, BUNDLED_TRACE
 
 pytestmark = pytest.mark.unit
 
@@ -71,7 +72,7 @@ def test_mooncake_backwards_timestamps_and_missing_file(tmp_path):
 
 
 def test_real_conversation_trace_head():
-    reqs = read_mooncake("/work/shared/traces/conversation_trace.jsonl", max_requests=5)
+    reqs = read_mooncake(BUNDLED_TRACE, max_requests=5)
     assert [r.num_prompt_tokens for r in reqs] == [6758, 7322, 7236, 2290, 6760]
     assert reqs[0].hash_ids == tuple(range(14))
 
@@ -135,7 +136,7 @@ def test_agentic_bad_files(tmp_path):
 
 
 def test_real_agentic_file_with_subagents():
-    reqs = read_agentic_session("/work/shared/traces/kv-cache-tester/trace_0003.json")
+    reqs = read_agentic_session(AGENTIC_TRACE)
     sessions = {r.session_id for r in reqs}
     assert "trace_0003" in sessions and any("/agent_" in s for s in sessions)
     assert all(len(r.hash_ids) >= 1 for r in reqs)
