@@ -351,7 +351,8 @@ class GatewayConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True
         models: served models (at least one).
         workers: workers known at start (more can be added through the admin API).
         events: the event path.
-        policy: routing policy config, decoded by ``policies.decode_policy_config`` (tagged by ``name``).
+        policy: routing policy config, decoded by ``policies.decode_policy_config`` (tagged by ``name``); by default
+            ``session_sticky`` wrapping ``cache_aware``, each with its own defaults.
         sessions: session store config, decoded by ``router.sessions.config``.
         timeouts: upstream timeouts.
         retry: retries before the first byte.
@@ -373,7 +374,9 @@ class GatewayConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True
     workers: tuple[WorkerConfig, ...] = ()
     listen: ListenConfig = msgspec.field(default_factory=ListenConfig)
     events: EventsConfig = msgspec.field(default_factory=EventsConfig)
-    policy: dict[str, Any] = msgspec.field(default_factory=lambda: {"name": "cache_aware"})
+    policy: dict[str, Any] = msgspec.field(
+        default_factory=lambda: {"name": "session_sticky", "inner": {"name": "cache_aware"}}
+    )
     sessions: dict[str, Any] = msgspec.field(default_factory=dict)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
