@@ -163,7 +163,8 @@ class KVEventPublisher:
             self._thread = threading.Thread(target=self._serve_replay, name="kv-event-replay", daemon=True)
             self._thread.start()
         logger.info(
-            "kv event publisher on %s (replay %s, topic %r, dp_rank %d, shape %s)",
+            "kv event publisher %s %s (replay %s, topic %r, dp_rank %d, shape %s)",
+            "bound to" if do_bind else "connecting to (a subscriber must bind this address)",
             self.endpoint,
             self.replay_endpoint,
             config.topic,

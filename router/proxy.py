@@ -116,6 +116,7 @@ class Proxy:
         self._clock = clock
         self.num_honesty_checks = 0
         self.num_honesty_mismatches = 0
+        self._workers_warned_mismatch: set[str] = set()
 
     async def forward(
         self, request: web.Request, body: bytes, plan: RoutePlan, *, is_stream: bool, request_id: str,
@@ -276,5 +277,18 @@ class Proxy:
         self.num_honesty_checks += 1
         if predicted != reported:
             self.num_honesty_mismatches += 1
-            logger.debug("cached tokens: predicted %d, worker %s reported %d", predicted, worker.worker_id, reported)
+            if worker.worker_id in self._workers_warned_mismatch:
+                logger.debug(
+                    "cached tokens: predicted %d, worker %s reported %d", predicted, worker.worker_id, reported
+                )
+            else:
+                self._workers_warned_mismatch.add(worker.worker_id)
+                logger.warning(
+                    "cached tokens: predicted %d, worker %s reported %d (first mismatch for this worker; if its "
+                    "predictions stay low, check that its KV events reach the gateway: a publisher endpoint without "
+                    "'*' connects instead of binding, and the tokenizer, chat template and block size must match)",
+                    predicted,
+                    worker.worker_id,
+                    reported,
+                )
         self._metrics.record_honesty(worker.worker_id, predicted, reported)
