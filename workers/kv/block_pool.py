@@ -109,6 +109,40 @@ def stored_events(metas: Sequence[BlockMeta], block_size: int, medium: Medium) -
     return events
 
 
+def emit_tier_stored(
+    emit: Callable[[KVEvent], None],
+    metas: Sequence[BlockMeta],
+    engine_hashes: tuple[EngineBlockHash, ...],
+    block_size: int,
+    medium: Medium,
+    is_on_gpu: bool,
+) -> None:
+    """Announce a completed store on a lower tier.
+
+    Args:
+        emit: called with each KV event.
+        metas: the stored blocks in prefix order.
+        engine_hashes: their wire hashes, same order.
+        block_size: tokens per block.
+        medium: the tier they were stored on.
+        is_on_gpu: all of them are in the GPU prefix index, so one bare ``BlockStored`` (no parent, no tokens)
+            suffices; otherwise full events from ``stored_events``.
+    """
+    if is_on_gpu:
+        emit(
+            BlockStored(
+                block_hashes=engine_hashes,
+                parent_block_hash=None,
+                token_ids=(),
+                block_size=block_size,
+                medium=medium,
+            )
+        )
+    else:
+        for ev in stored_events(metas, block_size, medium):
+            emit(ev)
+
+
 def chain_order(metas: Iterable[BlockMeta]) -> list[BlockMeta]:
     """``metas`` in depth-first prefix order: every block after its parent (when present), and a child right
     after its parent where possible so ``stored_events`` groups chains into few events. Deterministic: roots and

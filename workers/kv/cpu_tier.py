@@ -62,9 +62,9 @@ from operator import attrgetter
 
 from sortedcontainers import SortedDict, SortedList
 
-from events.types import BlockRemoved, BlockStored, EngineBlockHash, KVEvent, Medium
+from events.types import BlockRemoved, EngineBlockHash, KVEvent, Medium
 from workers.errors import KVCacheError
-from workers.kv.block_pool import BlockMeta, engine_hash_of, stored_events
+from workers.kv.block_pool import BlockMeta, emit_tier_stored, engine_hash_of
 from workers.kv.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -314,19 +314,14 @@ class CpuTier:
         self._in_flight.difference_update(hashes)
         self._entries.update(zip(hashes, slots, strict=True))
         self.num_blocks_stored += len(slots)
-        if self._on_gpu is not None and self._on_gpu(hashes):
-            self._emit(
-                BlockStored(
-                    block_hashes=engine_hashes,
-                    parent_block_hash=None,
-                    token_ids=(),
-                    block_size=self.block_size,
-                    medium=self.medium,
-                )
-            )
-        else:
-            for ev in stored_events(metas, self.block_size, self.medium):
-                self._emit(ev)
+        emit_tier_stored(
+            self._emit,
+            metas,
+            engine_hashes,
+            self.block_size,
+            self.medium,
+            self._on_gpu is not None and self._on_gpu(hashes),
+        )
 
     def pin(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """Pin stored blocks for a restore and mark them recently used.

@@ -41,10 +41,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from events.types import BlockRemoved, BlockStored, EngineBlockHash, KVEvent, Medium
+from events.types import BlockRemoved, EngineBlockHash, KVEvent, Medium
 from workers.config import PoolConfig
 from workers.errors import ConfigError, KVCacheError
-from workers.kv.block_pool import BlockMeta, engine_hash_of, stored_events
+from workers.kv.block_pool import BlockMeta, emit_tier_stored, engine_hash_of
 from workers.kv.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -325,19 +325,14 @@ class PoolTier:
         self.num_blocks_stored += len(hashes)
         engine_hashes = tuple(map(engine_hash_of, metas))
         self._stored_here.update(zip(keys, engine_hashes, strict=True))
-        if self._on_gpu is not None and self._on_gpu(hashes):
-            self._emit(
-                BlockStored(
-                    block_hashes=engine_hashes,
-                    parent_block_hash=None,
-                    token_ids=(),
-                    block_size=self.block_size,
-                    medium=self.medium,
-                )
-            )
-        else:
-            for ev in stored_events(metas, self.block_size, self.medium):
-                self._emit(ev)
+        emit_tier_stored(
+            self._emit,
+            metas,
+            engine_hashes,
+            self.block_size,
+            self.medium,
+            self._on_gpu is not None and self._on_gpu(hashes),
+        )
 
     def fetch(self, metas: Sequence[BlockMeta]) -> int:
         """Read blocks for a restore (into host memory); returns how many, from the first, were read intact."""
