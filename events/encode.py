@@ -32,7 +32,7 @@ Public API:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -106,48 +106,44 @@ class _WireBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None
 
 
-def _to_map(event: KVEvent) -> msgspec.Struct:
-    if isinstance(event, BlockStored):
-        return _MapBlockStored(
-            block_hashes=event.block_hashes,
-            parent_block_hash=event.parent_block_hash,
-            token_ids=event.token_ids,
-            block_size=event.block_size,
-            lora_id=None,
-            medium=event.medium.value,
-            lora_name=event.lora_name,
-            extra_keys=event.extra_keys,
-            group_idx=event.group_idx,
-            kv_cache_spec_kind=event.kv_cache_spec_kind,
-            kv_cache_spec_sliding_window=event.sliding_window_tokens,
-        )
-    if isinstance(event, BlockRemoved):
-        return _MapBlockRemoved(block_hashes=event.block_hashes, medium=event.medium.value, group_idx=event.group_idx)
-    if isinstance(event, AllBlocksCleared):
-        return _MapAllBlocksCleared(medium=None if event.medium is None else event.medium.value)
-    raise TypeError(f"not a KV event: {type(event).__name__}")
+def _converter(
+    stored: type[_MapBlockStored] | type[_ArrayBlockStored],
+    removed: type[_MapBlockRemoved] | type[_ArrayBlockRemoved],
+    cleared: Callable[[AllBlocksCleared], msgspec.Struct],
+) -> Callable[[KVEvent], msgspec.Struct]:
+    """A converter from normalized events to one wire shape's structs (``cleared`` builds the shape's
+    ``AllBlocksCleared``, which differs between the shapes)."""
+
+    def convert(event: KVEvent) -> msgspec.Struct:
+        if isinstance(event, BlockStored):
+            return stored(
+                block_hashes=event.block_hashes,
+                parent_block_hash=event.parent_block_hash,
+                token_ids=event.token_ids,
+                block_size=event.block_size,
+                lora_id=None,
+                medium=event.medium.value,
+                lora_name=event.lora_name,
+                extra_keys=event.extra_keys,
+                group_idx=event.group_idx,
+                kv_cache_spec_kind=event.kv_cache_spec_kind,
+                kv_cache_spec_sliding_window=event.sliding_window_tokens,
+            )
+        if isinstance(event, BlockRemoved):
+            return removed(block_hashes=event.block_hashes, medium=event.medium.value, group_idx=event.group_idx)
+        if isinstance(event, AllBlocksCleared):
+            return cleared(event)
+        raise TypeError(f"not a KV event: {type(event).__name__}")
+
+    return convert
 
 
-def _to_array(event: KVEvent) -> msgspec.Struct:
-    if isinstance(event, BlockStored):
-        return _ArrayBlockStored(
-            block_hashes=event.block_hashes,
-            parent_block_hash=event.parent_block_hash,
-            token_ids=event.token_ids,
-            block_size=event.block_size,
-            lora_id=None,
-            medium=event.medium.value,
-            lora_name=event.lora_name,
-            extra_keys=event.extra_keys,
-            group_idx=event.group_idx,
-            kv_cache_spec_kind=event.kv_cache_spec_kind,
-            kv_cache_spec_sliding_window=event.sliding_window_tokens,
-        )
-    if isinstance(event, BlockRemoved):
-        return _ArrayBlockRemoved(block_hashes=event.block_hashes, medium=event.medium.value, group_idx=event.group_idx)
-    if isinstance(event, AllBlocksCleared):
-        return _ArrayAllBlocksCleared()
-    raise TypeError(f"not a KV event: {type(event).__name__}")
+_to_map = _converter(
+    _MapBlockStored,
+    _MapBlockRemoved,
+    lambda event: _MapAllBlocksCleared(medium=None if event.medium is None else event.medium.value),
+)
+_to_array = _converter(_ArrayBlockStored, _ArrayBlockRemoved, lambda event: _ArrayAllBlocksCleared())
 
 
 class BatchEncoder:
