@@ -426,6 +426,29 @@ def _check_cache(
     return q.shape[1] // num_kv_heads
 
 
+def _check_tile(name: str, value: int) -> None:
+    """A tile size in tokens must be a power of two of at least ``MIN_DOT_ROWS`` (``tl.dot``'s minimum).
+
+    Raises:
+        ValueError: otherwise.
+    """
+    if value < MIN_DOT_ROWS or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= {MIN_DOT_ROWS}, got {value}")
+
+
+def _out_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` checked against ``q``, or a fresh tensor like ``q`` when omitted.
+
+    Raises:
+        ValueError: ``out`` differs from ``q`` in shape, dtype or device, or ``head_size`` is not contiguous.
+    """
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError("out must match q in shape, dtype and device, with head_size contiguous")
+    return out
+
+
 def _num_splits_for(num_programs: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
     """Enough splits to give every multiprocessor about 32 programs, each with at least two tiles.
 
@@ -471,13 +494,9 @@ def paged_decode_attention(
     """
     group = _check_cache(q, k_cache, v_cache, block_table, seq_lens)
     cfg = config or DecodeConfig()
-    if cfg.block_n < MIN_DOT_ROWS or cfg.block_n & (cfg.block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= {MIN_DOT_ROWS}, got {cfg.block_n}")
+    _check_tile("block_n", cfg.block_n)
     num_seqs, num_heads, head_size = q.shape
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError("out must match q in shape, dtype and device, with head_size contiguous")
+    out = _out_like(q, out)
     if num_seqs == 0:
         return out
     num_kv_heads = k_cache.shape[2]
@@ -575,18 +594,14 @@ def paged_prefill_attention(
     """
     group = _check_cache(q, k_cache, v_cache, block_table, seq_lens)
     cfg = config or PrefillConfig()
-    for name, value in (("block_m", cfg.block_m), ("block_n", cfg.block_n)):
-        if value < MIN_DOT_ROWS or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two >= {MIN_DOT_ROWS}, got {value}")
+    _check_tile("block_m", cfg.block_m)
+    _check_tile("block_n", cfg.block_n)
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32, torch.int64))
     if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
         raise ValueError(f"cu_seqlens_q needs num_seqs + 1 = {seq_lens.shape[0] + 1} entries")
     check_same_device(q=q, cu_seqlens_q=cu_seqlens_q)
     num_tokens, num_heads, head_size = q.shape
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError("out must match q in shape, dtype and device, with head_size contiguous")
+    out = _out_like(q, out)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
