@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +27,16 @@ class Clock:
         return self.now_s
 
 
+def config_with_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> GatewayConfig:
+    """Parse ``raw`` with ``overrides``: a dict merges into the section of that name, anything else replaces it."""
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    return parse_config(raw)
+
+
 def make_config(workers: list[FakeWorker], **overrides: Any) -> GatewayConfig:
     raw: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
@@ -41,18 +51,13 @@ def make_config(workers: list[FakeWorker], **overrides: Any) -> GatewayConfig:
         "health": {"interval_s": 3600},
         "retry": {"max_retries": 2, "backoff_initial_s": 0.0},
     }
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(raw.get(key), dict):
-            raw[key] = {**raw[key], **value}
-        else:
-            raw[key] = value
-    return parse_config(raw)
+    return config_with_overrides(raw, overrides)
 
 
-class GatewayHarness:
-    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic,
-                 workers: list[FakeWorker] | None = None) -> None:
-        self.workers = workers or []
+class LoopbackGateway:
+    """The gateway app on a loopback port, with a client session while entered."""
+
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.app = build_app(config, clock=clock)
         self.runner = web.AppRunner(self.app, handler_cancellation=True)
         self.port = 0
@@ -66,19 +71,29 @@ class GatewayHarness:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def __aenter__(self) -> GatewayHarness:
+    async def __aenter__(self) -> Self:
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         self.port = self.runner.addresses[0][1]
         self.session = aiohttp.ClientSession()
-        await self.connect_events(self.workers)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         assert self.session is not None
         await self.session.close()
         await self.runner.cleanup()
+
+
+class GatewayHarness(LoopbackGateway):
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic,
+                 workers: list[FakeWorker] | None = None) -> None:
+        self.workers = workers or []
+        super().__init__(config, clock)
+
+    async def __aenter__(self) -> Self:
+        await super().__aenter__()
+        await self.connect_events(self.workers)
+        return self
 
     async def connect_events(self, workers: list[FakeWorker]) -> None:
         """Publish empty batches until the gateway's subscriber has seen one from each worker (ZMQ slow joiner)."""

@@ -20,8 +20,9 @@ import aiohttp
 from aiohttp import web
 
 from events.publisher import KVEventPublisher, PublisherConfig
-from router.app import GATEWAY, Gateway, build_app
-from router.config import GatewayConfig, parse_config
+from router.app import Gateway
+from router.config import GatewayConfig
+from tests.router.harness import LoopbackGateway, config_with_overrides
 from workers.config import build_config
 from workers.server import Worker, build_worker
 from workers.server import build_app as build_worker_app
@@ -180,42 +181,11 @@ def make_config(workers: list[SimWorker], *, worker_extra: dict[str, dict[str, A
         "retry": {"max_retries": 2, "backoff_initial_s": 0.0},
         "ready_timeout_s": 60,
     }
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(raw.get(key), dict):
-            raw[key] = {**raw[key], **value}
-        else:
-            raw[key] = value
-    return parse_config(raw)
+    return config_with_overrides(raw, overrides)
 
 
-class Gw:
+class Gw(LoopbackGateway):
     """The gateway app on a loopback port."""
-
-    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.app = build_app(config, clock=clock)
-        self.runner = web.AppRunner(self.app, handler_cancellation=True)
-        self.port = 0
-        self.session: aiohttp.ClientSession | None = None
-
-    @property
-    def gw(self) -> Gateway:
-        return self.app[GATEWAY]
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def __aenter__(self) -> Gw:
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.port = self.runner.addresses[0][1]
-        self.session = aiohttp.ClientSession()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.session is not None
-        await self.session.close()
-        await self.runner.cleanup()
 
     async def post(self, path: str, body: Any, headers: dict[str, str] | None = None,
                    ) -> tuple[int, dict[str, str], Any]:
