@@ -108,6 +108,18 @@ def make_sub(ctx, records, **cfg) -> KVEventSubscriber:
     return KVEventSubscriber(config, records.append, context=ctx)
 
 
+async def joined_sub(ctx, engine, *, replay: bool = True, **cfg) -> tuple[KVEventSubscriber, list]:
+    """A started subscriber following ``engine`` as worker ``w`` (with its replay endpoint when ``replay``),
+    past the ZMQ join; returns it and the list its records go to."""
+    records: list = []
+    sub = make_sub(ctx, records, **cfg)
+    await sub.start()
+    replay_endpoint = engine.replay_endpoint if replay else None
+    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint, replay_endpoint=replay_endpoint))
+    await engine.ping(sub, "w")
+    return sub, records
+
+
 def hashes_of(records) -> list[object]:
     out: list[object] = []
     for r in records:
@@ -179,11 +191,7 @@ def test_publisher_frames_and_replay_bytes():
 
 
 async def test_gap_replayed_exactly_once_in_order(ctx, engine):
-    records: list = []
-    sub = make_sub(ctx, records)
-    await sub.start()
-    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint))
-    await engine.ping(sub, "w")
+    sub, records = await joined_sub(ctx, engine)
     await engine.send(0, payload(100))
     await engine.send(1, payload(101), deliver=False)
     await engine.send(2, payload(102), deliver=False)
@@ -202,11 +210,7 @@ async def test_gap_replayed_exactly_once_in_order(ctx, engine):
 
 
 async def test_reordered_and_duplicated_replay_applied_once(ctx, engine):
-    records: list = []
-    sub = make_sub(ctx, records)
-    await sub.start()
-    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint))
-    await engine.ping(sub, "w")
+    sub, records = await joined_sub(ctx, engine)
     engine.replay_order = "reversed_with_duplicates"
     await engine.send(10, payload(10))
     for q in (11, 12, 13):
@@ -218,11 +222,7 @@ async def test_reordered_and_duplicated_replay_applied_once(ctx, engine):
 
 
 async def test_unclosable_gap_resyncs_before_newer_batch(ctx, engine):
-    records: list = []
-    sub = make_sub(ctx, records)
-    await sub.start()
-    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint))
-    await engine.ping(sub, "w")
+    sub, records = await joined_sub(ctx, engine)
     await engine.send(0, payload(1))
     engine.buffer[1] = payload(2)  # seq 2 is missing from the buffer too
     await engine.send(3, payload(4))
@@ -233,11 +233,7 @@ async def test_unclosable_gap_resyncs_before_newer_batch(ctx, engine):
 
 
 async def test_no_replay_configured_gap_and_backwards_resync(ctx, engine):
-    records: list = []
-    sub = make_sub(ctx, records)
-    await sub.start()
-    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint))
-    await engine.ping(sub, "w")
+    sub, records = await joined_sub(ctx, engine, replay=False)
     await engine.send(5, payload(5))
     await engine.send(7, payload(7))
     await engine.send(0, payload(50))
@@ -248,11 +244,7 @@ async def test_no_replay_configured_gap_and_backwards_resync(ctx, engine):
 
 
 async def test_restart_detected_when_seq_goes_back_with_replay(ctx, engine):
-    records: list = []
-    sub = make_sub(ctx, records)
-    await sub.start()
-    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint))
-    await engine.ping(sub, "w")
+    sub, records = await joined_sub(ctx, engine)
     for q in range(4):
         await engine.send(q, payload(q))
     await until(lambda: sub.last_seq("w") == 3)
@@ -264,11 +256,7 @@ async def test_restart_detected_when_seq_goes_back_with_replay(ctx, engine):
 
 
 async def test_restart_past_last_seq_detected_through_replay(ctx, engine):
-    records: list = []
-    sub = make_sub(ctx, records)
-    await sub.start()
-    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint))
-    await engine.ping(sub, "w")
+    sub, records = await joined_sub(ctx, engine)
     for q in range(3):
         await engine.send(q, payload(q))
     await until(lambda: sub.last_seq("w") == 2)
@@ -361,11 +349,7 @@ async def test_bound_topology_topic_names_worker(ctx):
 
 
 async def test_bad_frames_counted_nothing_emitted(ctx, engine):
-    records: list = []
-    sub = make_sub(ctx, records, default_block_size=4)
-    await sub.start()
-    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint))
-    await engine.ping(sub, "w")
+    sub, records = await joined_sub(ctx, engine, replay=False, default_block_size=4)
     await engine.pub.send_multipart([b"", b"\x00" * 8])  # 2 frames
     await engine.pub.send_multipart([b"", b"\x01", payload(1)])  # short seq frame
     await engine.pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\x93\xcb\x00"])  # truncated msgpack
@@ -384,11 +368,7 @@ async def test_bad_frames_counted_nothing_emitted(ctx, engine):
 
 
 async def test_add_remove_worker_at_runtime_and_slices(ctx, engine):
-    records: list = []
-    sub = make_sub(ctx, records, max_blocks_per_slice=3)
-    await sub.start()
-    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint))
-    await engine.ping(sub, "w")
+    sub, records = await joined_sub(ctx, engine, replay=False, max_blocks_per_slice=3)
     big = encode_batch([stored(1, 2), stored(3, 4), stored(5)], 1.0, 0)
     await engine.send(0, big)
     await until(lambda: sub.last_seq("w") == 0)
