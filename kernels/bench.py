@@ -146,6 +146,37 @@ def gbps(num_bytes: float, timing: Timing) -> float:
     return num_bytes / (timing.median_ms * 1e-3) / 1e9
 
 
+def _transfer_row(
+    report: Report, name: str, num_bytes: float, timing: Timing, ceil: dict[str, float], direction: str
+) -> None:
+    """A summary row for a KV transfer: bandwidth against the ``direction`` (``"d2h"``/``"h2d"``) copy ceiling."""
+    bw = gbps(num_bytes, timing)
+    report.row(
+        name,
+        f"{bw:.1f} GB/s ({timing.median_ms:.1f} ms)",
+        f"{direction} {ceil[direction]:.1f} GB/s",
+        bw / ceil[direction],
+        ">= 0.93",
+    )
+
+
+def _sweep_tiles(
+    report: Report,
+    what: str,
+    copy: Callable[..., Any],
+    args: tuple[Any, ...],
+    num_bytes: float,
+    ceil: dict[str, float],
+    direction: str,
+) -> None:
+    """Log ``copy(*args)`` over a few tile sizes and warp counts, against the ``direction`` copy ceiling."""
+    for tile, warps in ((8192, 8), (16384, 8), (4096, 4)):
+        t = time_cuda(partial(copy, *args, tile_numel=tile, num_warps=warps), warmup=1, repeat=5)
+        bw = gbps(num_bytes, t)
+        ratio = bw / ceil[direction]
+        report.say(f"{what} direct tile={tile} warps={warps}: {t}, {bw:.1f} GB/s, {ratio:.3f} of {direction}")
+
+
 @contextlib.contextmanager
 def section(report: Report, name: str) -> Iterator[None]:
     report.say(f"\n## {name}")
@@ -302,23 +333,9 @@ def bench_transfer(report: Report, ceil: dict[str, float]) -> None:
     if not torch.equal(host, pool[:, :, ids.long()].permute(2, 0, 1, 3, 4, 5).cpu()):
         raise RuntimeError("gather into pinned host memory differs from torch indexing")
     report.say("gather straight into pinned host memory: bit-exact")
-    for tile, warps in ((8192, 8), (16384, 8), (4096, 4)):
-        t = time_cuda(
-            partial(gather_kv_blocks, pool, ids, host, tile_numel=tile, num_warps=warps),
-            warmup=1,
-            repeat=5,
-        )
-        bw = gbps(num_bytes, t)
-        report.say(f"offload direct tile={tile} warps={warps}: {t}, {bw:.1f} GB/s, {bw / ceil['d2h']:.3f} of d2h")
+    _sweep_tiles(report, "offload", gather_kv_blocks, (pool, ids, host), num_bytes, ceil, "d2h")
     t_off = time_cuda(lambda: gather_kv_blocks(pool, ids, host), warmup=1, repeat=5)
-    bw_off = gbps(num_bytes, t_off)
-    report.row(
-        "offload 32K-token prefix, direct (gather -> pinned)",
-        f"{bw_off:.1f} GB/s ({t_off.median_ms:.1f} ms)",
-        f"d2h {ceil['d2h']:.1f} GB/s",
-        bw_off / ceil["d2h"],
-        ">= 0.93",
-    )
+    _transfer_row(report, "offload 32K-token prefix, direct (gather -> pinned)", num_bytes, t_off, ceil, "d2h")
     host_src = host.clone().pin_memory()
     pool2 = pool.clone()
     scatter_kv_blocks(pool2, ids, host_src)
@@ -327,23 +344,9 @@ def bench_transfer(report: Report, ceil: dict[str, float]) -> None:
         raise RuntimeError("scatter from pinned host memory differs")
     del pool2
     report.say("scatter straight from pinned host memory: bit-exact")
-    for tile, warps in ((8192, 8), (16384, 8), (4096, 4)):
-        t = time_cuda(
-            partial(scatter_kv_blocks, pool, ids, host_src, tile_numel=tile, num_warps=warps),
-            warmup=1,
-            repeat=5,
-        )
-        bw = gbps(num_bytes, t)
-        report.say(f"restore direct tile={tile} warps={warps}: {t}, {bw:.1f} GB/s, {bw / ceil['h2d']:.3f} of h2d")
+    _sweep_tiles(report, "restore", scatter_kv_blocks, (pool, ids, host_src), num_bytes, ceil, "h2d")
     t_res = time_cuda(lambda: scatter_kv_blocks(pool, ids, host_src), warmup=1, repeat=5)
-    bw_res = gbps(num_bytes, t_res)
-    report.row(
-        "restore 32K-token prefix, direct (pinned -> scatter)",
-        f"{bw_res:.1f} GB/s ({t_res.median_ms:.1f} ms)",
-        f"h2d {ceil['h2d']:.1f} GB/s",
-        bw_res / ceil["h2d"],
-        ">= 0.93",
-    )
+    _transfer_row(report, "restore 32K-token prefix, direct (pinned -> scatter)", num_bytes, t_res, ceil, "h2d")
     for chunk_blocks in (128, 256):
         staged = KVTransfer(pool, mode="staged", chunk_blocks=chunk_blocks)
         t_s_off = time_cuda(partial(_wait_for, staged.offload, ids, host), warmup=1, repeat=5)
@@ -375,24 +378,12 @@ def bench_transfer(report: Report, ceil: dict[str, float]) -> None:
             raise RuntimeError(f"engine-path restore differs ({layout})")
         del expected
         t_eng = time_cuda(partial(_wait_for, transfer.restore, ids, host_src, cpu_ids), warmup=1, repeat=5)
-        bw_eng = gbps(num_bytes, t_eng)
-        report.row(
-            f"restore 32K-token prefix, engine path, {layout} (bit-exact)",
-            f"{bw_eng:.1f} GB/s ({t_eng.median_ms:.1f} ms)",
-            f"h2d {ceil['h2d']:.1f} GB/s",
-            bw_eng / ceil["h2d"],
-            ">= 0.93",
-        )
+        name = f"restore 32K-token prefix, engine path, {layout} (bit-exact)"
+        _transfer_row(report, name, num_bytes, t_eng, ceil, "h2d")
     cpu_ids = layouts["random CPU slots"]
     t_eng_off = time_cuda(partial(_wait_for, transfer.offload, ids, host, cpu_ids), warmup=1, repeat=5)
-    bw_eng_off = gbps(num_bytes, t_eng_off)
-    report.row(
-        "offload 32K-token prefix, engine path (gather -> pinned; random CPU slots)",
-        f"{bw_eng_off:.1f} GB/s ({t_eng_off.median_ms:.1f} ms)",
-        f"d2h {ceil['d2h']:.1f} GB/s",
-        bw_eng_off / ceil["d2h"],
-        ">= 0.93",
-    )
+    name = "offload 32K-token prefix, engine path (gather -> pinned; random CPU slots)"
+    _transfer_row(report, name, num_bytes, t_eng_off, ceil, "d2h")
 
 
 def bench_decode(report: Report) -> None:
