@@ -18,6 +18,7 @@ from typing import Protocol
 
 import aiohttp
 import msgspec
+from aiohttp.streams import EofStream
 from yarl import URL
 
 from router.config import TimeoutsConfig
@@ -113,6 +114,34 @@ def _json_or_none(body: bytes) -> object:
         return None
 
 
+class _ChunkIterator:
+    """Body chunks of an ``aiohttp.ClientResponse`` as they arrive (one ``readany`` per step, no generator frame)."""
+
+    __slots__ = ("_content", "_worker_id", "_url")
+
+    def __init__(self, resp: aiohttp.ClientResponse, worker_id: str, url: str) -> None:
+        self._content = resp.content
+        self._worker_id = worker_id
+        self._url = url
+
+    def __aiter__(self) -> _ChunkIterator:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._content.readany()
+        except EofStream:
+            raise StopAsyncIteration from None
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise TransportError(
+                f"upstream body broke: {exc!r}", worker_id=self._worker_id, endpoint=self._url,
+                is_before_first_byte=False,
+            ) from exc
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+
 class _AiohttpResponse:
     """Adapts ``aiohttp.ClientResponse`` to ``UpstreamResponse``."""
 
@@ -125,15 +154,8 @@ class _AiohttpResponse:
         self._worker_id = worker_id
         self._url = url
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._resp.content.iter_any():
-                yield chunk
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise TransportError(
-                f"upstream body broke: {exc!r}", worker_id=self._worker_id, endpoint=self._url,
-                is_before_first_byte=False,
-            ) from exc
+    def iter_chunks(self) -> AsyncIterator[bytes]:
+        return _ChunkIterator(self._resp, self._worker_id, self._url)
 
     async def read(self) -> bytes:
         try:
@@ -149,6 +171,20 @@ class _AiohttpResponse:
             self._resp.close()
         else:
             self._resp.release()
+
+
+class _FirstByteExpiry:
+    """Cancels ``task`` when the first-byte timer fires and remembers that it did."""
+
+    __slots__ = ("_task", "has_fired")
+
+    def __init__(self, task: asyncio.Task[object]) -> None:
+        self._task = task
+        self.has_fired = False
+
+    def fire(self) -> None:
+        self.has_fired = True
+        self._task.cancel()
 
 
 class AiohttpTransport:
@@ -169,6 +205,7 @@ class AiohttpTransport:
         self._limit = limit_per_worker
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._urls: dict[str, URL] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._client_timeout = aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s)
 
     def _session(self, worker_id: str) -> aiohttp.ClientSession:
@@ -191,9 +228,24 @@ class AiohttpTransport:
                 self._urls.clear()
             parsed_url = self._urls[url] = URL(url)
         session = self._session(request.worker_id)
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        # The first-byte timer, as ``asyncio.timeout`` does it minus its per-use objects: on expiry it cancels this
+        # task, and the cancellation it caused (and only that one) becomes a timeout.
+        task = asyncio.current_task(loop)
+        assert task is not None
+        expiry = _FirstByteExpiry(task)
+        timer = loop.call_at(loop.time() + self._timeouts.first_byte_s, expiry.fire)
         try:
-            async with asyncio.timeout(self._timeouts.first_byte_s):
+            try:
                 resp = await session.request(request.method, parsed_url, data=request.body, headers=request.headers)
+            except asyncio.CancelledError:
+                if expiry.has_fired and task.uncancel() == 0:
+                    raise TimeoutError from None
+                raise
+            finally:
+                timer.cancel()
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise TransportTimeoutError(
                 f"worker {request.worker_id} timed out before the first byte", worker_id=request.worker_id,
