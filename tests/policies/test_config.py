@@ -78,6 +78,8 @@ def test_encode_decode_round_trip_every_policy(name):
         ({"name": "cache_aware", "temprature": 1}, PolicyConfigError, "temprature", "unknown key"),
         ({"name": "cache_aware", "temperature": -1}, PolicyConfigError, "temperature", "Expected `float` >= 0.0"),
         ({"name": "cache_aware", "max_kv_usage": 1.5}, PolicyConfigError, "max_kv_usage", "<= 1.0"),
+        ({"name": "cache_aware", "recompute_penalty": -0.5}, PolicyConfigError, "recompute_penalty", ">= 0.0"),
+        ({"name": "cache_aware", "recompute_penalty": "2"}, PolicyConfigError, "recompute_penalty", "got `str`"),
         ({"name": "cache_aware", "seed": "x"}, PolicyConfigError, "seed", "Expected `int`, got `str`"),
         ({"name": "cache_aware", "min_speed_factor": 2.0}, PolicyConfigError, "min_speed_factor", "<= 1.0"),
         ({"name": "consistent_hash", "num_virtual_nodes": 0}, PolicyConfigError, "num_virtual_nodes", ">= 1"),
