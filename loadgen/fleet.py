@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import msgspec
 import yaml
 
 from loadgen.errors import FleetError
+from loadgen.ports import PortPicker
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +61,6 @@ class ManagedProcess(msgspec.Struct):
     replay_endpoint: str | None = None
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _kvgate_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "router.cli", *args]
 
@@ -95,6 +87,7 @@ class Fleet:
         self._model = model
         self._startup_timeout_s = startup_timeout_s
         self._reset_path = reset_path
+        self._ports = PortPicker()
         self.workers: list[ManagedProcess] = []
         self.gateway: ManagedProcess | None = None
 
@@ -116,9 +109,7 @@ class Fleet:
     def start_workers(self, specs: Sequence[WorkerSpec], extra_args: Sequence[str] = ()) -> None:
         """Start one sim worker per spec (not waiting; see ``wait_ready``)."""
         for spec in specs:
-            port = free_port()
-            events_port = free_port()
-            replay_port = free_port()
+            port, events_port, replay_port = self._ports.ports(3)
             argv = _kvgate_command(
                 "worker",
                 "--worker-id",
@@ -173,7 +164,7 @@ class Fleet:
     def start_gateway(self, policy: dict[str, Any], block_size: int) -> ManagedProcess:
         """Write the gateway config for ``policy`` and start ``kvgate serve`` (stopping a previous gateway)."""
         self.stop_gateway()
-        port = free_port()
+        port = self._ports.port()
         config_path = self._log_dir / f"gateway-{policy.get('name', 'policy')}.yaml"
         self._log_dir.mkdir(parents=True, exist_ok=True)
         config_path.write_text(yaml.safe_dump(self.gateway_config(policy, port, block_size), sort_keys=False))

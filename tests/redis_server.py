@@ -30,15 +30,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 ENV_URL = "KVGATE_TEST_REDIS_URL"
 _START_TIMEOUT_S = 10.0
 _prefix_counter = itertools.count()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _ping(port: int, password: str | None) -> bool:
@@ -67,7 +65,7 @@ class RedisServer:
     def __init__(self, directory: Path, password: str | None = None, port: int | None = None) -> None:
         self.directory = directory
         self.password = password
-        self.port = port if port is not None else _free_port()
+        self.port = port if port is not None else free_port()
         self._process: subprocess.Popen[bytes] | None = None
 
     @property

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path.home() / ".cache" / "kvgate"
@@ -72,11 +73,6 @@ def interop_skip_reason() -> str | None:
     return None
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -22,6 +21,7 @@ from aiohttp import web
 from events.publisher import KVEventPublisher, PublisherConfig
 from router.app import Gateway
 from router.config import GatewayConfig
+from tests.ports import free_port
 from tests.router.harness import LoopbackGateway, config_with_overrides
 from workers.config import build_config
 from workers.server import Worker, build_worker
@@ -32,10 +32,6 @@ BLOCK_SIZE = 16
 TOKEN = "test-token"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Clock:
@@ -287,3 +283,4 @@ async def running(*workers: SimWorker) -> AsyncIterator[list[SimWorker]]:
     finally:
         for w in started:
             await w.stop()
+

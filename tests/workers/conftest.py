@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -10,14 +9,9 @@ import pytest
 from aiohttp import web
 
 from events.publisher import KVEventPublisher, PublisherConfig
+from tests.ports import free_port
 from workers.config import WorkerConfig, build_config
 from workers.server import Worker, build_app, build_worker
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 pytest.importorskip("mooncake.store")
 
 from workers.config import KVCacheConfig  # noqa: E402
@@ -24,10 +26,6 @@ pytestmark = pytest.mark.integration
 BS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +33,7 @@ def master() -> Iterator[str]:
     binary = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
     if not Path(binary).exists():
         pytest.skip("mooncake_master not installed")
-    rpc, metrics = _free_port(), _free_port()
+    rpc, metrics = free_port(), free_port()
     proc = subprocess.Popen(
         [binary, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--metrics_host=127.0.0.1",
          f"--metrics_port={metrics}", "--default_kv_lease_ttl=2000"],
