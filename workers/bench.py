@@ -9,6 +9,11 @@
 3. CPU tier on vs off on zero-reuse traffic (every prompt unique): simulated throughput (output+prompt tokens
    per simulated second) and host CPU throughput (requests per CPU second of this thread, so other processes on
    a shared machine count less), runs interleaved: ratio of the best runs, and the spread of per-pair ratios.
+4. The same comparison end to end, as a user sees it: the real worker (aiohttp server, sim engine paced at time
+   scale 1, so a step lasts as long as on the modelled H200) in this process, zero-reuse completions from
+   ``--wall-concurrency`` clients in a child process; wall-clock tokens per second (prompt + output) with the CPU
+   tier on over off, runs interleaved, and each run's wall throughput over the simulated one (pacing holds when
+   it is 1.0: host work fits inside the modelled step).
 """
 
 from __future__ import annotations
@@ -129,6 +134,93 @@ async def _bench_http(num_streams: int, prompt_len: int, num_tokens: int) -> dic
     }
 
 
+WALL_CLIENT = r"""
+import asyncio, sys, time, aiohttp
+async def main():
+    url, num_requests, prompt_len, max_tokens, concurrency, salt = sys.argv[1], *map(int, sys.argv[2:])
+    queue = list(range(num_requests))
+    async def client(s):
+        while queue:
+            i = queue.pop()
+            prompt = [(salt * 7 + i * 13 + j * (i + 1)) % 256 for j in range(prompt_len)]
+            body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+            async with s.post(url, json=body) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        t0 = time.monotonic()
+        await asyncio.gather(*(client(s) for _ in range(concurrency)))
+        print(time.monotonic() - t0)
+asyncio.run(main())
+"""
+
+
+async def _wall_run(
+    num_cpu: int, num_requests: int, prompt_len: int, max_tokens: int, concurrency: int, salt: int
+) -> tuple[float, float]:
+    """One end-to-end run: ``(wall tokens/s, wall throughput / simulated throughput)``."""
+    from aiohttp import web
+
+    from workers.server import build_app, build_worker
+
+    cfg = build_config(
+        {
+            "time-scale": 1.0,
+            "kv-cache": {"num-gpu-blocks": 4096, "num-cpu-blocks": num_cpu, "block-size": 16},
+            "scheduler": {"max-num-seqs": 64, "max-num-batched-tokens": 8192},
+        }
+    )
+    worker = build_worker(cfg)
+    runner = web.AppRunner(build_app(worker), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+    engine = worker.core.engine
+    sim0 = engine.clock_s if isinstance(engine, SimEngine) else 0.0
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        WALL_CLIENT,
+        url,
+        *map(str, (num_requests, prompt_len, max_tokens, concurrency, salt)),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await proc.communicate()
+    sim_s = (engine.clock_s if isinstance(engine, SimEngine) else 0.0) - sim0
+    await runner.cleanup()
+    if proc.returncode != 0:
+        raise RuntimeError("wall-clock client failed")
+    wall_s = float(out.decode().split()[-1])
+    tokens = num_requests * (prompt_len + max_tokens)
+    return tokens / wall_s, sim_s / wall_s
+
+
+async def bench_wall(
+    num_requests: int, prompt_len: int, max_tokens: int, concurrency: int, repeats: int
+) -> dict[str, float]:
+    """Figure 4: best of ``repeats`` interleaved end-to-end runs each, CPU tier off (baseline) and on."""
+    off = on = 0.0
+    pacing: list[float] = []
+    pairs: list[float] = []
+    for r in range(repeats):
+        t_off, p_off = await _wall_run(0, num_requests, prompt_len, max_tokens, concurrency, 2 * r)
+        t_on, p_on = await _wall_run(8192, num_requests, prompt_len, max_tokens, concurrency, 2 * r + 1)
+        off, on = max(off, t_off), max(on, t_on)
+        pacing += [p_off, p_on]
+        pairs.append(t_on / t_off)
+    pairs.sort()
+    return {
+        "off_tokens_per_s": off,
+        "on_tokens_per_s": on,
+        "ratio_on_off": on / off,
+        "pair_min": pairs[0],
+        "pair_max": pairs[-1],
+        "pacing_min": min(pacing),
+        "pacing_max": max(pacing),
+    }
+
+
 def _zero_reuse_run(
     num_cpu: int, num_requests: int, prompt_len: int, max_tokens: int, salt: int
 ) -> tuple[float, float]:
@@ -177,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--wall-requests", type=int, default=96)
+    parser.add_argument("--wall-concurrency", type=int, default=32)
+    parser.add_argument("--wall-repeats", type=int, default=2)
+    parser.add_argument("--skip-wall", action="store_true")
     args = parser.parse_args(argv)
     f1 = bench_step_cpu(args.streams, args.prompt_len, args.steps)
     print(f"[1] {args.streams} decoding streams, prompt {args.prompt_len} tokens, {args.steps} steps")
@@ -210,6 +306,18 @@ def main(argv: list[str] | None = None) -> int:
         f"min {f3['host_ratio_pair_min']:.3f} median {f3['host_ratio_pair_median']:.3f} "
         f"max {f3['host_ratio_pair_max']:.3f}"
     )
+    if not args.skip_wall:
+        f4 = asyncio.run(bench_wall(args.wall_requests, 2048, 16, args.wall_concurrency, args.wall_repeats))
+        print(
+            f"[4] end to end, real server at time scale 1, {args.wall_requests} zero-reuse requests x (2048 + 16) "
+            f"tokens, {args.wall_concurrency} clients, CPU tier off (baseline) vs on"
+        )
+        print(
+            f"    wall throughput       off {f4['off_tokens_per_s']:.0f} tok/s, on {f4['on_tokens_per_s']:.0f} tok/s, "
+            f"ratio {f4['ratio_on_off']:.4f} (target within 3%); per pair min {f4['pair_min']:.3f} "
+            f"max {f4['pair_max']:.3f}"
+        )
+        print(f"    wall / simulated      {f4['pacing_min']:.3f} .. {f4['pacing_max']:.3f} (1.0: pacing holds)")
     return 0
 
 
