@@ -8,7 +8,9 @@
    0), N streaming clients in a child process; server process CPU time (``getrusage``) per engine step.
 3. CPU tier on vs off on zero-reuse traffic (every prompt unique): simulated throughput (output+prompt tokens
    per simulated second) and host CPU throughput (requests per CPU second of this thread, so other processes on
-   a shared machine count less), runs interleaved: ratio of the best runs, and the spread of per-pair ratios.
+   a shared machine count less), runs interleaved: ratio of the best runs, and the spread of per-pair ratios;
+   the difference as host µs per offloaded block, beside the modelled time of that block (prompt + output time
+   per simulated block).
 4. The same comparison end to end, as a user sees it: the real worker (aiohttp server, sim engine paced at time
    scale 1, so a step lasts as long as on the modelled H200) in this process, zero-reuse completions from
    ``--wall-concurrency`` clients in a child process; wall-clock tokens per second (prompt + output) with the CPU
@@ -258,6 +260,8 @@ def bench_cpu_tier(num_requests: int, prompt_len: int, max_tokens: int, repeats:
         "off_host_requests_per_s": off_host,
         "on_host_requests_per_s": on_host,
         "host_ratio_on_off": on_host / off_host,
+        "offload_host_us_per_block": (1 / on_host - 1 / off_host) / (prompt_len // 16) * 1e6,
+        "simulated_us_per_block": (prompt_len + max_tokens) / on_sim / (prompt_len // 16) * 1e6,
     }
 
 
@@ -305,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{f3['on_host_requests_per_s']:.0f} req/s, ratio {f3['host_ratio_on_off']:.4f} (best runs); per pair "
         f"min {f3['host_ratio_pair_min']:.3f} median {f3['host_ratio_pair_median']:.3f} "
         f"max {f3['host_ratio_pair_max']:.3f}"
+    )
+    print(
+        f"    offload host cost     {f3['offload_host_us_per_block']:.2f} us per offloaded block, "
+        f"{f3['offload_host_us_per_block'] / f3['simulated_us_per_block']:.4f} of its modelled time "
+        f"({f3['simulated_us_per_block']:.1f} us)"
     )
     if not args.skip_wall:
         f4 = asyncio.run(bench_wall(args.wall_requests, 2048, 16, args.wall_concurrency, args.wall_repeats))
