@@ -3,7 +3,7 @@
 Layout (plain dicts of ints, no object per block)::
 
     lanes[(group, medium)] : {block_hash -> holder mask}      one bit per slot (worker, dp_rank)
-    parent                 : {block_hash -> parent hash}      one entry per block; insertion order = LRU order
+    parent                 : {block_hash -> parent hash}      one entry per block; insertion order = eviction order
     children               : {block_hash -> child | [child]}  the entries whose parent pointer is the key
     rooted                 : {block_hash}                     entries starting a chain at a namespace seed
     slot.num_gaps          : int                              per slot, see "Gaps" below
@@ -14,6 +14,11 @@ Invariants:
     (or no longer) an entry; such a key is listed in ``dangling`` until it becomes an entry or loses its
     children. A single child is stored as the int itself, two or more as a list.
   * Copy counts: a slot holding a block twice on one lane needs as many removals before its bit clears.
+
+Eviction order: ``parent``'s insertion order, oldest first. A new entry goes to the most recent end; a store
+of blocks already indexed moves only its last block there (one dict move per store, not one per block).
+Pruning takes leaves only, so a block's ancestors never go before it: an ancestor's own position matters only
+once every descendant is gone, and then it ranks by its creation or its last store as the last block of a chain.
 
 Gaps (group 0, GPU lane only): a *gap* of slot ``s`` is a block ``h`` that ``s`` holds on GPU with ``h`` not in
 ``rooted`` and ``parent[h]`` not held by ``s`` on GPU. ``slot.num_gaps`` equals the number of gaps of the slot,
@@ -29,7 +34,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from itertools import repeat
 from operator import and_, or_
-from typing import cast
 
 from events.types import Medium
 from router.index.config import GroupSpec, IndexConfig
@@ -191,7 +195,10 @@ class IndexState:
                 children[up] = value[0]
 
     def _link(self, hashes: list[int], first_parent: int, is_rooted: bool) -> tuple[bool, bool]:
-        """Create or touch (move to most recent) the entries of a chain, root-most first.
+        """Create the missing entries of a chain, root-most first, and touch its last block (LRU).
+
+        Only the last block moves to the most recent end of ``parent``: pruning takes leaves only, so its
+        ancestors cannot go before it (see "Eviction order" in the module docstring).
 
         Args:
             hashes: ``[n]`` our block hashes of the chain.
@@ -213,19 +220,18 @@ class IndexState:
             else:
                 self._add_child(first_parent, hashes[0])
             return True, True
-        # Touch (move to most recent) in chain order: pop every block, reinsert in order.
-        olds: list[int | None] = list(map(parent.pop, hashes, repeat(None)))
+        olds = list(map(parent.get, hashes))
+        last = hashes[-1]
         if None not in olds:  # every block was an entry (a second holder storing the same chain)
-            parent.update(zip(hashes, cast(list[int], olds), strict=True))
+            parent[last] = parent.pop(last)
             return False, olds[1:] == hashes[:-1]
         is_consistent = True
         prev = first_parent
         for position, (block_hash, old) in enumerate(zip(hashes, olds, strict=True)):
             if old is not None:
-                parent[block_hash] = old
                 if old != prev and position:
                     is_consistent = False
-            elif block_hash not in parent:  # (a block repeated in the chain was reinserted already)
+            elif block_hash not in parent:  # (a block repeated in the chain was inserted already)
                 parent[block_hash] = prev
                 if is_rooted and not position:
                     self._rooted.add(block_hash)
@@ -234,6 +240,8 @@ class IndexState:
                 if self._dangling:
                     self._dangling.discard(block_hash)
             prev = block_hash
+        if olds[-1] is not None:
+            parent[last] = parent.pop(last)
         return False, is_consistent
 
     def _unlink(self, block_hash: int) -> int:

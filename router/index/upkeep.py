@@ -1,7 +1,8 @@
 """Upkeep of the prefix index: clearing workers and tiers, the block cap (LRU pruning), approximate mode.
 
-Eviction order for the block cap: oldest stored (or re-stored) entry first (``parent``'s insertion order), leaves
-only; a parent becomes a leaf when its last child goes and is pruned next if it was older than that child.
+Eviction order for the block cap: oldest entry first (``parent``'s insertion order: creation, or the last store
+that ended at the block, ``router.index.state``), leaves only; a parent becomes a leaf when its last child goes
+and is pruned next if it was older than that child.
 Approximate blocks expire in expiry order (a heap of insert records); a record whose block was refreshed,
 confirmed by an event or dropped since is skipped.
 """

@@ -283,6 +283,21 @@ def test_block_cap_keeps_interior_blocks_while_children_live():
     assert depths(index) == {"w0": (2, 0, 0), "w1": (2, 0, 0)}
 
 
+def test_block_cap_restore_of_a_chain_makes_it_recent():
+    index = make_index(max_blocks=7, prune_target_ratio=0.5)
+    other = tuple(range(500, 512))
+    index.apply(batch("w0", stored(0, 4)))
+    index.apply(batch("w1", BlockStored((1, 2, 3), None, other, BS)))
+    index.apply(batch("w1", stored(0, 4)))  # every block indexed: the chain's last block becomes the most recent
+    index.apply(batch("w2", BlockStored((9,), None, tuple(range(900, 904)), BS)))  # 8 > 7: prune to 3
+    assert index.stats().counters["num_pruned_blocks"] == 5
+    # The other chain (3 blocks) goes first, then the restored chain from its leaf up: blocks 3, 2.
+    assert depths(index) == {"w0": (2, 0, 0), "w1": (2, 0, 0)}
+    assert depths(index, hash_token_blocks(list(other), BS)) == {}
+    assert depths(index, hash_token_blocks(list(range(900, 904)), BS)) == {"w2": (1, 0, 0)}
+    index.check_invariants()
+
+
 def test_hybrid_groups_sliding_window_and_recurrent():
     index = PrefixIndex(
         IndexConfig(block_size=BS),
