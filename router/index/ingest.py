@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from itertools import repeat
+from typing import cast
 
 from events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Resync
 from router.block_hash import (
@@ -69,15 +70,20 @@ class IngestMixin(UpkeepMixin):
             self._clear_slot(slot, None, include_pool=False)
 
     def _store_with_parked(self, slot: Slot, event: BlockStored) -> None:
-        stack = [event]
-        while stack:
-            mapped = self._store(slot, stack.pop())
-            if slot.parked and mapped:
+        mapped = self._store(slot, event)
+        if not slot.parked or not mapped:
+            return
+        stack: list[BlockStored] = []
+        while True:
+            if slot.parked:
                 for engine_hash in mapped:
                     waiting = slot.parked.pop(engine_hash, None)
                     if waiting:
                         self._counters["num_parked_blocks_applied"] += sum(len(e.block_hashes) for e in waiting)
                         stack.extend(waiting)
+            if not stack:
+                return
+            mapped = self._store(slot, stack.pop())
 
     def _store(self, slot: Slot, event: BlockStored) -> Sequence[int]:
         """Apply one store; returns the engine hashes it mapped (to release parked children)."""
@@ -118,16 +124,22 @@ class IngestMixin(UpkeepMixin):
             if parent_hash is None and (salt is not None or event.lora_name is not None)
             else DEFAULT_NAMESPACE
         )
-        token_ids = event.token_ids if num_ok == num_event_blocks else event.token_ids[: num_ok * event_block_size]
-        data = tokens_to_bytes(token_ids)
-        ours: list[int] = list(
+        if num_ok == num_event_blocks:
+            token_ids = event.token_ids
+            engine_hashes = event.block_hashes
+        else:
+            token_ids = event.token_ids[: num_ok * event_block_size]
+            engine_hashes = event.block_hashes[:num_ok]
+        ours: list[int] = cast(
+            list[int],
             hash_block_bytes(
-                data, self._block_size, namespace, BlockHash(parent_hash) if parent_hash is not None else None
-            )
+                tokens_to_bytes(token_ids),
+                self._block_size,
+                namespace,
+                BlockHash(parent_hash) if parent_hash is not None else None,
+            ),
         )
-        first_parent = namespace if parent_hash is None else parent_hash
-        self._hold(slot, lane_key, ours, first_parent, parent_hash is None)
-        engine_hashes = event.block_hashes[:num_ok]
+        self._hold(slot, lane_key, ours, namespace if parent_hash is None else parent_hash, parent_hash is None)
         if factor == 1:
             slot.engine.update(zip(engine_hashes, ours, strict=True))
         else:

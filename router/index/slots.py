@@ -30,6 +30,7 @@ class Slot:
         worker_id: the worker.
         dp_rank: the engine's data-parallel rank.
         bit: bit index in holder masks.
+        mask: ``1 << bit``, this slot's bit as a mask.
         engine: engine block hash (u64) -> our block hash.
         spans: (medium, engine hash) -> number of index blocks one engine block covers, only when > 1.
         span_held: (lane, our hash) pairs held only through a multi-block offload span.
@@ -46,6 +47,7 @@ class Slot:
         "worker_id",
         "dp_rank",
         "bit",
+        "mask",
         "engine",
         "spans",
         "span_held",
@@ -62,6 +64,7 @@ class Slot:
         self.worker_id = worker_id
         self.dp_rank = dp_rank
         self.bit = bit
+        self.mask = 1 << bit
         self.engine: dict[int, int] = {}
         self.spans: dict[tuple[Medium, int], int] = {}
         self.span_held: set[tuple[LaneKey, int]] = set()
@@ -72,11 +75,6 @@ class Slot:
         self.parked_order: deque[tuple[int, BlockStored]] = deque()
         self.num_gaps = 0
         self.is_live = True
-
-    @property
-    def mask(self) -> int:
-        """This slot's bit as a mask."""
-        return 1 << self.bit
 
     def num_parked(self) -> int:
         """Stores waiting for a parent."""
