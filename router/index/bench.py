@@ -40,7 +40,7 @@ import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -223,7 +223,17 @@ def _ratio(value: float, baseline: float) -> str:
     return f"{value / baseline:.2f}x baseline" if baseline else "n/a"
 
 
-def run(num_blocks: int, num_workers: int, num_queries: int, memory_fraction: float, seed: int) -> int:
+def _timed_apply(apply: Callable[[EventBatch], None], batches: Sequence[EventBatch]) -> tuple[float, float]:
+    """``(thread CPU seconds, wall seconds)`` to apply every batch."""
+    cpu_start, wall_start = time.thread_time(), time.perf_counter()
+    for batch in batches:
+        apply(batch)
+    return time.thread_time() - cpu_start, time.perf_counter() - wall_start
+
+
+def run(
+    num_blocks: int, num_workers: int, num_queries: int, memory_fraction: float, seed: int, ingest_rounds: int = 2
+) -> int:
     """Run every figure and print it; returns the process exit status."""
     print(f"fleet: ~{num_blocks:,} blocks, {num_workers} workers, seed {seed}", flush=True)
     conversations, long_paths = build_fleet(num_blocks, num_workers, seed)
@@ -231,20 +241,25 @@ def run(num_blocks: int, num_workers: int, num_queries: int, memory_fraction: fl
     num_holdings = sum(len(e.block_hashes) for b in batches for e in b.events if isinstance(e, BlockStored))
     print(f"events: {len(batches):,} batches, {num_holdings:,} (block, worker) stores", flush=True)
 
-    # Ingest.
+    # Ingest: best of ``ingest_rounds`` alternating rounds, by this thread's CPU time (the host is shared).
     index = PrefixIndex(IndexConfig(block_size=BLOCK_SIZE, max_blocks=max(2 * num_blocks, 1)))
-    start = time.perf_counter()
-    for batch in batches:
-        index.apply(batch)
-    index_s = time.perf_counter() - start
     tree = NodeTree(BLOCK_SIZE)
-    start = time.perf_counter()
-    for batch in batches:
-        tree.apply(batch)
-    tree_s = time.perf_counter() - start
+    index_cpu_s = index_wall_s = tree_cpu_s = tree_wall_s = float("inf")
+    for _ in range(ingest_rounds):
+        del index, tree
+        gc.collect()
+        index = PrefixIndex(IndexConfig(block_size=BLOCK_SIZE, max_blocks=max(2 * num_blocks, 1)))
+        cpu_s, wall_s = _timed_apply(index.apply, batches)
+        index_cpu_s, index_wall_s = min(index_cpu_s, cpu_s), min(index_wall_s, wall_s)
+        tree = NodeTree(BLOCK_SIZE)
+        cpu_s, wall_s = _timed_apply(tree.apply, batches)
+        tree_cpu_s, tree_wall_s = min(tree_cpu_s, cpu_s), min(tree_wall_s, wall_s)
+    speedup = _ratio(tree_cpu_s, index_cpu_s).replace("baseline", "faster")
     print(
-        f"ingest: {num_holdings / index_s / 1e6:.2f} M blocks/s  (node tree {num_holdings / tree_s / 1e6:.2f} M/s; "
-        f"{_ratio(tree_s, index_s).replace('baseline', 'faster')})  entries {index.num_blocks():,}",
+        f"ingest: {num_holdings / index_cpu_s / 1e6:.2f} M blocks/s per core "
+        f"({num_holdings / index_wall_s / 1e6:.2f} wall)  (node tree {num_holdings / tree_cpu_s / 1e6:.2f} M/s, "
+        f"{num_holdings / tree_wall_s / 1e6:.2f} wall; {speedup}) best of {ingest_rounds}, "
+        f"entries {index.num_blocks():,}",
         flush=True,
     )
     del batches
@@ -353,8 +368,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-queries", type=int, default=2000, help="match() calls timed")
     parser.add_argument("--memory-fraction", type=float, default=0.2, help="fleet size for tracemalloc")
     parser.add_argument("--seed", type=int, default=0, help="fleet seed")
+    parser.add_argument("--ingest-rounds", type=int, default=2, help="ingest rounds (best one is printed)")
     args = parser.parse_args(argv)
-    return run(args.num_blocks, args.num_workers, args.num_queries, args.memory_fraction, args.seed)
+    if args.ingest_rounds < 1:
+        parser.error("--ingest-rounds must be >= 1")
+    return run(args.num_blocks, args.num_workers, args.num_queries, args.memory_fraction, args.seed, args.ingest_rounds)
 
 
 if __name__ == "__main__":
