@@ -7,7 +7,8 @@ other; every conversation is held by 1 to 3 workers, each storing it turn by tur
 deep (32,768 tokens): the prompts of the match benchmark.
 
 Figures (each printed beside its baseline and as a ratio):
-  * ingest: blocks per second through ``PrefixIndex.apply`` (event construction is not timed);
+  * ingest: blocks per second through ``PrefixIndex.apply`` by this thread's CPU time (``time.thread_time``;
+    wall time beside it), best of ``--ingest-rounds`` alternating rounds (event construction is not timed);
     baseline: a tree with one Python object per block (children dict, holder set, per-worker engine map),
     fed the same events with the same block hashes.
   * match: p50 / p99 of ``match()`` for 2,048-block prompts; baseline: walking the tree.
@@ -16,20 +17,25 @@ Figures (each printed beside its baseline and as a ratio):
   * memory: bytes per (block, worker) holding, by ``tracemalloc`` on a fleet of ``--memory-fraction`` size.
   * gc: one full ``gc.collect()`` with the structure alive.
 
-Measured (defaults: 1,000,000 blocks, 64 workers, 1.9 M holdings; a shared 2-core host with other jobs
-running, so absolute figures move 2-5x between runs: compare each with its same-run baseline)::
+Measured (defaults: 1,000,000 blocks, 64 workers, 1.9 M holdings in 56,781 stores of 33 blocks on average; a
+shared 2-core host with other jobs running, three runs)::
 
-    ingest        0.23-0.35 M blocks/s          node tree 0.16-0.40 M/s      (0.9-1.45x)
-    match 2048    p50 57-80 us, p99 169 us on the quietest run (4-8 ms under load)
-                                                node tree p50 970-1350 us    (p50 ~15x faster)
-    gc pass       +0-4 ms over an empty heap    node tree +300-1100 ms
-    hash 131072   0.65 ms (uint32 array), 1.6-1.7 ms (list)   one xxh3 pass 0.011 ms
-    memory        161 bytes per (block, worker)              node tree 290 (0.56x)
+    ingest        0.69-0.75 M blocks/s per core    node tree 0.50-0.55 M/s      (1.28-1.37x)
+    match 2048    p50 40-57 us, p99 99-128 us      node tree p50 741-1044 us    (p99 ~0.09x)
+    gc pass       +4-13 ms over an empty heap      node tree +310-330 ms
+    hash 131072   0.50-0.73 ms (uint32 array), 1.25-2.04 ms (list)   one xxh3 pass 0.008 ms
+    memory        161 bytes per (block, worker)    node tree 290 (0.56x)
 
 Match reads 2 positions per prompt when every holder holds all of it, plus about ``2 log2 n`` per distinct
 depth (the fleet's shared system prompts give 60+ workers a short match: about 70 probes); the rest is building
-the per-worker result. Ingest is bound by dict inserts into 1 M-entry tables (``parent``, ``children``, the
-lane, ``slot.engine``), about 0.5 us each on this host.
+the per-worker result.
+
+Ingest, about 1.3 us of CPU per (block, worker) store, splits into (thread time, each phase alone over the same
+stores): token tuple to uint32 0.13 us, the xxh3 chain 0.12 us, ``slot.engine`` 0.18 us, the index tables
+0.67 us, the rest per event (about 5 us per store). A new block costs an ``isdisjoint`` probe and inserts into
+``parent``, ``children`` and the lane, 1 M-entry dicts with random keys: about one cache miss each, 0.15-0.2 us
+on this host. A block another worker stored already costs a ``parent`` and a lane lookup and a lane update
+(the eviction order moves only the store's last block).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ holding is one bit. Modules, one concept each::
     match.py                pure depth computations (walk, jump search, hybrid hit rules)
 
 Measured by ``python -m router.index.bench`` (1 M blocks, 64 workers, 1.9 M (block, worker) holdings; figures
-and method in that module's docstring): 165 bytes per (block, worker) holding (tracemalloc), no gc-tracked
+and method in that module's docstring): 161 bytes per (block, worker) holding (tracemalloc), no gc-tracked
 object per block (children lists only at branching blocks).
 """
 
