@@ -53,6 +53,15 @@ def test_matches_reference_algorithm(lora, salt):
     assert hash_token_blocks(tokens, 4, ns) == _reference(tokens, 4, lora, salt)
 
 
+@pytest.mark.parametrize("num_blocks", [1, 7, 8, 9, 20])
+def test_short_and_bulk_chains_match_reference(num_blocks):
+    # Fewer than 8 blocks are sliced one by one, 8 and more cut with numpy: both give the reference chain.
+    tokens = [(i * 7919) % 50_000 for i in range(4 * num_blocks)]
+    full = _reference(tokens, 4, None, None)
+    assert hash_token_blocks(tokens, 4) == full
+    assert hash_token_blocks(tokens[4:], 4, parent=full[0]) == full[1:]
+
+
 def test_namespaces_are_distinct():
     values = {
         make_namespace(None, None),

@@ -152,6 +152,17 @@ def test_child_before_parent_is_parked_then_attached():
     assert index.stats().counters["num_parked_blocks_applied"] == 2
 
 
+def test_parked_children_attach_in_a_cascade():
+    index = make_index()
+    index.apply(batch("w0", stored(4, 6), stored(2, 4)))  # 4..5 wait for 1003, 2..3 for 1001
+    assert index.stats().counters["num_parked_events"] == 2
+    index.apply(batch("w0", stored(0, 2)))  # maps 1001: releases 2..3, which maps 1003: releases 4..5
+    assert depths(index) == {"w0": (6, 0, 0)}
+    assert index.stats().counters["num_parked_blocks_applied"] == 4
+    assert index.stats().counters["num_parked_events"] == 0
+    index.check_invariants()
+
+
 def test_orphan_never_attaches_to_another_workers_or_ranks_parent():
     index = make_index()
     index.apply(batch("w1", stored(0, 2)))
