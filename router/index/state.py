@@ -16,7 +16,8 @@ Invariants:
   * Copy counts: a slot holding a block twice on one lane needs as many removals before its bit clears.
 
 Eviction order: ``parent``'s insertion order, oldest first. A new entry goes to the most recent end; a store
-of blocks already indexed moves only its last block there (one dict move per store, not one per block).
+of blocks already indexed moves only its last block there (one dict move per store, not one per block); an
+offload store without tokens moves each block it marks.
 Pruning takes leaves only, so a block's ancestors never go before it: an ancestor's own position matters only
 once every descendant is gone, and then it ranks by its creation or its last store as the last block of a chain.
 
