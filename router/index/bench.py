@@ -18,11 +18,11 @@ Figures (each printed beside its baseline and as a ratio):
   * gc: one full ``gc.collect()`` with the structure alive.
 
 Measured (defaults: 1,000,000 blocks, 64 workers, 1.9 M holdings in 56,781 stores of 33 blocks on average; a
-shared 2-core host with other jobs running, three runs)::
+shared 2-core host with other jobs running, four runs)::
 
-    ingest        0.69-0.75 M blocks/s per core    node tree 0.50-0.55 M/s      (1.28-1.37x)
+    ingest        0.63-0.75 M blocks/s per core    node tree 0.49-0.55 M/s      (1.28-1.37x)
     match 2048    p50 40-57 us, p99 99-128 us      node tree p50 741-1044 us    (p99 ~0.09x)
-    gc pass       +4-13 ms over an empty heap      node tree +310-330 ms
+    gc pass       +4-16 ms over an empty heap      node tree +310-330 ms
     hash 131072   0.50-0.73 ms (uint32 array), 1.25-2.04 ms (list)   one xxh3 pass 0.008 ms
     memory        161 bytes per (block, worker)    node tree 290 (0.56x)
 
