@@ -107,6 +107,7 @@ async def test_restarted_worker_is_cleared_and_rebuilt_from_its_snapshot(detecte
             await w0.restart()  # same ports, empty cache, new start id, seq from 0
             assert w0.worker.start_id != old_start_id
             resyncs_before = sum(g.gw.subscriber.counters.resyncs.values())
+            num_direct_prompts = 0
             if detected_by == "start_id":
                 # the worker publishes nothing: only its load endpoint tells that it restarted
                 await g.gw.fleet.poll_load_once()
@@ -116,7 +117,17 @@ async def test_restarted_worker_is_cleared_and_rebuilt_from_its_snapshot(detecte
                 # publishes before that is lost, like on any PUB/SUB; the snapshot brings it back)
                 counters = g.gw.subscriber.counters
                 await wait_until(lambda: counters.num_reconnects[w0.pub_endpoint] >= 1, what="reconnect")
-                await direct(w0, "n" * 48)
+                # The SUB's subscription reaches the new PUB a moment after the reconnect: until then what the
+                # worker publishes is dropped. Send distinct 3-block prompts until one arrives.
+                while True:
+                    await direct(w0, chr(ord("n") + num_direct_prompts) * 48)
+                    num_direct_prompts += 1
+                    try:
+                        await wait_until(lambda: sum(counters.resyncs.values()) > resyncs_before, timeout_s=1.0)
+                        break
+                    except AssertionError:
+                        if num_direct_prompts == 10:
+                            raise
             await wait_until(lambda: sum(g.gw.subscriber.counters.resyncs.values()) > resyncs_before,
                              what="a resync")
             reasons = {reason for (wid, reason) in g.gw.subscriber.counters.resyncs if wid == "w0"}
@@ -124,7 +135,7 @@ async def test_restarted_worker_is_cleared_and_rebuilt_from_its_snapshot(detecte
             await wait_until(lambda: g.gw.fleet.workers["w0"].is_warm, what="w0 warm again")
             await in_sync(g.gw, ws)
             assert num_indexed_blocks(g.gw, "w0") == worker_blocks(w0)
-            assert num_indexed_blocks(g.gw, "w0") == (3 if detected_by == "seq_back_to_0" else 0)
+            assert num_indexed_blocks(g.gw, "w0") == 3 * num_direct_prompts
             # nothing of the old cache is predicted any more; the live stream is followed again
             worker, predicted, reported = await g.complete(PREFIX, headers={"x-kvgate-worker": "w0"})
             assert (worker, predicted, reported) == ("w0", 0, 0)
