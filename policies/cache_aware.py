@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Mapping
 
 from policies.base import Decision, RequestView, Snapshot, WorkerState
 from policies.candidates import eligible_workers, no_worker_decision
@@ -69,6 +70,9 @@ class CacheAwarePolicy:
             calibrator = TTFTCalibrator(config)
         self.calibrator: TTFTCalibrator | None = calibrator if config.enable_calibration else None
         self._rng = random.Random(config.seed)
+        self._log_factors: Mapping[str, float] = (
+            self.calibrator.log_speed_factors_view() if self.calibrator is not None else {}
+        )
 
     def is_saturated(self, worker: WorkerState) -> bool:
         """True when ``worker`` is at or over a configured busy threshold."""
@@ -95,10 +99,7 @@ class CacheAwarePolicy:
 
     def select(self, view: RequestView, snapshot: Snapshot) -> Decision:
         """Choose the candidate with the lowest estimated TTFT (see the module docstring)."""
-        candidates = eligible_workers(snapshot)
-        if not candidates:
-            return no_worker_decision(snapshot)
-        # The cost model's formula (TTFTCostModel.work_s), inlined: this loop is the hot path.
+        # The cost model's formula (TTFTCostModel.work_s) and is_saturated, inlined: this loop is the request path.
         model = self.cost_model
         n = view.num_prompt_tokens
         n_sq = n * n
@@ -115,32 +116,38 @@ class CacheAwarePolicy:
         max_kv_usage = config.max_kv_usage
         max_pending = config.max_pending_prefill_tokens
         has_thresholds = max_running is not None or max_kv_usage is not None or max_pending is not None
-        factors = self.calibrator.log_speed_factors_view() if self.calibrator is not None else None
+        factors = self._log_factors
+        workers = snapshot.workers
         scores: dict[str, float] = {}
-        costs: list[float] = []
-        competing: list[tuple[int, int, int, int]] = []
-        saturated: list[tuple[int, int, int, int]] = []
-        for index, w in enumerate(candidates):
+        # Sort keys (rounded cost, -GPU-cached tokens, running requests, position in snapshot, cost); the position
+        # is unique, so the float cost at the end is never compared.
+        competing: list[tuple[int, int, int, int, float]] = []
+        saturated: list[tuple[int, int, int, int, float]] = []
+        prefill_uncached = n * s_per_token + n_sq * s_per_token_sq  # the prefill below with k = 0
+        for index, w in enumerate(workers):
+            if not w.is_healthy or w.is_draining:  # policies.candidates.is_eligible, inlined
+                continue
+            # Terms that are zero are skipped: adding 0.0 changes no float, so the sums equal the full formula.
             k_gpu = w.num_gpu_cached_tokens
+            k_cpu = w.num_cpu_cached_tokens
+            k_pool = w.num_pool_cached_tokens
             if k_gpu > n:
                 k_gpu = n
-            k_cpu = w.num_cpu_cached_tokens
-            if k_cpu > n - k_gpu:
-                k_cpu = n - k_gpu
-            k_pool = w.num_pool_cached_tokens
-            if k_pool > n - k_gpu - k_cpu:
-                k_pool = n - k_gpu - k_cpu
+            if k_cpu or k_pool:
+                if k_cpu > n - k_gpu:
+                    k_cpu = n - k_gpu
+                if k_pool > n - k_gpu - k_cpu:
+                    k_pool = n - k_gpu - k_cpu
             k = k_gpu + k_cpu + k_pool
-            prefill = (n - k) * s_per_token + (n_sq - k * k) * s_per_token_sq
-            work = (
-                w.num_pending_prefill_tokens * s_per_token
-                + w.num_waiting_requests * per_waiting_s
-                + w.num_running_requests * per_running_s
-                + prefill
-                + k_cpu * host_s_per_token
-                + k_pool * pool_s_per_token
-            )
-            if factors is not None:
+            prefill = (n - k) * s_per_token + (n_sq - k * k) * s_per_token_sq if k else prefill_uncached
+            pending, waiting, running = w.num_pending_prefill_tokens, w.num_waiting_requests, w.num_running_requests
+            if pending or waiting or running:
+                work = pending * s_per_token + waiting * per_waiting_s + running * per_running_s + prefill
+            else:
+                work = prefill
+            if k_cpu or k_pool:
+                work = work + k_cpu * host_s_per_token + k_pool * pool_s_per_token
+            if factors:
                 log_factor = factors.get(w.worker_id)
                 if log_factor is not None:
                     factor = math.exp(log_factor)
@@ -149,33 +156,33 @@ class CacheAwarePolicy:
             score = overhead_s + work
             scores[w.worker_id] = score
             cost = score + recompute_penalty * prefill
-            costs.append(cost)
-            key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, w.num_running_requests, index)
+            key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, running, index, cost)
             if has_thresholds and (
-                (max_running is not None and w.num_running_requests >= max_running)
+                (max_running is not None and running >= max_running)
                 or (max_kv_usage is not None and w.kv_usage >= max_kv_usage)
-                or (max_pending is not None and w.num_pending_prefill_tokens >= max_pending)
+                or (max_pending is not None and pending >= max_pending)
             ):  # is_saturated(w), inlined
                 saturated.append(key)
             else:
                 competing.append(key)
-        suffix = ""
-        if not competing:
-            competing, suffix = saturated, "_all_saturated"
-        competing.sort()
-        ranked = [candidates[key[3]] for key in competing]
         reason = "min_ttft"
-        if self.config.temperature > 0.0 and len(ranked) > 1:
-            pick = self._softmax_index([costs[key[3]] for key in competing])
-            ranked.insert(0, ranked.pop(pick))
-            reason = "softmax"
-        chosen = ranked[0]
+        if not competing:
+            if not saturated:
+                return no_worker_decision(snapshot)
+            competing, reason = saturated, "min_ttft_all_saturated"
+        if len(competing) > 1:
+            competing.sort()
+            if config.temperature > 0.0:
+                pick = self._softmax_index([key[4] for key in competing])
+                competing.insert(0, competing.pop(pick))
+                reason = "softmax" + reason[8:]
+        chosen = workers[competing[0][3]]
         return Decision(
-            worker_id=chosen.worker_id,
-            reason=reason + suffix,
-            scores=scores,
-            predicted_cached_tokens=chosen.num_cached_tokens,
-            ranking=tuple(w.worker_id for w in ranked),
+            chosen.worker_id,
+            reason,
+            scores,
+            chosen.num_gpu_cached_tokens + chosen.num_cpu_cached_tokens + chosen.num_pool_cached_tokens,
+            tuple([workers[key[3]].worker_id for key in competing]),
         )
 
     def _softmax_index(self, scores_s: list[float]) -> int:

@@ -61,6 +61,9 @@ class CircuitState(IntEnum):
     HALF_OPEN = 2
 
 
+_CLOSED = CircuitState.CLOSED
+
+
 class CircuitBreaker:
     """Consecutive-failure circuit breaker (see module docstring). Times are monotonic seconds."""
 
@@ -187,24 +190,18 @@ class WorkerRuntime:
         """The policy's view of this worker with the given cached-token counts."""
         load = self.load
         running = self.num_inflight_requests
-        waiting = 0
-        kv_usage = 0.0
-        if load is not None:
-            running = max(running, load.num_running_requests)
-            waiting = load.num_waiting_requests
-            kv_usage = load.kv_usage
-        is_full = max_inflight > 0 and self.num_inflight_requests >= max_inflight
+        is_healthy = (
+            self.is_healthy
+            and not (max_inflight > 0 and running >= max_inflight)
+            and (self.breaker.state is _CLOSED or self.breaker.allows(now_s))
+        )
+        if load is None:
+            return WorkerState(self.worker_id, is_healthy, self.is_draining, num_gpu, num_cpu, num_pool, running, 0,
+                               self.num_pending_prefill_tokens, 0.0)
         return WorkerState(
-            worker_id=self.worker_id,
-            is_healthy=self.is_healthy and not is_full and self.breaker.allows(now_s),
-            is_draining=self.is_draining,
-            num_gpu_cached_tokens=num_gpu,
-            num_cpu_cached_tokens=num_cpu,
-            num_pool_cached_tokens=num_pool,
-            num_running_requests=running,
-            num_waiting_requests=waiting,
-            num_pending_prefill_tokens=self.num_pending_prefill_tokens,
-            kv_usage=kv_usage,
+            self.worker_id, is_healthy, self.is_draining, num_gpu, num_cpu, num_pool,
+            max(running, load.num_running_requests), load.num_waiting_requests, self.num_pending_prefill_tokens,
+            load.kv_usage,
         )
 
     def info(self, now_s: float) -> dict[str, Any]:

@@ -158,20 +158,26 @@ class Router:
         if match is None:
             match = self._match(model, view)
         if match is None or not match.workers:
-            return tuple([worker.state(now_s, max_inflight=max_inflight) for worker in candidates])
+            return tuple([worker.state(now_s, 0, 0, 0, max_inflight) for worker in candidates])
         matched = match.workers
-        cap = view.num_cacheable_blocks
         bs = view.block_size
+        cap = (view.num_tokens - 1) // bs  # PromptView.num_cacheable_blocks
         out: list[WorkerState] = []
         for worker in candidates:
             m = matched.get(worker.worker_id)
             if m is None:
-                out.append(worker.state(now_s, max_inflight=max_inflight))
+                out.append(worker.state(now_s, 0, 0, 0, max_inflight))
                 continue
-            gpu = min(m.num_gpu_blocks, cap)
-            cpu = min(m.num_gpu_blocks + m.num_cpu_blocks, cap) - gpu
-            pool = min(m.num_blocks, cap) - gpu - cpu
-            out.append(worker.state(now_s, gpu * bs, cpu * bs, pool * bs, max_inflight))
+            gpu = m.num_gpu_blocks
+            cpu = gpu + m.num_cpu_blocks
+            pool = cpu + m.num_pool_blocks
+            if pool > cap:  # capped per tier, from the root: GPU, then CPU, then pool
+                pool = cap if cap > 0 else 0
+                if cpu > pool:
+                    cpu = pool
+                    if gpu > pool:
+                        gpu = pool
+            out.append(worker.state(now_s, gpu * bs, (cpu - gpu) * bs, (pool - cpu) * bs, max_inflight))
         return tuple(out)
 
     def _match(self, model: ModelConfig, view: PromptView) -> MatchResult | None:
@@ -215,20 +221,17 @@ class Router:
             raise NoWorkerError(f"no worker serves model {parsed.model!r}", reason="no_workers")
         match = self._match(model, view)
         states = self.states(candidates, model, view, now_s, max_inflight_per_worker, match)
-        session_key = self.session_key(headers, parsed, view)
-        req = RequestView(
-            request_id=request_id, model=parsed.model, num_prompt_tokens=view.num_tokens,
-            num_max_output_tokens=parsed.max_tokens or model.default_max_tokens, block_size=view.block_size,
-            session_key=session_key,
-        )
-        snapshot = Snapshot(workers=states, now_s=now_s)
+        holder = self.holder
+        session_key = derive_session_key(holder.key_sources, headers, parsed.user, view.opening_hash)
+        req = RequestView(request_id, parsed.model, view.num_tokens, parsed.max_tokens or model.default_max_tokens,
+                          view.block_size, session_key)
+        snapshot = Snapshot(states, None, now_s)
         forced = None
         if headers:
             for name in FORCE_WORKER_HEADERS:
                 forced = headers.get(name)
                 if forced is not None:
                     break
-        holder = self.holder
         if forced is not None:
             if forced not in {w.worker_id for w in candidates}:
                 raise InvalidFieldError(f"forced worker {forced!r} does not serve model {parsed.model!r}",
@@ -249,28 +252,37 @@ class Router:
                         decision = sticky.resolve(entry.worker_id, inner, snapshot, is_new=entry.is_new)
         else:
             decision = holder.policy.select(req, snapshot)
-        if decision.worker_id is None:
+        chosen_id = decision.worker_id
+        if chosen_id is None:
             raise NoWorkerError(f"no worker available for model {parsed.model!r}: {decision.reason}",
                                 reason=decision.reason)
-        chosen_id = decision.worker_id
-        chosen = next(w for w in candidates if w.worker_id == chosen_id)
+        predicted: dict[str, int] = {}
+        chosen = None
+        for worker, state in zip(candidates, states, strict=True):
+            wid = worker.worker_id
+            predicted[wid] = state.num_gpu_cached_tokens + state.num_cpu_cached_tokens + state.num_pool_cached_tokens
+            if wid == chosen_id:
+                chosen = worker
+        if chosen is None:
+            raise RuntimeError(f"the policy chose {chosen_id!r}, which is not a candidate")
         order = [chosen]
         if len(decision.ranking) > 1:
             by_id = {w.worker_id: w for w in candidates}
             order += [by_id[w] for w in decision.ranking if w != chosen_id and w in by_id]
-        predicted = {s.worker_id: s.num_cached_tokens for s in states}
-        index = self._indexes.get(model.name) if view.block_hashes else None
-        if index is not None:
-            if chosen.is_approximate:
-                self._insert(index, chosen, view.block_hashes, match, now_s, None)
-            elif model.enable_pending_blocks and chosen.config.dp_ranks == 1:
-                num_full = view.num_tokens // chosen.block_size * chosen.block_size // view.block_size
-                self._insert(index, chosen, view.block_hashes[:num_full], match, now_s, model.pending_blocks_ttl_s)
+        if view.block_hashes:
+            index = self._indexes.get(model.name)
+            if index is not None:
+                if chosen.is_approximate:
+                    self._insert(index, chosen, view.block_hashes, match, now_s, None)
+                elif model.enable_pending_blocks and chosen.config.dp_ranks == 1:
+                    num_full = view.num_tokens // chosen.block_size * chosen.block_size // view.block_size
+                    self._insert(index, chosen, view.block_hashes[:num_full], match, now_s,
+                                 model.pending_blocks_ttl_s)
         calibrator = holder.calibrator
-        factor = calibrator.speed_factor(chosen.worker_id) if calibrator is not None else 1.0
+        factor = calibrator.speed_factor(chosen_id) if calibrator is not None else 1.0
         decision_s = time.perf_counter() - t0
         self.recent.append(DecisionRecord(
-            request_id, parsed.model, decision.worker_id, decision.reason, decision.detail, session_key,
-            view.num_tokens, predicted[decision.worker_id], decision.scores, predicted, decision_s, now_s,
+            request_id, parsed.model, chosen_id, decision.reason, decision.detail, session_key,
+            view.num_tokens, predicted[chosen_id], decision.scores, predicted, decision_s, now_s,
         ))
         return RoutePlan(decision, order, predicted, view.num_tokens, session_key, factor, decision_s)
