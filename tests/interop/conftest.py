@@ -75,6 +75,24 @@ def interop_skip_reason() -> str | None:
 
 
 
+def process_family(pid: int) -> list[int]:
+    """``pid`` and every process descended from it now (from ``/proc``), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    family = [pid]
+    for member in family:
+        family.extend(children.get(member, ()))
+    return family
+
+
 @dataclass
 class Process:
     """A subprocess in its own process group, logging to a file."""
