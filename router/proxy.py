@@ -96,6 +96,32 @@ def cached_tokens_of(usage: _Usage | None) -> int | None:
     return details.cached_tokens or 0 if details is not None else 0
 
 
+AUTO_HEADER_BITS = {"user-agent": 1, "accept-encoding": 2, "content-type": 4}
+"""Headers the HTTP client adds when absent (one bit each); the ones a client did not send are skipped."""
+ALL_AUTO_HEADERS = 7
+
+
+def forward_headers_of(headers: Mapping[str, str], request_id: str) -> tuple[list[tuple[str, str]], tuple[str, ...]]:
+    """The client's headers to send upstream, and the auto headers the client did not send.
+
+    Returns:
+        ``(headers without hop-by-hop ones, plus x-request-id; names in AUTO_HEADER_BITS the client did not
+        send)``.
+    """
+    out: list[tuple[str, str]] = []
+    seen = 0
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in HOP_BY_HOP_HEADERS:
+            continue
+        seen |= AUTO_HEADER_BITS.get(lower, 0)
+        out.append((name, value))
+    out.append((REQUEST_ID_HEADER, request_id))
+    if seen == ALL_AUTO_HEADERS:
+        return out, ()
+    return out, tuple(name for name, bit in AUTO_HEADER_BITS.items() if not seen & bit)
+
+
 def _response_headers(upstream: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
     headers = {k: v for k, v in upstream.items() if k.lower() not in HOP_BY_HOP_HEADERS}
     headers.update(extra)
@@ -130,10 +156,7 @@ class Proxy:
         Raises:
             UpstreamError: every attempt failed before the first byte (502; 504 if the last one timed out).
         """
-        forward_headers = [
-            (k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP_HEADERS
-        ]
-        forward_headers.append((REQUEST_ID_HEADER, request_id))
+        forward_headers, skip_auto_headers = forward_headers_of(request.headers, request_id)
         attempts = plan.workers[: 1 + self._retry.max_retries]
         last_exc: Exception | None = None
         for attempt, worker in enumerate(attempts):
@@ -143,7 +166,8 @@ class Proxy:
                 if worker.is_draining or not worker.breaker.allows(self._clock()):
                     continue
             upstream_req = UpstreamRequest(
-                worker.worker_id, worker.config.url, request.method, request.path_qs, forward_headers, body
+                worker.worker_id, worker.config.url, request.method, request.path_qs, forward_headers, body,
+                skip_auto_headers,
             )
             uncached = max(0, plan.num_prompt_tokens - plan.predicted_cached_tokens.get(worker.worker_id, 0))
             wm = self._metrics.worker(worker.worker_id)
@@ -204,12 +228,13 @@ class Proxy:
 
     def _first_byte(self, worker: WorkerRuntime, plan: RoutePlan, sent_at: float, uncached: int,
                     is_stream: bool) -> None:
-        """Move the request from pending prefill to decoding and feed the observed TTFT to the calibrator."""
-        ttft_s = (time.perf_counter() - sent_at) / worker.config.time_scale  # in the worker's seconds
+        """Move the request from pending prefill to decoding; for a stream, feed the observed TTFT to the
+        ``ttft_seconds`` histogram and the calibrator."""
         worker.num_pending_prefill_tokens -= uncached
         worker.num_decoding_requests += 1
         if not is_stream:
             return
+        ttft_s = (time.perf_counter() - sent_at) / worker.config.time_scale  # in the worker's seconds
         self._metrics.worker(worker.worker_id).ttft_s.observe(ttft_s)
         calibrator = self._holder.calibrator
         if calibrator is None or worker.worker_id != plan.decision.worker_id:

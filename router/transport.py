@@ -43,6 +43,8 @@ class UpstreamRequest(msgspec.Struct, frozen=True, gc=False):
         path: path with query, e.g. ``/v1/chat/completions``.
         headers: headers to send (hop-by-hop headers already removed).
         body: the body exactly as the client sent it.
+        skip_auto_headers: headers the client did not send that the HTTP client must not add on its own
+            (``User-Agent``, ``Accept-Encoding``, ``Content-Type``): the worker sees only what the client sent.
     """
 
     worker_id: str
@@ -51,6 +53,7 @@ class UpstreamRequest(msgspec.Struct, frozen=True, gc=False):
     path: str
     headers: Sequence[tuple[str, str]]
     body: bytes
+    skip_auto_headers: tuple[str, ...] = ()
 
 
 class UpstreamResponse(Protocol):
@@ -214,7 +217,6 @@ class AiohttpTransport:
             connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=30.0, ttl_dns_cache=300)
             session = aiohttp.ClientSession(
                 connector=connector, timeout=self._client_timeout, auto_decompress=False,
-                skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
                 cookie_jar=aiohttp.DummyCookieJar(),
             )
             self._sessions[worker_id] = session
@@ -239,7 +241,11 @@ class AiohttpTransport:
         timer = loop.call_at(loop.time() + self._timeouts.first_byte_s, expiry.fire)
         try:
             try:
-                resp = await session.request(request.method, parsed_url, data=request.body, headers=request.headers)
+                if request.skip_auto_headers:  # per request: a session-wide list costs a header copy every time
+                    resp = await session.request(request.method, parsed_url, data=request.body,
+                                                 headers=request.headers, skip_auto_headers=request.skip_auto_headers)
+                else:
+                    resp = await session.request(request.method, parsed_url, data=request.body, headers=request.headers)
             except asyncio.CancelledError:
                 if expiry.has_fired and task.uncancel() == 0:
                     raise TimeoutError from None

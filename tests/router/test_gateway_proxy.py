@@ -193,3 +193,26 @@ async def test_openai_client_against_gateway(workers):
                 await client.completions.create(model="other", prompt="x")
         finally:
             await client.close()
+
+
+async def test_worker_sees_the_client_headers_and_nothing_the_http_client_adds(workers):
+    body = {"model": "m", "prompt": "hi"}
+    async with GatewayHarness(make_config(workers), workers=workers) as h:
+        async with aiohttp.ClientSession(skip_auto_headers=("User-Agent", "Accept-Encoding")) as s:
+            async with s.post(h.url + "/v1/completions", json=body,
+                              headers={"x-kvgate-worker": "w0", "Authorization": "Bearer k"}) as r:
+                assert r.status == 200
+                request_id = r.headers["x-request-id"]
+        sent = {k.lower(): v for k, v in workers[0].requests[-1]["headers"].items()}
+        assert "user-agent" not in sent
+        assert "accept-encoding" not in sent
+        assert sent["authorization"] == "Bearer k"
+        assert sent["content-type"] == "application/json"
+        assert sent["x-request-id"] == request_id
+        assert sent["host"] == workers[0].url.removeprefix("http://")
+        # a client that sends them gets them through unchanged
+        _, _, _ = await h.post("/v1/completions", body, headers={"x-kvgate-worker": "w0", "User-Agent": "agent/1",
+                                                                 "Accept-Encoding": "identity"})
+        sent = {k.lower(): v for k, v in workers[0].requests[-1]["headers"].items()}
+        assert sent["user-agent"] == "agent/1"
+        assert sent["accept-encoding"] == "identity"
