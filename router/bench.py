@@ -89,7 +89,10 @@ async def _backend(ports: list[int]) -> None:
 
 
 async def _bare_proxy(port: int, upstream: str) -> None:
-    """Bare pass-through: parse the body with msgspec (as a router would), forward it, stream the answer back."""
+    """Bare pass-through: parse the body with msgspec (as a router would), forward it with the client's headers,
+    stream the answer back with the worker's headers (hop-by-hop headers dropped both ways, as any proxy must)."""
+    from router.transport import HOP_BY_HOP_HEADERS
+
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
 
     class _Body(msgspec.Struct):
@@ -101,9 +104,10 @@ async def _bare_proxy(port: int, upstream: str) -> None:
     async def handle(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         decoder.decode(raw)
-        async with session.post(upstream + request.path, data=raw,
-                                headers={"Content-Type": "application/json"}) as up:
-            out = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers["Content-Type"]})
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP_HEADERS]
+        async with session.post(upstream + request.path, data=raw, headers=headers) as up:
+            out = web.StreamResponse(status=up.status, headers={
+                k: v for k, v in up.headers.items() if k.lower() not in HOP_BY_HOP_HEADERS})
             await out.prepare(request)
             async for chunk in up.content.iter_any():
                 await out.write(chunk)
