@@ -9,7 +9,7 @@ so the gateway's tokens equal the worker's.
 Incremental chat tokenization. ``render_segments`` gives one text segment per message (segment ``i`` depends only
 on ``messages[: i + 1]``) plus a generation-prompt segment. A conversation's prefix state after message ``i``::
 
-    key_i   = hash((key_{i-1}, segment_i))                       (in-process str hashing)
+    key_i   = xxh3_64(utf8(segment_i), seed=key_{i-1})           (key_{-1}: the namespace and block size)
     state_i = (num_tokens, block_hashes[full blocks], tail tokens < block_size)
 
 is kept in a bounded LRU (``PrefixStateCache``). A new turn finds its longest cached message prefix, tokenizes
@@ -231,6 +231,9 @@ class PromptState(msgspec.Struct, frozen=True, gc=False):
 
 EMPTY_STATE = PromptState(0, (), ())
 
+_SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
+"""xxh3 seeds are unsigned 64-bit: ``hash()`` values are masked to it."""
+
 
 def extend_state(
     state: PromptState, token_ids: list[int] | tuple[int, ...], block_size: int, namespace: Namespace
@@ -379,7 +382,7 @@ class ModelTokenizer:
             prompt = parsed.prompt
             assert prompt is not None  # parse_request guarantees it for completions
             if isinstance(prompt, str):
-                key = hash((ns, bs, prompt))
+                key = xxhash.xxh3_64_intdigest(prompt.encode("utf-8", "surrogatepass"), hash((ns, bs)) & _SEED_MASK)
                 state = self._prompts.get(key)
                 if state is None:
                     state = extend_state(EMPTY_STATE, self.tokenizer.encode(prompt), bs, ns)
@@ -402,9 +405,9 @@ class ModelTokenizer:
             return PromptView(state.num_tokens, state.block_hashes, bs)
         num_messages = len(segments) - 1
         keys: list[int] = []
-        key = hash((ns, bs))
+        key = hash((ns, bs)) & _SEED_MASK
         for i in range(num_messages):
-            key = hash((key, segments[i]))
+            key = xxhash.xxh3_64_intdigest(segments[i].encode("utf-8", "surrogatepass"), key)
             keys.append(key)
         start = 0
         state = EMPTY_STATE
