@@ -32,7 +32,7 @@ from aiohttp import web
 from router.config import RetryConfig
 from router.errors import TransportError, TransportTimeoutError, UpstreamError, UpstreamTimeoutError
 from router.fleet import WorkerRuntime
-from router.metrics import GatewayMetrics
+from router.metrics import GatewayMetrics, WorkerMetrics
 from router.routing import PolicyHolder, RoutePlan
 from router.transport import HOP_BY_HOP_HEADERS, Transport, UpstreamRequest, UpstreamResponse
 
@@ -122,9 +122,16 @@ def forward_headers_of(headers: Mapping[str, str], request_id: str) -> tuple[lis
     return out, tuple(name for name, bit in AUTO_HEADER_BITS.items() if not seen & bit)
 
 
-def _response_headers(upstream: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+def response_headers_of(
+    upstream: Mapping[str, str], worker_id: str, predicted_cached_tokens: int, reason: str, request_id: str,
+) -> dict[str, str]:
+    """The worker's response headers without hop-by-hop ones, plus kvgate's four (worker, predicted cached tokens,
+    decision reason, request id), built in one dict."""
     headers = {k: v for k, v in upstream.items() if k.lower() not in HOP_BY_HOP_HEADERS}
-    headers.update(extra)
+    headers[WORKER_HEADER] = worker_id
+    headers[PREDICTED_HEADER] = str(predicted_cached_tokens)
+    headers[DECISION_HEADER] = reason
+    headers[REQUEST_ID_HEADER] = request_id
     return headers
 
 
@@ -166,10 +173,11 @@ class Proxy:
                 if worker.is_draining or not worker.breaker.allows(self._clock()):
                     continue
             upstream_req = UpstreamRequest(
-                worker.worker_id, worker.config.url, request.method, request.path_qs, forward_headers, body,
+                worker.worker_id, worker.config.url, request.method, request.raw_path, forward_headers, body,
                 skip_auto_headers,
             )
-            uncached = max(0, plan.num_prompt_tokens - plan.predicted_cached_tokens.get(worker.worker_id, 0))
+            predicted = plan.predicted_cached_tokens.get(worker.worker_id, 0)
+            uncached = max(0, plan.num_prompt_tokens - predicted)
             wm = self._metrics.worker(worker.worker_id)
             worker.num_inflight_requests += 1
             worker.num_pending_prefill_tokens += uncached
@@ -197,17 +205,14 @@ class Proxy:
                     worker.breaker.record_failure(self._clock())
                 else:
                     worker.breaker.record_success()
-                extra = {
-                    WORKER_HEADER: worker.worker_id,
-                    PREDICTED_HEADER: str(plan.predicted_cached_tokens.get(worker.worker_id, 0)),
-                    DECISION_HEADER: plan.decision.reason if attempt == 0 else "retry",
-                    REQUEST_ID_HEADER: request_id,
-                }
+                headers = response_headers_of(resp.headers, worker.worker_id, predicted,
+                                              plan.decision.reason if attempt == 0 else "retry", request_id)
                 is_relayed = True  # from here the relay settles the pending prefill on every path
                 if is_stream and resp.status == 200:
-                    out = await self._relay_stream(request, resp, extra, worker, plan, sent_at, uncached)
+                    out = await self._relay_stream(request, resp, headers, worker, wm, plan, sent_at, uncached,
+                                                   predicted)
                 else:
-                    out = await self._relay_body(request, resp, extra, worker, plan, sent_at, uncached)
+                    out = await self._relay_body(request, resp, headers, worker, wm, uncached, predicted)
                 wm.count_request(policy_name, out.status,
                                  time.perf_counter() - (received_at if received_at is not None else sent_at))
                 return out
@@ -226,16 +231,14 @@ class Proxy:
         message = last_exc.message if isinstance(last_exc, TransportError | UpstreamError) else "no worker reachable"
         raise UpstreamError(f"every attempt failed: {message}", worker_id=worker_id) from last_exc
 
-    def _first_byte(self, worker: WorkerRuntime, plan: RoutePlan, sent_at: float, uncached: int,
-                    is_stream: bool) -> None:
-        """Move the request from pending prefill to decoding; for a stream, feed the observed TTFT to the
-        ``ttft_seconds`` histogram and the calibrator."""
+    def _first_stream_byte(self, worker: WorkerRuntime, wm: WorkerMetrics, plan: RoutePlan, sent_at: float,
+                           uncached: int) -> None:
+        """Move a stream from pending prefill to decoding; feed the observed TTFT to the ``ttft_seconds`` histogram
+        and the calibrator."""
         worker.num_pending_prefill_tokens -= uncached
         worker.num_decoding_requests += 1
-        if not is_stream:
-            return
         ttft_s = (time.perf_counter() - sent_at) / worker.config.time_scale  # in the worker's seconds
-        self._metrics.worker(worker.worker_id).ttft_s.observe(ttft_s)
+        wm.ttft_s.observe(ttft_s)
         calibrator = self._holder.calibrator
         if calibrator is None or worker.worker_id != plan.decision.worker_id:
             return
@@ -244,10 +247,10 @@ class Proxy:
             calibrator.observe(worker.worker_id, predicted, ttft_s, speed_factor_used=plan.speed_factor_used)
 
     async def _relay_stream(
-        self, request: web.Request, resp: UpstreamResponse, extra: Mapping[str, str], worker: WorkerRuntime,
-        plan: RoutePlan, sent_at: float, uncached: int,
+        self, request: web.Request, resp: UpstreamResponse, headers: dict[str, str], worker: WorkerRuntime,
+        wm: WorkerMetrics, plan: RoutePlan, sent_at: float, uncached: int, predicted: int,
     ) -> web.StreamResponse:
-        out = web.StreamResponse(status=resp.status, headers=_response_headers(resp.headers, extra))
+        out = web.StreamResponse(status=resp.status, headers=headers)
         is_first = True
         recent: list[bytes] = []  # the stream's last chunks, at most 2 * SSE_TAIL_BYTES (joined when over)
         num_recent_bytes = 0
@@ -255,7 +258,7 @@ class Proxy:
             await out.prepare(request)
             async for chunk in resp.iter_chunks():
                 if is_first:
-                    self._first_byte(worker, plan, sent_at, uncached, True)
+                    self._first_stream_byte(worker, wm, plan, sent_at, uncached)
                     is_first = False
                 await out.write(chunk)
                 recent.append(chunk)
@@ -277,30 +280,36 @@ class Proxy:
                 worker.num_pending_prefill_tokens -= uncached
             else:
                 worker.num_decoding_requests -= 1
-        tail = b"".join(recent)[-SSE_TAIL_BYTES:]
-        self._check_honesty(worker, plan, cached_tokens_of(usage_from_sse_tail(tail)))
+        tail = recent[0] if len(recent) == 1 else b"".join(recent)
+        self._check_honesty(worker, wm, predicted, cached_tokens_of(usage_from_sse_tail(tail[-SSE_TAIL_BYTES:])))
         return out
 
     async def _relay_body(
-        self, request: web.Request, resp: UpstreamResponse, extra: Mapping[str, str], worker: WorkerRuntime,
-        plan: RoutePlan, sent_at: float, uncached: int,
+        self, request: web.Request, resp: UpstreamResponse, headers: dict[str, str], worker: WorkerRuntime,
+        wm: WorkerMetrics, uncached: int, predicted: int,
     ) -> web.StreamResponse:
-        self._first_byte(worker, plan, sent_at, uncached, False)
+        worker.num_pending_prefill_tokens -= uncached  # the first byte: pending prefill -> decoding
+        worker.num_decoding_requests += 1
         try:
             body = await resp.read()
         finally:
             worker.num_decoding_requests -= 1
-        out = web.Response(status=resp.status, body=body, headers=_response_headers(resp.headers, extra))
+        out = web.Response(status=resp.status, body=body, headers=headers)
         if resp.status == 200:
-            self._check_honesty(worker, plan, cached_tokens_of(usage_from_body(body)))
+            self._check_honesty(worker, wm, predicted, cached_tokens_of(usage_from_body(body)))
         return out
 
-    def _check_honesty(self, worker: WorkerRuntime, plan: RoutePlan, reported: int | None) -> None:
+    def _check_honesty(self, worker: WorkerRuntime, wm: WorkerMetrics, predicted: int, reported: int | None) -> None:
+        """Count one predicted-vs-reported pair in the proxy's totals and the worker's series; log a mismatch."""
         if reported is None:
             return
-        predicted = plan.predicted_cached_tokens.get(worker.worker_id, 0)
         self.num_honesty_checks += 1
-        if predicted != reported:
+        wm.num_predicted_cached_tokens += predicted
+        wm.num_reported_cached_tokens += reported
+        if predicted == reported:
+            wm.num_checks_match += 1
+        else:
+            wm.num_checks_mismatch += 1
             self.num_honesty_mismatches += 1
             if worker.worker_id in self._workers_warned_mismatch:
                 logger.debug(
@@ -316,4 +325,3 @@ class Proxy:
                     worker.worker_id,
                     reported,
                 )
-        self._metrics.record_honesty(worker.worker_id, predicted, reported)
