@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -176,18 +177,74 @@ class _AiohttpResponse:
             self._resp.release()
 
 
-class _FirstByteExpiry:
-    """Cancels ``task`` when the first-byte timer fires and remembers that it did."""
+class _FirstByteDeadline(msgspec.Struct, gc=False):
+    """One request waiting for its response headers.
 
-    __slots__ = ("_task", "has_fired")
+    Attributes:
+        task: the task awaiting the headers (cancelled when the deadline passes first).
+        deadline_s: ``loop.time()`` at which it times out, seconds.
+        is_done: the headers arrived, or the wait ended otherwise (nothing to cancel).
+        has_fired: the deadline passed and ``task`` was cancelled for it.
+    """
 
-    def __init__(self, task: asyncio.Task[object]) -> None:
-        self._task = task
-        self.has_fired = False
+    task: asyncio.Task[object]
+    deadline_s: float
+    is_done: bool = False
+    has_fired: bool = False
 
-    def fire(self) -> None:
-        self.has_fired = True
-        self._task.cancel()
+
+class FirstByteDeadlines:
+    """Every in-flight request's first-byte deadline on one loop timer.
+
+    A per-request ``loop.call_at`` (plus its cancel) costs a timer handle per request; here a request only appends
+    a deadline to a FIFO. With one timeout for all requests the FIFO is in deadline order, so one timer, set for
+    the oldest pending deadline, fires each deadline exactly: on firing it pops every finished entry and cancels
+    every expired one from the front, then re-arms for the new front. Finished entries are also popped from the
+    front on every ``add``, so the FIFO holds at most the requests sent since the oldest one still waiting.
+
+    Args:
+        loop: the event loop the requests run on.
+        timeout_s: seconds from ``add`` to the deadline.
+
+    Attributes:
+        loop: the event loop the requests run on.
+    """
+
+    __slots__ = ("loop", "_timeout_s", "_pending", "_timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self.loop = loop
+        self._timeout_s = timeout_s
+        self._pending: deque[_FirstByteDeadline] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, task: asyncio.Task[object]) -> _FirstByteDeadline:
+        """Start ``task``'s deadline; set ``is_done`` on the result once the wait ends, whatever the outcome."""
+        pending = self._pending
+        while pending and pending[0].is_done:
+            pending.popleft()
+        deadline = _FirstByteDeadline(task, self.loop.time() + self._timeout_s)
+        pending.append(deadline)
+        if self._timer is None:
+            self._timer = self.loop.call_at(deadline.deadline_s, self._fire)
+        return deadline
+
+    def _fire(self) -> None:
+        self._timer = None
+        pending = self._pending
+        now_s = self.loop.time()
+        while pending:
+            head = pending[0]
+            if not head.is_done:
+                if head.deadline_s > now_s:
+                    self._timer = self.loop.call_at(head.deadline_s, self._fire)
+                    return
+                head.is_done = head.has_fired = True
+                head.task.cancel()
+            pending.popleft()
 
 
 class AiohttpTransport:
@@ -208,7 +265,7 @@ class AiohttpTransport:
         self._limit = limit_per_worker
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._urls: dict[str, URL] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deadlines: FirstByteDeadlines | None = None
         self._client_timeout = aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s)
 
     def _session(self, worker_id: str) -> aiohttp.ClientSession:
@@ -230,15 +287,15 @@ class AiohttpTransport:
                 self._urls.clear()
             parsed_url = self._urls[url] = URL(url)
         session = self._session(request.worker_id)
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            loop = self._loop = asyncio.get_running_loop()
-        # The first-byte timer, as ``asyncio.timeout`` does it minus its per-use objects: on expiry it cancels this
-        # task, and the cancellation it caused (and only that one) becomes a timeout.
-        task = asyncio.current_task(loop)
+        deadlines = self._deadlines
+        if deadlines is None or deadlines.loop.is_closed():
+            loop = asyncio.get_running_loop()
+            deadlines = self._deadlines = FirstByteDeadlines(loop, self._timeouts.first_byte_s)
+        # The first-byte timeout, as ``asyncio.timeout`` does it minus its per-use timer: on expiry the deadline
+        # cancels this task, and the cancellation it caused (and only that one) becomes a timeout.
+        task = asyncio.current_task(deadlines.loop)
         assert task is not None
-        expiry = _FirstByteExpiry(task)
-        timer = loop.call_at(loop.time() + self._timeouts.first_byte_s, expiry.fire)
+        expiry = deadlines.add(task)
         try:
             try:
                 if request.skip_auto_headers:  # per request: a session-wide list costs a header copy every time
@@ -251,7 +308,7 @@ class AiohttpTransport:
                     raise TimeoutError from None
                 raise
             finally:
-                timer.cancel()
+                expiry.is_done = True
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise TransportTimeoutError(
                 f"worker {request.worker_id} timed out before the first byte", worker_id=request.worker_id,
