@@ -73,19 +73,22 @@ def usage_from_body(body: bytes) -> _Usage | None:
 
 
 def usage_from_sse_tail(tail: bytes) -> _Usage | None:
-    """The ``usage`` of the last SSE ``data:`` event in ``tail`` that has one, or ``None``."""
-    end = len(tail)
-    while True:
-        start = tail.rfind(b"data:", 0, end)
-        if start < 0:
-            return None
-        line_end = tail.find(b"\n", start)
-        payload = tail[start + 5 : line_end if line_end >= 0 else len(tail)].strip()
-        if payload and payload != b"[DONE]" and b'"usage"' in payload:
-            usage = usage_from_body(payload)
+    """The ``usage`` of the last SSE ``data:`` event in ``tail`` that has one, or ``None``.
+
+    Found from the end by the ``"usage"`` key: each line holding it is decoded if it is a ``data:`` line (an SSE
+    event's JSON has no raw newline, so the line is the event); a line cut by the start of ``tail``, one whose
+    ``usage`` is null, or one that does not decode is passed over for the one before.
+    """
+    pos = tail.rfind(b'"usage"')
+    while pos >= 0:
+        line_start = tail.rfind(b"\n", 0, pos) + 1
+        if tail.startswith(b"data:", line_start):
+            line_end = tail.find(b"\n", pos)
+            usage = usage_from_body(tail[line_start + 5 : line_end if line_end >= 0 else len(tail)])
             if usage is not None:
                 return usage
-        end = start
+        pos = tail.rfind(b'"usage"', 0, line_start)
+    return None
 
 
 def cached_tokens_of(usage: _Usage | None) -> int | None:
@@ -99,27 +102,55 @@ def cached_tokens_of(usage: _Usage | None) -> int | None:
 AUTO_HEADER_BITS = {"user-agent": 1, "accept-encoding": 2, "content-type": 4}
 """Headers the HTTP client adds when absent (one bit each); the ones a client did not send are skipped."""
 ALL_AUTO_HEADERS = 7
+ROUTING_HEADERS = ("x-session-id", "x-smg-routing-key", "x-kvgate-worker", "x-smg-target-worker")
+"""Request headers routing reads (session keys, forced worker); forwarded like any other."""
+_HOP_BY_HOP = -1
+_ROUTING = 8
+_HEADER_ROLES: dict[str, int] = {
+    **{name: _HOP_BY_HOP for name in HOP_BY_HOP_HEADERS}, **AUTO_HEADER_BITS,
+    **{name: _ROUTING for name in ROUTING_HEADERS},
+}
+"""Lower-cased header name -> its role: hop-by-hop (dropped), an auto header bit, or routing."""
 
 
-def forward_headers_of(headers: Mapping[str, str], request_id: str) -> tuple[list[tuple[str, str]], tuple[str, ...]]:
-    """The client's headers to send upstream, and the auto headers the client did not send.
+class ClientHeaders(msgspec.Struct, frozen=True, gc=False):
+    """What one pass over a client's request headers gives.
 
-    Returns:
-        ``(headers without hop-by-hop ones, plus x-request-id; names in AUTO_HEADER_BITS the client did not
-        send)``.
+    Attributes:
+        forward: the headers to send upstream: the client's without hop-by-hop ones, plus ``x-request-id``.
+        skip_auto_headers: names in ``AUTO_HEADER_BITS`` the client did not send (the HTTP client must not add
+            them).
+        routing: the first non-empty value of each of ``ROUTING_HEADERS`` the client sent, by lower-cased name.
     """
+
+    forward: list[tuple[str, str]]
+    skip_auto_headers: tuple[str, ...]
+    routing: dict[str, str]
+
+
+def client_headers_of(headers: Mapping[str, str], request_id: str) -> ClientHeaders:
+    """Read a client's request headers once: the ones to forward, the auto headers it did not send, and the
+    routing headers (see ``ClientHeaders``)."""
     out: list[tuple[str, str]] = []
+    routing: dict[str, str] = {}
     seen = 0
+    roles = _HEADER_ROLES
     for name, value in headers.items():
         lower = name.lower()
-        if lower in HOP_BY_HOP_HEADERS:
-            continue
-        seen |= AUTO_HEADER_BITS.get(lower, 0)
+        role = roles.get(lower)
+        if role is not None:
+            if role == _HOP_BY_HOP:
+                continue
+            if role == _ROUTING:
+                if value and lower not in routing:
+                    routing[lower] = value
+            else:
+                seen |= role
         out.append((name, value))
     out.append((REQUEST_ID_HEADER, request_id))
     if seen == ALL_AUTO_HEADERS:
-        return out, ()
-    return out, tuple(name for name, bit in AUTO_HEADER_BITS.items() if not seen & bit)
+        return ClientHeaders(out, (), routing)
+    return ClientHeaders(out, tuple(name for name, bit in AUTO_HEADER_BITS.items() if not seen & bit), routing)
 
 
 def response_headers_of(
@@ -133,6 +164,14 @@ def response_headers_of(
     headers[DECISION_HEADER] = reason
     headers[REQUEST_ID_HEADER] = request_id
     return headers
+
+
+class _BodyResponse(web.StreamResponse):
+    """A response written once with its length: headers wait for the body and leave with it in one write, as
+    aiohttp's ``web.Response`` sends them (a class setting of aiohttp's; were it renamed, headers would go out on
+    ``prepare``, one write earlier, with the same bytes), without ``web.Response``'s body-type dispatch."""
+
+    _send_headers_immediately = False
 
 
 class Proxy:
@@ -153,9 +192,12 @@ class Proxy:
 
     async def forward(
         self, request: web.Request, body: bytes, plan: RoutePlan, *, is_stream: bool, request_id: str,
-        policy_name: str, received_at: float | None = None,
+        policy_name: str, received_at: float | None = None, client_headers: ClientHeaders | None = None,
     ) -> web.StreamResponse:
         """Send ``body`` to the plan's workers (best first, retrying before the first byte) and relay the answer.
+
+        ``client_headers`` is ``client_headers_of(request.headers, request_id)`` when the caller has it (else it is
+        read here).
 
         The served request is counted for the worker that answered (``requests_total``, and
         ``request_duration_seconds`` from ``received_at``, a ``time.perf_counter()`` reading, else from now).
@@ -163,7 +205,9 @@ class Proxy:
         Raises:
             UpstreamError: every attempt failed before the first byte (502; 504 if the last one timed out).
         """
-        forward_headers, skip_auto_headers = forward_headers_of(request.headers, request_id)
+        if client_headers is None:
+            client_headers = client_headers_of(request.headers, request_id)
+        forward_headers, skip_auto_headers = client_headers.forward, client_headers.skip_auto_headers
         attempts = plan.workers[: 1 + self._retry.max_retries]
         last_exc: Exception | None = None
         for attempt, worker in enumerate(attempts):
@@ -294,7 +338,15 @@ class Proxy:
             body = await resp.read()
         finally:
             worker.num_decoding_requests -= 1
-        out = web.Response(status=resp.status, body=body, headers=headers)
+        out = _BodyResponse(status=resp.status, headers=headers)
+        out.content_length = len(body)
+        try:
+            await out.prepare(request)
+            if body:
+                await out.write(body)
+            await out.write_eof()
+        except ConnectionResetError:
+            logger.info("client went away before the answer of worker %s was sent", worker.worker_id)
         if resp.status == 200:
             self._check_honesty(worker, wm, predicted, cached_tokens_of(usage_from_body(body)))
         return out

@@ -1,0 +1,53 @@
+"""The proxy's pure helpers: the client-header pass and the SSE usage scan."""
+
+from __future__ import annotations
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from router.proxy import cached_tokens_of, client_headers_of, usage_from_sse_tail
+
+
+def _usage_event(cached: int) -> bytes:
+    return (b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2,'
+            b'"prompt_tokens_details":{"cached_tokens":%d}}}\n\n' % cached)
+
+
+def test_sse_usage_is_the_last_event_that_has_one() -> None:
+    tail = (b'data: {"choices":[{"text":"a"}]}\n\n' + _usage_event(16) + b'data: {"choices":[{"text":"b"}]}\n\n'
+            + _usage_event(32) + b"data: [DONE]\n\n")
+    assert cached_tokens_of(usage_from_sse_tail(tail)) == 32
+
+
+def test_sse_usage_skips_null_usage_and_text_that_looks_like_events() -> None:
+    tail = (_usage_event(8)
+            + b'data: {"choices":[{"text":"data: \\"usage\\" data: x"}],"usage":null}\r\n\r\n'
+            + b"data: [DONE]\r\n\r\n")
+    assert cached_tokens_of(usage_from_sse_tail(tail)) == 8
+    crlf = _usage_event(24).replace(b"\n", b"\r\n")
+    assert cached_tokens_of(usage_from_sse_tail(crlf + b"data: [DONE]\r\n\r\n")) == 24
+
+
+def test_sse_usage_of_a_cut_first_line_or_no_usage_is_none() -> None:
+    cut = _usage_event(16)[10:]  # the tail starts inside the event
+    assert usage_from_sse_tail(cut + b"data: [DONE]\n\n") is None
+    assert usage_from_sse_tail(b'data: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\n') is None
+    assert usage_from_sse_tail(b"") is None
+    assert cached_tokens_of(usage_from_sse_tail(_usage_event(0).rstrip(b"\n"))) == 0  # no final newline
+
+
+def test_client_headers_one_pass() -> None:
+    headers = CIMultiDictProxy(CIMultiDict([
+        ("Host", "gw:8000"), ("User-Agent", "openai/1.0"), ("Content-Type", "application/json"),
+        ("Connection", "keep-alive"), ("X-Session-Id", ""), ("X-Session-Id", "conv-7"),
+        ("X-SMG-Target-Worker", "w1"), ("Authorization", "Bearer t"), ("Content-Length", "12"),
+    ]))
+    got = client_headers_of(headers, "kvg-1")
+    assert got.forward == [("User-Agent", "openai/1.0"), ("Content-Type", "application/json"),
+                           ("X-Session-Id", ""), ("X-Session-Id", "conv-7"), ("X-SMG-Target-Worker", "w1"),
+                           ("Authorization", "Bearer t"), ("x-request-id", "kvg-1")]
+    assert got.skip_auto_headers == ("accept-encoding",)
+    assert got.routing == {"x-session-id": "conv-7", "x-smg-target-worker": "w1"}
+    every_auto = CIMultiDictProxy(CIMultiDict(
+        [("user-agent", "u"), ("accept-encoding", "gzip"), ("content-type", "application/json")]))
+    got = client_headers_of(every_auto, "kvg-2")
+    assert got.skip_auto_headers == () and got.routing == {}
