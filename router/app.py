@@ -21,6 +21,7 @@ with the body exactly as sent. Every error is an OpenAI-style JSON body (``route
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -48,7 +49,7 @@ from router.errors import (
 from router.fleet import Fleet, WorkerRuntime
 from router.index import PrefixIndex
 from router.metrics import GatewayMetrics, MetricSample
-from router.proxy import Proxy
+from router.proxy import Proxy, client_headers_of
 from router.request_view import ModelTokenizer, RequestKind, parse_request
 from router.routing import PolicyHolder, Router
 from router.sessions.base import SessionStore
@@ -337,32 +338,20 @@ def _add_json_fallbacks(app: web.Application) -> None:
     app.router.add_route("*", "/{path:.*}", not_found)
 
 
-def _headers_of(request: web.Request) -> dict[str, str]:
-    """Lower-cased routing-relevant headers (session and force-worker headers)."""
-    out: dict[str, str] = {}
-    h = request.headers
-    for name in ("x-session-id", "x-smg-routing-key", "x-kvgate-worker", "x-smg-target-worker"):
-        value = h.get(name)
-        if value:
-            out[name] = value
-    return out
-
-
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
-        raise BodyTooLargeError(f"request body of {request.content_length} bytes exceeds the {limit}-byte limit")
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise BodyTooLargeError(f"request body exceeds the {limit}-byte limit") from exc
-
-
 async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
+    """The routed endpoints (``completions``, ``chat_completions``): see the module docstring."""
     gw = request.app[GATEWAY]
     t0 = time.perf_counter()
     policy_name = gw.holder.policy.name
     try:
-        body = await _read_body(request, gw.config.listen.max_body_bytes)
+        limit = gw.config.listen.max_body_bytes
+        num_body_bytes = request.content_length
+        if num_body_bytes is not None and num_body_bytes > limit:
+            raise BodyTooLargeError(f"request body of {num_body_bytes} bytes exceeds the {limit}-byte limit")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise BodyTooLargeError(f"request body exceeds the {limit}-byte limit") from exc
         parsed = parse_request(kind, body)
         model = gw.config.model(parsed.model)
         if model is None:
@@ -382,12 +371,16 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         return error_response(exc)
     try:
         request_id = gw.next_request_id()
-        plan = await gw.router.route(request_id, parsed, model, view, _headers_of(request),
-                                     max_inflight_per_worker=per_worker)
+        client_headers = client_headers_of(request.headers, request_id)
+        if gw.holder.sticky is None:  # no session store to await: decide in place
+            plan = gw.router.decide(request_id, parsed, model, view, client_headers.routing,
+                                    max_inflight_per_worker=per_worker)
+        else:
+            plan = await gw.router.route(request_id, parsed, model, view, client_headers.routing,
+                                         max_inflight_per_worker=per_worker)
         gw.metrics.decision_s.observe(time.perf_counter() - t0)
-        out = await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream, request_id=request_id,
-                                     policy_name=policy_name, received_at=t0)
-        return out
+        return await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream, request_id=request_id,
+                                      policy_name=policy_name, received_at=t0, client_headers=client_headers)
     except GatewayError as exc:
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
         return error_response(exc)
@@ -395,14 +388,10 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         gw.admission.release()
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/completions``."""
-    return await _handle(request, "completions")
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/chat/completions``."""
-    return await _handle(request, "chat")
+completions = functools.partial(_handle, kind="completions")
+"""``POST /v1/completions``."""
+chat_completions = functools.partial(_handle, kind="chat")
+"""``POST /v1/chat/completions``."""
 
 
 async def models(request: web.Request) -> web.Response:

@@ -148,16 +148,20 @@ class Router:
 
     def states(
         self, candidates: Sequence[WorkerRuntime], model: ModelConfig, view: PromptView, now_s: float,
-        max_inflight: int, match: MatchResult | None = None,
+        max_inflight: int, match: MatchResult | None = None, predicted: dict[str, int] | None = None,
     ) -> tuple[WorkerState, ...]:
         """Each candidate's ``WorkerState`` with cached tokens from one index match (capped, see module doc).
 
         Args:
             match: the index match of ``view.block_hashes`` when the caller already has it (else made here).
+            predicted: filled, when given, with each candidate's predicted cached tokens (all tiers), by worker id.
         """
         if match is None:
             match = self._match(model, view)
         if match is None or not match.workers:
+            if predicted is not None:
+                for worker in candidates:
+                    predicted[worker.worker_id] = 0
             return tuple([worker.state(now_s, 0, 0, 0, max_inflight) for worker in candidates])
         matched = match.workers
         bs = view.block_size
@@ -166,6 +170,8 @@ class Router:
         for worker in candidates:
             m = matched.get(worker.worker_id)
             if m is None:
+                if predicted is not None:
+                    predicted[worker.worker_id] = 0
                 out.append(worker.state(now_s, 0, 0, 0, max_inflight))
                 continue
             gpu = m.num_gpu_blocks
@@ -177,6 +183,8 @@ class Router:
                     cpu = pool
                     if gpu > pool:
                         gpu = pool
+            if predicted is not None:
+                predicted[worker.worker_id] = pool * bs
             out.append(worker.state(now_s, gpu * bs, (cpu - gpu) * bs, (pool - cpu) * bs, max_inflight))
         return tuple(out)
 
@@ -204,6 +212,72 @@ class Router:
             self._inserted_at_s.clear()
         self._inserted_at_s[key] = now_s
 
+    def _inputs(
+        self, request_id: str, parsed: ParsedRequest, model: ModelConfig, view: PromptView,
+        headers: Mapping[str, str], max_inflight_per_worker: int,
+    ) -> tuple[float, float, tuple[WorkerRuntime, ...], MatchResult | None, dict[str, int], RequestView, Snapshot]:
+        """``(t0, now_s, candidates, match, predicted cached tokens by worker, request view, snapshot)``.
+
+        Raises:
+            NoWorkerError: no worker serves the model.
+        """
+        t0 = time.perf_counter()
+        now_s = self._clock()
+        candidates = self._fleet.candidates(model.name)
+        if not candidates:
+            raise NoWorkerError(f"no worker serves model {parsed.model!r}", reason="no_workers")
+        match = self._match(model, view)
+        predicted: dict[str, int] = {}
+        states = self.states(candidates, model, view, now_s, max_inflight_per_worker, match, predicted)
+        if headers or parsed.user is not None or view.opening_hash is not None:
+            session_key = derive_session_key(self.holder.key_sources, headers, parsed.user, view.opening_hash)
+        else:
+            session_key = None  # no source has a value
+        req = RequestView(request_id, parsed.model, view.num_tokens, parsed.max_tokens or model.default_max_tokens,
+                          view.block_size, session_key)
+        return t0, now_s, candidates, match, predicted, req, Snapshot(states, None, now_s)
+
+    @staticmethod
+    def _forced(
+        headers: Mapping[str, str], parsed: ParsedRequest, candidates: Sequence[WorkerRuntime], snapshot: Snapshot,
+    ) -> Decision | None:
+        """The decision for a forced worker (``FORCE_WORKER_HEADERS``), or ``None`` without one.
+
+        Raises:
+            InvalidFieldError: the forced worker does not exist or does not serve the model.
+        """
+        forced = None
+        for name in FORCE_WORKER_HEADERS:
+            forced = headers.get(name)
+            if forced is not None:
+                break
+        if forced is None:
+            return None
+        if forced not in {w.worker_id for w in candidates}:
+            raise InvalidFieldError(f"forced worker {forced!r} does not serve model {parsed.model!r}",
+                                    param="x-kvgate-worker")
+        cached = next(s.num_cached_tokens for s in snapshot.workers if s.worker_id == forced)
+        return Decision(forced, "forced", {}, cached, (forced,))
+
+    def decide(
+        self, request_id: str, parsed: ParsedRequest, model: ModelConfig, view: PromptView,
+        headers: Mapping[str, str], *, max_inflight_per_worker: int = 0,
+    ) -> RoutePlan:
+        """``route`` without awaiting, for a policy that needs no session store (``holder.sticky`` is ``None``).
+
+        Raises:
+            NoWorkerError, InvalidFieldError: as ``route``.
+            RuntimeError: the live policy is ``session_sticky`` (use ``route``).
+        """
+        if self.holder.sticky is not None:
+            raise RuntimeError("session_sticky needs the session store: await route() instead")
+        t0, now_s, candidates, match, predicted, req, snapshot = self._inputs(
+            request_id, parsed, model, view, headers, max_inflight_per_worker)
+        decision = self._forced(headers, parsed, candidates, snapshot) if headers else None
+        if decision is None:
+            decision = self.holder.policy.select(req, snapshot)
+        return self._plan(t0, now_s, parsed, model, view, match, predicted, req, decision)
+
     async def route(
         self, request_id: str, parsed: ParsedRequest, model: ModelConfig, view: PromptView,
         headers: Mapping[str, str], *, max_inflight_per_worker: int = 0,
@@ -214,30 +288,13 @@ class Router:
             NoWorkerError: no worker serves the model, or none is healthy and undrained (503 with the reason).
             InvalidFieldError: a forced worker that does not exist or does not serve the model.
         """
-        t0 = time.perf_counter()
-        now_s = self._clock()
-        candidates = self._fleet.candidates(model.name)
-        if not candidates:
-            raise NoWorkerError(f"no worker serves model {parsed.model!r}", reason="no_workers")
-        match = self._match(model, view)
-        states = self.states(candidates, model, view, now_s, max_inflight_per_worker, match)
         holder = self.holder
-        session_key = derive_session_key(holder.key_sources, headers, parsed.user, view.opening_hash)
-        req = RequestView(request_id, parsed.model, view.num_tokens, parsed.max_tokens or model.default_max_tokens,
-                          view.block_size, session_key)
-        snapshot = Snapshot(states, None, now_s)
-        forced = None
-        if headers:
-            for name in FORCE_WORKER_HEADERS:
-                forced = headers.get(name)
-                if forced is not None:
-                    break
-        if forced is not None:
-            if forced not in {w.worker_id for w in candidates}:
-                raise InvalidFieldError(f"forced worker {forced!r} does not serve model {parsed.model!r}",
-                                        param="x-kvgate-worker")
-            cached = next(s.num_cached_tokens for s in states if s.worker_id == forced)
-            decision = Decision(forced, "forced", {}, cached, (forced,))
+        t0, now_s, candidates, match, predicted, req, snapshot = self._inputs(
+            request_id, parsed, model, view, headers, max_inflight_per_worker)
+        session_key = req.session_key
+        decision = self._forced(headers, parsed, candidates, snapshot) if headers else None
+        if decision is not None:
+            pass
         elif holder.sticky is not None and session_key is not None:
             sticky = holder.sticky
             inner = sticky.select_inner(req, snapshot)
@@ -252,23 +309,28 @@ class Router:
                         decision = sticky.resolve(entry.worker_id, inner, snapshot, is_new=entry.is_new)
         else:
             decision = holder.policy.select(req, snapshot)
+        return self._plan(t0, now_s, parsed, model, view, match, predicted, req, decision)
+
+    def _plan(
+        self, t0: float, now_s: float, parsed: ParsedRequest, model: ModelConfig, view: PromptView,
+        match: MatchResult | None, predicted: dict[str, int], req: RequestView, decision: Decision,
+    ) -> RoutePlan:
+        """The plan for ``decision``: workers in order, pending or approximate index entries, the decision record.
+
+        Raises:
+            NoWorkerError: the decision chose no worker.
+        """
         chosen_id = decision.worker_id
         if chosen_id is None:
             raise NoWorkerError(f"no worker available for model {parsed.model!r}: {decision.reason}",
                                 reason=decision.reason)
-        predicted: dict[str, int] = {}
-        chosen = None
-        for worker, state in zip(candidates, states, strict=True):
-            wid = worker.worker_id
-            predicted[wid] = state.num_gpu_cached_tokens + state.num_cpu_cached_tokens + state.num_pool_cached_tokens
-            if wid == chosen_id:
-                chosen = worker
-        if chosen is None:
+        workers = self._fleet.workers
+        chosen = workers.get(chosen_id)
+        if chosen is None or chosen_id not in predicted:
             raise RuntimeError(f"the policy chose {chosen_id!r}, which is not a candidate")
         order = [chosen]
         if len(decision.ranking) > 1:
-            by_id = {w.worker_id: w for w in candidates}
-            order += [by_id[w] for w in decision.ranking if w != chosen_id and w in by_id]
+            order += [workers[w] for w in decision.ranking if w != chosen_id and w in predicted]
         if view.block_hashes:
             index = self._indexes.get(model.name)
             if index is not None:
@@ -278,11 +340,11 @@ class Router:
                     num_full = view.num_tokens // chosen.block_size * chosen.block_size // view.block_size
                     self._insert(index, chosen, view.block_hashes[:num_full], match, now_s,
                                  model.pending_blocks_ttl_s)
-        calibrator = holder.calibrator
+        calibrator = self.holder.calibrator
         factor = calibrator.speed_factor(chosen_id) if calibrator is not None else 1.0
         decision_s = time.perf_counter() - t0
         self.recent.append(DecisionRecord(
-            request_id, parsed.model, chosen_id, decision.reason, decision.detail, session_key,
+            req.request_id, parsed.model, chosen_id, decision.reason, decision.detail, req.session_key,
             view.num_tokens, predicted[chosen_id], decision.scores, predicted, decision_s, now_s,
         ))
-        return RoutePlan(decision, order, predicted, view.num_tokens, session_key, factor, decision_s)
+        return RoutePlan(decision, order, predicted, view.num_tokens, req.session_key, factor, decision_s)
