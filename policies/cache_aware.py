@@ -73,6 +73,16 @@ class CacheAwarePolicy:
         self._log_factors: Mapping[str, float] = (
             self.calibrator.log_speed_factors_view() if self.calibrator is not None else {}
         )
+        model = self.cost_model
+        max_running, max_kv_usage, max_pending = (
+            config.max_running_requests, config.max_kv_usage, config.max_pending_prefill_tokens)
+        self._constants = (
+            model.s_per_token, model.s_per_token_sq, model.host_s_per_token, model.pool_s_per_token,
+            model.per_waiting_request_s, model.per_running_request_s, model.overhead_s, config.recompute_penalty,
+            max_running, max_kv_usage, max_pending,
+            max_running is not None or max_kv_usage is not None or max_pending is not None,
+        )
+        """``select``'s constants in one tuple (config and cost model are fixed for the policy's life)."""
 
     def is_saturated(self, worker: WorkerState) -> bool:
         """True when ``worker`` is at or over a configured busy threshold."""
@@ -100,22 +110,10 @@ class CacheAwarePolicy:
     def select(self, view: RequestView, snapshot: Snapshot) -> Decision:
         """Choose the candidate with the lowest estimated TTFT (see the module docstring)."""
         # The cost model's formula (TTFTCostModel.work_s) and is_saturated, inlined: this loop is the request path.
-        model = self.cost_model
+        (s_per_token, s_per_token_sq, host_s_per_token, pool_s_per_token, per_waiting_s, per_running_s, overhead_s,
+         recompute_penalty, max_running, max_kv_usage, max_pending, has_thresholds) = self._constants
         n = view.num_prompt_tokens
         n_sq = n * n
-        s_per_token, s_per_token_sq = model.s_per_token, model.s_per_token_sq
-        host_s_per_token, pool_s_per_token = model.host_s_per_token, model.pool_s_per_token
-        per_waiting_s, per_running_s, overhead_s = (
-            model.per_waiting_request_s,
-            model.per_running_request_s,
-            model.overhead_s,
-        )
-        config = self.config
-        recompute_penalty = config.recompute_penalty
-        max_running = config.max_running_requests
-        max_kv_usage = config.max_kv_usage
-        max_pending = config.max_pending_prefill_tokens
-        has_thresholds = max_running is not None or max_kv_usage is not None or max_pending is not None
         factors = self._log_factors
         workers = snapshot.workers
         scores: dict[str, float] = {}
@@ -172,7 +170,7 @@ class CacheAwarePolicy:
             competing, reason = saturated, "min_ttft_all_saturated"
         if len(competing) > 1:
             competing.sort()
-            if config.temperature > 0.0:
+            if self.config.temperature > 0.0:
                 pick = self._softmax_index([key[4] for key in competing])
                 competing.insert(0, competing.pop(pick))
                 reason = "softmax" + reason[8:]

@@ -208,13 +208,10 @@ class TTFTCalibrator:
         """
         if speed_factor_used is None:
             speed_factor_used = self.speed_factor(worker_id)
+        # Finite and non-negative (positive for the factor); NaN fails every comparison.
         if not (
-            math.isfinite(predicted_ttft_s)
-            and math.isfinite(observed_ttft_s)
-            and math.isfinite(speed_factor_used)
-            and predicted_ttft_s >= 0.0
-            and observed_ttft_s >= 0.0
-            and speed_factor_used > 0.0
+            0.0 <= predicted_ttft_s < math.inf and 0.0 <= observed_ttft_s < math.inf
+            and 0.0 < speed_factor_used < math.inf
         ):
             self.num_rejected += 1
             logger.warning(
