@@ -61,8 +61,10 @@ class IngestMixin(UpkeepMixin):
             except (ValueError, TypeError, OverflowError) as exc:
                 counters["num_malformed_events"] += 1
                 logger.debug("skipped a malformed event of %s/%d: %s", batch.worker_id, batch.dp_rank, exc)
-        if len(self._parent) > self.config.max_blocks:
+        if self._num_entries > self.config.max_blocks:
             self._prune()
+        elif len(self._log) > 2 * self._num_entries + 65536:
+            self._compact_log()
 
     def apply_resync(self, resync: Resync) -> None:
         """Forget what is known about a worker's own tiers, all dp ranks (its pool-tier holdings stay)."""
@@ -155,26 +157,28 @@ class IngestMixin(UpkeepMixin):
         targets: list[int] = []
         span_marked: list[int] = []
         parent = self._parent
+        kind = self._kind
         for engine_hash in event.block_hashes:
             block_hash = slot.engine.get(engine_hash)
-            if block_hash is None or block_hash not in parent:
+            entry_id = self._entry_id(block_hash) if block_hash is not None else None
+            if entry_id is None:
                 self._counters["num_unresolved_offload_blocks"] += factor
                 continue
-            targets.append(block_hash)
+            targets.append(entry_id)
             if factor > 1:
                 slot.spans[(event.medium, engine_hash)] = factor
-                ancestor = block_hash
+                ancestor = entry_id
                 for _ in range(factor - 1):
-                    ancestor = parent.get(ancestor, -1)
-                    if ancestor not in parent or not self._slot_holds(slot, ancestor):
+                    ancestor = parent[ancestor]
+                    if not kind[ancestor] & 1 or not self._slot_holds(slot, ancestor):
                         self._counters["num_unresolved_offload_blocks"] += 1
                         break
                     span_marked.append(ancestor)
-        for block_hash in targets:
-            self._hold_one(slot, lane_key, block_hash)
-        for block_hash in span_marked:
-            self._hold_one(slot, lane_key, block_hash)
-            slot.span_held.add((lane_key, block_hash))
+        for entry_id in targets:
+            self._hold_one(slot, lane_key, entry_id)
+        for entry_id in span_marked:
+            self._hold_one(slot, lane_key, entry_id)
+            slot.span_held.add((lane_key, self._hash[entry_id]))
         self._counters["num_blocks_stored"] += len(targets) + len(span_marked)
         return ()
 
@@ -200,26 +204,31 @@ class IngestMixin(UpkeepMixin):
     def _remove(self, slot: Slot, event: BlockRemoved) -> None:
         lane_key: LaneKey = (event.group_idx, event.medium)
         counters = self._counters
+        parent = self._parent
+        block_hash_of = self._hash
+        id_of = self._id_of
         for engine_hash in event.block_hashes:
             block_hash = slot.engine.get(engine_hash)
             if block_hash is None:
                 counters["num_unknown_removals"] += 1
                 continue
-            targets = [block_hash]
+            entry_id = self._entry_id(block_hash)
+            targets = [] if entry_id is None else [(entry_id, block_hash)]
             factor = slot.spans.get((event.medium, engine_hash), 1) if slot.spans else 1
-            for _ in range(factor - 1):
-                ancestor = self._parent.get(targets[-1])
-                if ancestor is None or (lane_key, ancestor) not in slot.span_held:
+            for _ in range(factor - 1 if targets else 0):
+                ancestor = parent[targets[-1][0]]
+                if not self._kind[ancestor] & 1 or (lane_key, block_hash_of[ancestor]) not in slot.span_held:
                     break
-                targets.append(ancestor)
+                targets.append((ancestor, block_hash_of[ancestor]))
             dropped = False
-            for target in targets:
-                dropped = self._drop(slot, lane_key, target) or dropped
+            for target, target_hash in targets:
+                if id_of.get(target_hash) == target:  # (still the same entry)
+                    dropped = self._drop(slot, lane_key, target) or dropped
             if dropped:
                 counters["num_blocks_removed"] += 1
             else:
                 counters["num_removals_not_held"] += 1
-            if not self._slot_holds(slot, block_hash):
+            if not self._slot_holds_hash(slot, block_hash):
                 del slot.engine[engine_hash]
                 if factor > 1:
                     del slot.spans[(event.medium, engine_hash)]

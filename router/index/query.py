@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from itertools import repeat
-from operator import and_, or_
+from operator import and_
 
 from events.types import Medium
 from router.index.config import GroupKind
 from router.index.errors import UnknownWorkerError
 from router.index.match import hybrid_prefix_len, jump_depths, position_bitsets, prefix_depths
 from router.index.result import ChainDump, IndexStats, MatchResult, WorkerMatch
-from router.index.state import OWN_LOWER_MEDIA, POOL_MEDIA, IndexState
+from router.index.state import NULL_ID, OWN_LOWER_MEDIA, POOL_MEDIA, IndexState
 
 
 class QueryMixin(IndexState):
@@ -42,11 +42,16 @@ class QueryMixin(IndexState):
             return MatchResult({}, num_blocks)
         if len(self._groups) > 1 or self._groups[0].kind is not GroupKind.FULL:
             return self._match_hybrid(block_hashes)
-        lower = [lane for (g, medium), lane in self._lanes.items() if g == 0 and medium in OWN_LOWER_MEDIA and lane]
+        sizes = self._lane_sizes
+        lower = [
+            lane
+            for (g, medium), lane in self._lanes.items()
+            if g == 0 and medium in OWN_LOWER_MEDIA and sizes[(g, medium)]
+        ]
         pools = [
             (lane, self._pool_masks.get(medium, 0))
             for (g, medium), lane in self._lanes.items()
-            if g == 0 and medium in POOL_MEDIA and lane
+            if g == 0 and medium in POOL_MEDIA and sizes[(g, medium)]
         ]
         if not lower and not pools:
             gpu_depths = self._gpu_depths(block_hashes)
@@ -62,33 +67,46 @@ class QueryMixin(IndexState):
     def _gpu_depths(self, hashes: Sequence[int]) -> dict[int, int]:
         """Contiguous GPU depth (group 0) per slot bit holding ``hashes[0]``: jump search for slots without
         gaps, a walk with early exit for the others. ``hashes`` is non-empty."""
-        get = self._gpu0.get
-        first = get(hashes[0], 0)
+        get = self._id_of.get
+        gpu = self._gpu0
+        first = gpu[get(hashes[0], NULL_ID)]
         if not first:
             return {}
         dirty = first & self._dirty_mask
-        depths = jump_depths(get, hashes, first ^ dirty) if first ^ dirty else {}
+
+        def lookup(block_hash: int, _default: int) -> int:
+            return gpu[get(block_hash, NULL_ID)]
+
+        depths = jump_depths(lookup, hashes, first ^ dirty) if first ^ dirty else {}
         if dirty:
-            depths.update(prefix_depths(map(and_, map(get, hashes, repeat(0)), repeat(dirty)))[0])
+            masks = map(gpu.__getitem__, map(get, hashes, repeat(NULL_ID)))
+            depths.update(prefix_depths(map(and_, masks, repeat(dirty)))[0])
         return depths
 
     def _level_masks(
         self,
         hashes: Sequence[int],
-        lower: list[dict[int, int]],
-        pools: list[tuple[dict[int, int], int]],
+        lower: list[list[int]],
+        pools: list[tuple[list[int], int]],
         group: int = 0,
     ) -> Iterator[int]:
-        it: Iterator[int] = map(self._lanes.get((group, Medium.GPU), {}).get, hashes, repeat(0))
-        for lane in lower:
-            it = map(or_, it, map(lane.get, hashes, repeat(0)))
-        for lane, members in pools:
+        """Per position, the slots holding the block on GPU, on their own lower tiers, or through a pool."""
+        ids = map(self._id_of.get, hashes, repeat(NULL_ID))
+        gpu = self._lanes.get((group, Medium.GPU))
+        if not lower and not pools:
+            return map(gpu.__getitem__, ids) if gpu is not None else iter([0] * len(hashes))
+        own = lower if gpu is None else [gpu, *lower]
 
-            def expand(holders: int, members: int = members) -> int:
-                return holders | members if holders & members else holders
+        def level(entry_id: int) -> int:
+            holders = 0
+            for lane in own:
+                holders |= lane[entry_id]
+            for lane, members in pools:
+                pooled = lane[entry_id]
+                holders |= pooled | members if pooled & members else pooled
+            return holders
 
-            it = map(or_, it, map(expand, map(lane.get, hashes, repeat(0))))
-        return it
+        return map(level, ids)
 
     def _result(self, gpu: dict[int, int], own: dict[int, int], pool: dict[int, int], num_blocks: int) -> MatchResult:
         best: dict[str, WorkerMatch] = {}
@@ -154,7 +172,7 @@ class QueryMixin(IndexState):
 
     def num_blocks(self) -> int:
         """Indexed blocks (entries)."""
-        return len(self._parent)
+        return self._num_entries
 
     def stats(self) -> IndexStats:
         """Sizes per worker and tier, and the counters."""
@@ -165,7 +183,7 @@ class QueryMixin(IndexState):
                 sizes[medium.value] = sizes.get(medium.value, 0) + count
         counters = dict(self._counters)
         counters["num_parked_events"] = sum(len(w) for s in self._slots.values() for w in s.parked.values())
-        return IndexStats(len(self._parent), self._num_approx, by_worker, counters)
+        return IndexStats(self._num_entries, self._num_approx, by_worker, counters)
 
     def dump_worker(self, worker_id: str) -> list[ChainDump]:
         """A worker's chains (group 0), each from its first held block to a held leaf, sorted.
@@ -178,17 +196,20 @@ class QueryMixin(IndexState):
             raise UnknownWorkerError(worker_id)
         group0 = [(medium, lane) for (g, medium), lane in self._lanes.items() if g == 0]
         chains: list[ChainDump] = []
+        parent = self._parent
+        block_hash_of = self._hash
         for slot in sorted(slots, key=lambda s: s.dp_rank):
             mask = slot.mask
             candidates = set(slot.engine.values()) | {h for _, h in slot.span_held} | set(slot.approx)
-            held = {h for h in candidates if any(lane.get(h, 0) & mask for _, lane in group0)}
-            parents = {self._parent.get(h) for h in held}
+            candidate_ids = {i for i in map(self._entry_id, candidates) if i is not None}
+            held = {i for i in candidate_ids if any(lane[i] & mask for _, lane in group0)}
+            parents = {parent[i] for i in held}
             for leaf in held - parents:
                 chain = [leaf]
-                while (up := self._parent.get(chain[-1])) in held and up is not None:
+                while (up := parent[chain[-1]]) in held:
                     chain.append(up)
                 chain.reverse()
-                media = tuple(tuple(medium.value for medium, lane in group0 if lane.get(h, 0) & mask) for h in chain)
-                chains.append(ChainDump(slot.dp_rank, tuple(chain), media))
+                media = tuple(tuple(medium.value for medium, lane in group0 if lane[i] & mask) for i in chain)
+                chains.append(ChainDump(slot.dp_rank, tuple(block_hash_of[i] for i in chain), media))
         chains.sort(key=lambda c: (c.dp_rank, c.block_hashes))
         return chains

@@ -1,40 +1,62 @@
 """State of the prefix index and its primitive operations: entries (the chain structure) and holdings.
 
-Layout (plain dicts of ints, no object per block)::
+Layout: dense ids. Every entry (and every dangling key, below) has a small integer id; one dict maps block
+hashes to ids, and everything else is a flat per-id array indexed by id, with no Python object per block::
 
-    lanes[(group, medium)] : {block_hash -> holder mask}      one bit per slot (worker, dp_rank)
-    parent                 : {block_hash -> parent hash}      one entry per block; insertion order = eviction order
-    children               : {block_hash -> child | [child]}  the entries whose parent pointer is the key
-    rooted                 : {block_hash}                     entries starting a chain at a namespace seed
-    slot.num_gaps          : int                              per slot, see "Gaps" below
+    id_of[block_hash] -> id          one dict for the whole index (entries and dangling keys)
+
+    id:               0 (null)   1        2        3        4        5 ...
+    block_hash[id]    -          h1       h2       h3       h7       h8        list of ints
+    parent[id]        0          0        1        2        2        4         array('q'); 0 = none (rooted)
+    kind[id]          FREE       ROOTED   ENTRY    ENTRY    ENTRY    ENTRY     bytearray
+    lanes[(g, m)][id] 0          mask     mask     mask     mask     mask      one list per (group, medium);
+                                                                               one bit per slot (worker, dp_rank)
+    stamp[id]         -1         pos      pos      pos      pos      pos       array('q'): position in ``log``
+
+    extra_children[2] = 4          children not at ``id + 1`` (here 2 -> 4, a branch; 2 -> 3 is implicit)
+
+Ids are handed out consecutively along a chain, so a chain of ``n`` new blocks costs ``n`` inserts into
+``id_of`` plus array extends, and its parent links need no child table: ``c`` is a child of ``p`` when
+``parent[c] == p``, and the children of ``p`` are ``p + 1`` (when ``parent[p + 1] == p``) plus
+``extra_children[p]`` (an int for one, a list for two or more). Id 0 is a null entry whose masks are always 0,
+so ``lane[id_of.get(h, 0)]`` reads 0 for an unknown hash. Ids of deleted entries go to ``free_ids`` and are
+reused; per-slot tables (``slot.engine``, ``copies``, ``approx``...) keep block hashes, never ids, so a reused
+id can never be mistaken for the block it held before.
+
+Kinds: ``FREE`` (unused id), ``ENTRY``, ``ROOTED`` (an entry starting a chain at a namespace seed; parent 0),
+``DANGLING`` (a parent hash that is not an entry but has children; parent 0, masks 0).
 
 Invariants:
-  * A block is an entry (``block_hash in parent``) while some lane holds it or it has children.
-  * ``c`` is in ``children[parent[c]]`` for every entry ``c`` not in ``rooted``, also while ``parent[c]`` is not
-    (or no longer) an entry; such a key is listed in ``dangling`` until it becomes an entry or loses its
-    children. A single child is stored as the int itself, two or more as a list.
+  * A block is an entry (kind ``ENTRY`` or ``ROOTED``) while some lane holds it or it has children.
+  * ``parent[c]`` is an entry or a dangling key for every ``ENTRY`` ``c``; a dangling key has at least one
+    child, and becomes an entry (keeping its id) if its block is stored, or goes when its last child goes.
+  * ``lanes[k][i]`` is non-zero only for entries; ``lane_sizes[k]`` counts the non-zero ones.
   * Copy counts: a slot holding a block twice on one lane needs as many removals before its bit clears.
 
-Eviction order: ``parent``'s insertion order, oldest first. A new entry goes to the most recent end; a store
-of blocks already indexed moves only its last block there (one dict move per store, not one per block); an
-offload store without tokens moves each block it marks.
-Pruning takes leaves only, so a block's ancestors never go before it: an ancestor's own position matters only
-once every descendant is gone, and then it ranks by its creation or its last store as the last block of a chain.
+Eviction order: ``log`` lists ids oldest first; ``stamp[i]`` is the position of ``i``'s valid record (older
+records of ``i`` are stale and skipped; ``log`` is compacted when stale records outnumber the entries, and after
+each pruning pass). A new entry goes to the most recent end; a store of blocks already indexed moves only its
+last block there (one append per store, not one per block); an offload store without tokens moves each block it
+marks. Pruning takes leaves only, so a block's ancestors never go before it: an ancestor's own position matters
+only once every descendant is gone, and then it ranks by its creation or its last store as the last block of a
+chain.
 
-Gaps (group 0, GPU lane only): a *gap* of slot ``s`` is a block ``h`` that ``s`` holds on GPU with ``h`` not in
-``rooted`` and ``parent[h]`` not held by ``s`` on GPU. ``slot.num_gaps`` equals the number of gaps of the slot,
-kept incrementally on every change of a GPU holding bit (a hold or drop of ``h`` looks at ``parent[h]`` and at
-``children[h]``: O(children) per block, nothing on the bulk path of a new chain beyond its first block).
-``dirty_mask`` has the bits of the slots with gaps. A slot without gaps holds every ancestor of each block it
-holds, so along a chain of block hashes its holder bit is set on a prefix of positions and then never again:
-``router.index.query`` binary-searches where each such bit leaves instead of reading every position.
+Gaps (group 0, GPU lane only): a *gap* of slot ``s`` is an ``ENTRY`` ``i`` that ``s`` holds on GPU whose parent
+``s`` does not hold on GPU. ``slot.num_gaps`` equals the number of gaps of the slot, kept incrementally on every
+change of a GPU holding bit (a hold or drop of ``i`` looks at ``parent[i]`` and at the children of ``i``:
+O(children) per block, nothing on the bulk path of a new chain beyond its first block). ``dirty_mask`` has the
+bits of the slots with gaps. A slot without gaps holds every ancestor of each block it holds, so along a chain of
+block hashes its holder bit is set on a prefix of positions and then never again: ``router.index.query``
+binary-searches where each such bit leaves instead of reading every position.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from operator import and_, or_
+from typing import cast
 
 from events.types import Medium
 from router.index.config import GroupSpec, IndexConfig
@@ -47,6 +69,17 @@ OWN_LOWER_MEDIA: tuple[Medium, ...] = (Medium.CPU, Medium.DISK)
 """A worker's own tiers below the GPU."""
 GPU0: LaneKey = (0, Medium.GPU)
 """The lane of group 0 on GPU: the one with gap accounting and the jump search."""
+
+FREE = 0
+"""Kind of an unused id (and of the null id 0)."""
+ENTRY = 1
+"""Kind of an entry with a parent entry or dangling key."""
+ROOTED = 3
+"""Kind of an entry starting a chain at a namespace seed (``kind & 1`` is set for both entry kinds)."""
+DANGLING = 4
+"""Kind of a parent hash that is not an entry but has children."""
+NULL_ID = 0
+"""The null id: never an entry, every mask 0; ``parent`` of rooted entries and dangling keys."""
 
 COUNTER_NAMES: tuple[str, ...] = (
     "num_batches",
@@ -72,16 +105,6 @@ COUNTER_NAMES: tuple[str, ...] = (
 )
 
 
-def iter_children(value: int | list[int] | None) -> Iterable[int]:
-    """The children stored under one ``children`` key (an int, a list, or ``None`` for none)."""
-    if value is None:
-        return ()
-    if type(value) is int:
-        return (value,)
-    assert isinstance(value, list)
-    return value
-
-
 class IndexState:
     """Everything a ``PrefixIndex`` stores, with the operations on entries and holdings; see the module docstring.
 
@@ -103,12 +126,7 @@ class IndexState:
     ) -> None:
         self.config = config if config is not None else IndexConfig()
         self._block_size = self.config.block_size
-        self._gpu0: dict[int, int] = {}
-        self._lanes: dict[LaneKey, dict[int, int]] = {GPU0: self._gpu0}
-        self._parent: dict[int, int] = {}
-        self._children: dict[int, int | list[int]] = {}
-        self._rooted: set[int] = set()
-        self._dangling: set[int] = set()
+        self._reset_tables((GPU0,))
         self._dirty_mask = 0
         self._slots: dict[tuple[str, int], Slot] = {}
         self._slots_by_bit: dict[int, Slot] = {}
@@ -124,6 +142,23 @@ class IndexState:
             self.set_pool_members(medium, workers)
         for group_idx, spec in (groups or {}).items():
             self.set_group_spec(group_idx, spec)
+
+    def _reset_tables(self, lane_keys: Iterable[LaneKey]) -> None:
+        """Empty id tables holding only the null id, with empty lanes ``lane_keys`` (plus ``GPU0``)."""
+        self._id_of: dict[int, int] = {}
+        self._hash: list[int] = [0]
+        self._parent: array[int] = array("q", [NULL_ID])
+        self._kind = bytearray([FREE])
+        self._stamp: array[int] = array("q", [-1])
+        self._log: array[int] = array("q")
+        self._extra_children: dict[int, int | list[int]] = {}
+        self._free_ids: list[int] = []
+        self._num_ids = 1
+        self._num_entries = 0
+        self._num_dangling = 0
+        self._lanes: dict[LaneKey, list[int]] = {key: [0] for key in (GPU0, *lane_keys)}
+        self._lane_sizes: dict[LaneKey, int] = dict.fromkeys(self._lanes, 0)
+        self._gpu0: list[int] = self._lanes[GPU0]
 
     # ------------------------------------------------------------------ configuration
 
@@ -168,108 +203,247 @@ class IndexState:
     def _worker_slots(self, worker_id: str) -> list[Slot]:
         return [slot for (wid, _), slot in self._slots.items() if wid == worker_id]
 
+    def _lane(self, lane_key: LaneKey) -> list[int]:
+        lane = self._lanes.get(lane_key)
+        if lane is None:
+            lane = self._lanes[lane_key] = [0] * self._num_ids
+            self._lane_sizes[lane_key] = 0
+        return lane
+
+    # ------------------------------------------------------------------ ids
+
+    def _extend_ids(self, num_ids: int) -> int:
+        """Append ``num_ids`` fresh ids (kind ``FREE``, masks 0) to every table; returns the first."""
+        base = self._num_ids
+        self._num_ids = base + num_ids
+        self._hash.extend(repeat(0, num_ids))
+        self._parent.extend(repeat(NULL_ID, num_ids))
+        self._kind.extend(bytes(num_ids))
+        self._stamp.extend(repeat(-1, num_ids))
+        for lane in self._lanes.values():
+            lane.extend(repeat(0, num_ids))
+        return base
+
+    def _take_id(self, block_hash: int) -> int:
+        """An unused id (reused or fresh), mapped from ``block_hash``; its kind is still ``FREE``."""
+        new_id = self._free_ids.pop() if self._free_ids else self._extend_ids(1)
+        self._id_of[block_hash] = new_id
+        self._hash[new_id] = block_hash
+        return new_id
+
+    def _release_id(self, old_id: int) -> None:
+        """Return an id without holders, children or parent link to the free list."""
+        del self._id_of[self._hash[old_id]]
+        self._hash[old_id] = 0
+        self._parent[old_id] = NULL_ID
+        self._kind[old_id] = FREE
+        self._stamp[old_id] = -1
+        self._free_ids.append(old_id)
+
+    def _touch(self, entry_id: int) -> None:
+        """Move an entry to the most recent end of the eviction order."""
+        log = self._log
+        self._stamp[entry_id] = len(log)
+        log.append(entry_id)
+
+    def _compact_log(self) -> None:
+        """Drop stale records from the eviction log (O(log length))."""
+        stamp = self._stamp
+        kind = self._kind
+        live = [i for pos, i in enumerate(self._log) if stamp[i] == pos and kind[i] & 1]
+        for pos, entry_id in enumerate(live):
+            stamp[entry_id] = pos
+        self._log = array("q", live)
+
+    def _parent_id(self, block_hash: int) -> int:
+        """Id of a parent hash: its entry, or its dangling key (created when unknown)."""
+        parent_id = self._id_of.get(block_hash)
+        if parent_id is None:
+            parent_id = self._take_id(block_hash)
+            self._kind[parent_id] = DANGLING
+            self._num_dangling += 1
+        return parent_id
+
+    def _is_entry_hash(self, block_hash: int) -> bool:
+        entry_id = self._id_of.get(block_hash)
+        return entry_id is not None and bool(self._kind[entry_id] & 1)
+
+    def _entry_id(self, block_hash: int) -> int | None:
+        """Id of an entry, or ``None`` when ``block_hash`` is not one."""
+        entry_id = self._id_of.get(block_hash)
+        if entry_id is None or not self._kind[entry_id] & 1:
+            return None
+        return entry_id
+
     # ------------------------------------------------------------------ entries
 
+    def _iter_children(self, up: int) -> Iterator[int]:
+        nxt = up + 1
+        if nxt < self._num_ids and self._parent[nxt] == up:
+            yield nxt
+        extra = self._extra_children.get(up)
+        if extra is None:
+            return
+        if type(extra) is int:
+            yield extra
+        else:
+            assert isinstance(extra, list)
+            yield from extra
+
+    def _has_children(self, up: int) -> bool:
+        nxt = up + 1
+        return (nxt < self._num_ids and self._parent[nxt] == up) or up in self._extra_children
+
     def _add_child(self, up: int, child: int) -> None:
-        children = self._children
-        value = children.get(up)
+        """Record ``child`` under ``up`` (``parent[child] == up`` is already set)."""
+        if child == up + 1:
+            return  # implicit
+        extra = self._extra_children
+        value = extra.get(up)
         if value is None:
-            children[up] = child
-            if up not in self._parent:
-                self._dangling.add(up)
+            extra[up] = child
         elif type(value) is int:
-            children[up] = [value, child]
+            extra[up] = [value, child]
         else:
             assert isinstance(value, list)
             value.append(child)
 
     def _remove_child(self, up: int, child: int) -> None:
-        children = self._children
-        value = children.get(up)
-        if type(value) is int:
-            del children[up]
-            if self._dangling:
-                self._dangling.discard(up)
-        elif isinstance(value, list):
-            value.remove(child)
-            if len(value) == 1:
-                children[up] = value[0]
+        """Forget ``child`` under ``up`` (its parent link is reset by the caller); frees a childless dangling key."""
+        if child != up + 1:
+            extra = self._extra_children
+            value = extra.get(up)
+            if type(value) is int:
+                del extra[up]
+            elif isinstance(value, list):
+                value.remove(child)
+                if len(value) == 1:
+                    extra[up] = value[0]
+        if self._kind[up] == DANGLING and not self._has_children(up):
+            self._num_dangling -= 1
+            self._release_id(up)
 
-    def _link(self, hashes: list[int], first_parent: int, is_rooted: bool) -> tuple[bool, bool]:
+    def _link(self, hashes: Sequence[int], first_parent: int, is_rooted: bool) -> tuple[list[int], bool, bool]:
         """Create the missing entries of a chain, root-most first, and touch its last block (LRU).
 
-        Only the last block moves to the most recent end of ``parent``: pruning takes leaves only, so its
-        ancestors cannot go before it (see "Eviction order" in the module docstring).
+        Only the last block moves to the most recent end of the eviction order: pruning takes leaves only, so
+        its ancestors cannot go before it (see "Eviction order" in the module docstring).
 
         Args:
-            hashes: ``[n]`` our block hashes of the chain.
+            hashes: ``[n]`` our block hashes of the chain (``n >= 1``).
             first_parent: parent of ``hashes[0]`` (a block hash, or a namespace seed when ``is_rooted``).
             is_rooted: the chain starts at a namespace seed.
 
         Returns:
-            ``(is_all_new, is_consistent)``: no block was an entry before; every entry ``hashes[i]`` for
-            ``i >= 1`` has ``parent == hashes[i - 1]`` (true unless two chains collide).
+            ``(ids, is_all_new, is_consistent)``: the ``[n]`` entry ids; no block was an entry before; every
+            entry ``ids[i]`` for ``i >= 1`` has ``parent == ids[i - 1]`` (true unless two chains collide).
         """
+        id_of = self._id_of
+        num_blocks = len(hashes)
+        if id_of.keys().isdisjoint(hashes) and not self._free_ids:
+            # All new (the common case of a growing conversation): consecutive fresh ids, bulk inserts.
+            up = NULL_ID if is_rooted else self._parent_id(first_parent)
+            base = self._num_ids
+            fresh = range(base, base + num_blocks)
+            num_before = len(id_of)
+            id_of.update(zip(hashes, fresh, strict=True))
+            if len(id_of) - num_before == num_blocks:
+                self._num_ids = base + num_blocks
+                self._hash.extend(hashes)
+                parent = self._parent
+                parent.append(up)
+                parent.extend(range(base, base + num_blocks - 1))
+                kind = self._kind
+                kind.append(ROOTED if is_rooted else ENTRY)
+                kind.extend(repeat(ENTRY, num_blocks - 1))
+                log = self._log
+                self._stamp.extend(range(len(log), len(log) + num_blocks))
+                log.extend(fresh)
+                for lane in self._lanes.values():
+                    lane.extend(repeat(0, num_blocks))
+                if not is_rooted:
+                    self._add_child(up, base)
+                self._num_entries += num_blocks
+                return list(fresh), True, True
+            for block_hash in hashes:  # a block repeated in the chain: undo, take the general path
+                id_of.pop(block_hash, None)
+            if up != NULL_ID and self._kind[up] == DANGLING and not self._has_children(up):
+                self._num_dangling -= 1
+                self._release_id(up)
+        olds: list[int | None] = list(map(id_of.get, hashes))
+        kind = self._kind
         parent = self._parent
-        if parent.keys().isdisjoint(hashes) and (not self._dangling or self._dangling.isdisjoint(hashes)):
-            # All new (the common case of a growing conversation): bulk inserts at C speed.
-            parent.update(zip(hashes, [first_parent, *hashes[:-1]], strict=True))
-            if len(hashes) > 1:
-                self._children.update(zip(hashes[:-1], hashes[1:], strict=True))
-            if is_rooted:
-                self._rooted.add(hashes[0])
-            else:
-                self._add_child(first_parent, hashes[0])
-            return True, True
-        olds = list(map(parent.get, hashes))
-        last = hashes[-1]
-        if None not in olds:  # every block was an entry (a second holder storing the same chain)
-            parent[last] = parent.pop(last)
-            return False, olds[1:] == hashes[:-1]
+        if None not in olds and not (self._num_dangling and any(kind[i] == DANGLING for i in olds if i is not None)):
+            # Every block was an entry (a second holder storing the same chain).
+            entry_ids = cast(list[int], olds)
+            self._touch(entry_ids[-1])
+            return entry_ids, False, list(map(parent.__getitem__, entry_ids[1:])) == entry_ids[:-1]
+        is_all_new = True
         is_consistent = True
-        prev = first_parent
+        ids: list[int] = []
+        prev = NULL_ID
         for position, (block_hash, old) in enumerate(zip(hashes, olds, strict=True)):
-            if old is not None:
-                if old != prev and position:
+            if old is not None and kind[old] & 1:
+                is_all_new = False
+                if position and parent[old] != prev:
                     is_consistent = False
-            elif block_hash not in parent:  # (a block repeated in the chain was inserted already)
-                parent[block_hash] = prev
-                if is_rooted and not position:
-                    self._rooted.add(block_hash)
-                else:
-                    self._add_child(prev, block_hash)
-                if self._dangling:
-                    self._dangling.discard(block_hash)
-            prev = block_hash
-        if olds[-1] is not None:
-            parent[last] = parent.pop(last)
-        return False, is_consistent
+                entry_id = old
+            else:
+                known = id_of.get(block_hash)  # a repeat in the chain, or a dangling key
+                entry_id = self._take_id(block_hash) if known is None else known
+                if kind[entry_id] == DANGLING:
+                    self._num_dangling -= 1
+                if not kind[entry_id] & 1:
+                    if is_rooted and not position:
+                        kind[entry_id] = ROOTED
+                    else:
+                        up = prev if position else self._parent_id(first_parent)
+                        kind[entry_id] = ENTRY
+                        parent[entry_id] = up
+                        self._add_child(up, entry_id)
+                    self._num_entries += 1
+                    self._touch(entry_id)
+            ids.append(entry_id)
+            prev = entry_id
+        last = olds[-1]
+        if last is not None and kind[last] & 1 and self._stamp[last] != len(self._log) - 1:
+            self._touch(last)
+        return ids, is_all_new, is_consistent
 
-    def _unlink(self, block_hash: int) -> int:
-        """Delete an entry (no holders, no children); returns its parent hash."""
-        up = self._parent.pop(block_hash)
-        if block_hash in self._rooted:
-            self._rooted.discard(block_hash)
-        else:
-            self._remove_child(up, block_hash)
+    def _unlink(self, entry_id: int) -> int:
+        """Delete an entry (no holders, no children); returns its parent id (``NULL_ID`` when rooted)."""
+        up = self._parent[entry_id]
+        is_rooted = self._kind[entry_id] == ROOTED
+        self._num_entries -= 1
+        self._release_id(entry_id)
+        if not is_rooted:
+            self._remove_child(up, entry_id)
         return up
 
-    def _maybe_delete_entry(self, block_hash: int) -> None:
+    def _maybe_delete_entry(self, entry_id: int) -> None:
         """Delete a childless, holderless entry and cascade to its parent."""
-        parent = self._parent
-        children = self._children
-        while block_hash in parent and block_hash not in children and not self._is_held(block_hash):
-            is_rooted = block_hash in self._rooted
-            block_hash = self._unlink(block_hash)
-            if is_rooted:
+        kind = self._kind
+        while kind[entry_id] & 1 and not self._has_children(entry_id) and not self._is_held(entry_id):
+            entry_id = self._unlink(entry_id)
+            if entry_id == NULL_ID:
                 return
 
-    def _is_held(self, block_hash: int) -> bool:
-        return any(block_hash in lane for lane in self._lanes.values())
+    def _is_held(self, entry_id: int) -> bool:
+        return any(lane[entry_id] for lane in self._lanes.values())
 
-    def _slot_holds(self, slot: Slot, block_hash: int) -> bool:
+    def _slot_holds(self, slot: Slot, entry_id: int) -> bool:
         mask = slot.mask
-        return any(lane.get(block_hash, 0) & mask for lane in self._lanes.values())
+        return any(lane[entry_id] & mask for lane in self._lanes.values())
+
+    def _slot_holds_hash(self, slot: Slot, block_hash: int) -> bool:
+        entry_id = self._id_of.get(block_hash, NULL_ID)
+        mask = slot.mask
+        return any(lane[entry_id] & mask for lane in self._lanes.values())
+
+    def holder_mask(self, block_hash: int, lane_key: LaneKey = GPU0) -> int:
+        """Slot bits holding a block on one lane (0 when unknown); for tests and debugging."""
+        lane = self._lanes.get(lane_key)
+        return lane[self._id_of.get(block_hash, NULL_ID)] if lane is not None else 0
 
     # ------------------------------------------------------------------ gaps (group 0, GPU)
 
@@ -284,52 +458,52 @@ class IndexState:
         slot.num_gaps = 0
         self._dirty_mask &= ~slot.mask
 
-    def _is_gap(self, mask: int, block_hash: int) -> bool:
-        """Whether a block held by the slot of ``mask`` on GPU is a gap (its parent is not held there)."""
-        if block_hash in self._rooted:
+    def _is_gap(self, mask: int, entry_id: int) -> bool:
+        """Whether an entry held by the slot of ``mask`` on GPU is a gap (its parent is not held there)."""
+        if self._kind[entry_id] == ROOTED:
             return False
-        return not self._gpu0.get(self._parent[block_hash], 0) & mask
+        return not self._gpu0[self._parent[entry_id]] & mask
 
-    def _num_held_children(self, mask: int, block_hash: int, skip: set[int] | None = None) -> int:
+    def _num_held_children(self, mask: int, entry_id: int, skip: set[int] | None = None) -> int:
         gpu = self._gpu0
         return sum(
             1
-            for child in iter_children(self._children.get(block_hash))
-            if gpu.get(child, 0) & mask and (skip is None or child not in skip)
+            for child in self._iter_children(entry_id)
+            if gpu[child] & mask and (skip is None or child not in skip)
         )
 
-    def _gaps_after_chain_hold(self, slot: Slot, hashes: list[int], olds: list[int], is_consistent: bool) -> None:
+    def _gaps_after_chain_hold(self, slot: Slot, ids: list[int], olds: list[int], is_consistent: bool) -> None:
         """Account gaps after the slot's bit was set on every block of a chain (``olds``: masks before)."""
         mask = slot.mask
         if is_consistent and not slot.num_gaps:  # only the first block can be a new gap
-            if not olds[0] & mask and self._is_gap(mask, hashes[0]):
+            if not olds[0] & mask and self._is_gap(mask, ids[0]):
                 self._add_gaps(slot, 1)
             return
-        newly = list(dict.fromkeys(h for h, old in zip(hashes, olds, strict=True) if not old & mask))
+        newly = list(dict.fromkeys(i for i, old in zip(ids, olds, strict=True) if not old & mask))
         if not newly:
             return
         if is_consistent:
-            delta = int(not olds[0] & mask and self._is_gap(mask, hashes[0]))
+            delta = int(not olds[0] & mask and self._is_gap(mask, ids[0]))
         else:
-            delta = sum(1 for h in newly if self._is_gap(mask, h))
+            delta = sum(1 for i in newly if self._is_gap(mask, i))
         if slot.num_gaps:
             skip = set(newly)
-            delta -= sum(self._num_held_children(mask, h, skip) for h in newly if h in self._children)
+            delta -= sum(self._num_held_children(mask, i, skip) for i in newly)
         if delta:
             self._add_gaps(slot, delta)
 
-    def _gaps_after_hold_one(self, slot: Slot, block_hash: int) -> None:
+    def _gaps_after_hold_one(self, slot: Slot, entry_id: int) -> None:
         mask = slot.mask
-        delta = int(self._is_gap(mask, block_hash))
+        delta = int(self._is_gap(mask, entry_id))
         if slot.num_gaps:
-            delta -= self._num_held_children(mask, block_hash)
+            delta -= self._num_held_children(mask, entry_id)
         if delta:
             self._add_gaps(slot, delta)
 
-    def _gaps_after_drop(self, slot: Slot, block_hash: int) -> None:
+    def _gaps_after_drop(self, slot: Slot, entry_id: int) -> None:
         """Account gaps after the slot's GPU bit of an entry was cleared (before the entry may go)."""
         mask = slot.mask
-        delta = self._num_held_children(mask, block_hash) - int(self._is_gap(mask, block_hash))
+        delta = self._num_held_children(mask, entry_id) - int(self._is_gap(mask, entry_id))
         if delta:
             self._add_gaps(slot, delta)
 
@@ -337,43 +511,54 @@ class IndexState:
 
     def _hold(self, slot: Slot, lane_key: LaneKey, hashes: list[int], first_parent: int, is_rooted: bool) -> None:
         """Add the slot as holder of a chain on one lane (with copy counting and approximate confirmation)."""
-        is_all_new, is_consistent = self._link(hashes, first_parent, is_rooted)
-        lane = self._lanes.get(lane_key)
-        if lane is None:
-            lane = self._lanes[lane_key] = {}
+        lane = self._lane(lane_key)
+        ids, is_all_new, is_consistent = self._link(hashes, first_parent, is_rooted)
         mask = slot.mask
+        num_blocks = len(ids)
         if is_all_new:  # new entries are held nowhere yet
-            lane.update(zip(hashes, repeat(mask)))
-            slot.num_held[lane_key] = slot.num_held.get(lane_key, 0) + len(hashes)
-            if lane_key == GPU0 and not is_rooted and not self._gpu0.get(first_parent, 0) & mask:
+            first = ids[0]
+            if ids[-1] - first == num_blocks - 1:
+                lane[first : first + num_blocks] = [mask] * num_blocks
+            else:
+                for entry_id in ids:
+                    lane[entry_id] = mask
+            slot.num_held[lane_key] = slot.num_held.get(lane_key, 0) + num_blocks
+            self._lane_sizes[lane_key] += num_blocks
+            if lane_key == GPU0 and not is_rooted and not self._gpu0[self._parent[first]] & mask:
                 self._add_gaps(slot, 1)
             return
-        olds = list(map(lane.get, hashes, repeat(0)))
-        lane.update(zip(hashes, map(or_, olds, repeat(mask)), strict=True))
-        dups = (
-            [h for h, old in zip(hashes, olds, strict=True) if old & mask] if any(map(and_, olds, repeat(mask))) else []
-        )
-        slot.num_held[lane_key] = slot.num_held.get(lane_key, 0) + len(hashes) - len(dups)
+        olds = list(map(lane.__getitem__, ids))
+        news = list(map(or_, olds, repeat(mask)))
+        first = ids[0]
+        if ids[-1] - first == num_blocks - 1 and ids == list(range(first, first + num_blocks)):
+            lane[first : first + num_blocks] = news
+        else:
+            for entry_id, new in zip(ids, news, strict=True):
+                lane[entry_id] = new
+        dups = [i for i, old in zip(ids, olds, strict=True) if old & mask] if any(map(and_, olds, repeat(mask))) else []
+        slot.num_held[lane_key] = slot.num_held.get(lane_key, 0) + num_blocks - len(dups)
+        self._lane_sizes[lane_key] += olds.count(0)
         if lane_key == GPU0:
-            self._gaps_after_chain_hold(slot, hashes, olds, is_consistent)
-        for block_hash in dups:
-            self._add_copy(slot, lane_key, block_hash)
+            self._gaps_after_chain_hold(slot, ids, olds, is_consistent)
+        for entry_id in dups:
+            self._add_copy(slot, lane_key, entry_id)
 
-    def _hold_one(self, slot: Slot, lane_key: LaneKey, block_hash: int) -> None:
-        lane = self._lanes.get(lane_key)
-        if lane is None:
-            lane = self._lanes[lane_key] = {}
-        self._parent[block_hash] = self._parent.pop(block_hash)
-        old = lane.get(block_hash, 0)
+    def _hold_one(self, slot: Slot, lane_key: LaneKey, entry_id: int) -> None:
+        lane = self._lane(lane_key)
+        self._touch(entry_id)
+        old = lane[entry_id]
         if old & slot.mask:
-            self._add_copy(slot, lane_key, block_hash)
+            self._add_copy(slot, lane_key, entry_id)
             return
-        lane[block_hash] = old | slot.mask
+        lane[entry_id] = old | slot.mask
+        if not old:
+            self._lane_sizes[lane_key] += 1
         slot.num_held[lane_key] = slot.num_held.get(lane_key, 0) + 1
         if lane_key == GPU0:
-            self._gaps_after_hold_one(slot, block_hash)
+            self._gaps_after_hold_one(slot, entry_id)
 
-    def _add_copy(self, slot: Slot, lane_key: LaneKey, block_hash: int) -> None:
+    def _add_copy(self, slot: Slot, lane_key: LaneKey, entry_id: int) -> None:
+        block_hash = self._hash[entry_id]
         if lane_key == GPU0 and slot.approx.pop(block_hash, None) is not None:
             self._num_approx -= 1
             self._counters["num_approx_blocks_confirmed"] += 1
@@ -382,8 +567,9 @@ class IndexState:
         slot.copies[key] = slot.copies.get(key, 0) + 1
         self._counters["num_extra_copies_stored"] += 1
 
-    def _drop(self, slot: Slot, lane_key: LaneKey, block_hash: int) -> bool:
-        """Remove one holding (one copy) of a block; returns whether the slot held it on that lane."""
+    def _drop(self, slot: Slot, lane_key: LaneKey, entry_id: int) -> bool:
+        """Remove one holding (one copy) of an entry; returns whether the slot held it on that lane."""
+        block_hash = self._hash[entry_id]
         key = (lane_key, block_hash)
         if slot.copies:
             extra = slot.copies.get(key)
@@ -394,23 +580,23 @@ class IndexState:
                     slot.copies[key] = extra - 1
                 return True
         lane = self._lanes.get(lane_key)
-        mask = lane.get(block_hash, 0) if lane is not None else 0
-        if lane is None or not mask & slot.mask:
+        if lane is None:
+            return False
+        mask = lane[entry_id]
+        if not mask & slot.mask:
             return False
         mask &= ~slot.mask
-        if mask:
-            lane[block_hash] = mask
-        else:
-            del lane[block_hash]
+        lane[entry_id] = mask
         slot.num_held[lane_key] -= 1
         if lane_key == GPU0:
-            self._gaps_after_drop(slot, block_hash)
+            self._gaps_after_drop(slot, entry_id)
             if slot.approx and slot.approx.pop(block_hash, None) is not None:
                 self._num_approx -= 1
         if slot.span_held:
             slot.span_held.discard(key)
         if not mask:
-            self._maybe_delete_entry(block_hash)
+            self._lane_sizes[lane_key] -= 1
+            self._maybe_delete_entry(entry_id)
         return True
 
     # ------------------------------------------------------------------ checks
@@ -419,31 +605,61 @@ class IndexState:
         """Recompute the derived structures from scratch and compare (for tests and debugging; O(index)).
 
         Raises:
-            RuntimeError: ``children``, ``rooted``, ``dangling``, ``num_held`` or the gap counts disagree with
-                ``parent`` and the lanes.
+            RuntimeError: the id tables, children, dangling keys, the eviction log, ``num_held`` or the gap
+                counts disagree with the parent links and the lanes.
         """
+        num_ids = self._num_ids
+        kind = self._kind
         parent = self._parent
+        tables = (self._hash, parent, kind, self._stamp, *self._lanes.values())
+        if any(len(table) != num_ids for table in tables):
+            raise RuntimeError("per-id tables differ in length")
+        if kind[NULL_ID] != FREE or any(lane[NULL_ID] for lane in self._lanes.values()):
+            raise RuntimeError("the null id is in use")
+        for block_hash, entry_id in self._id_of.items():
+            if self._hash[entry_id] != block_hash or kind[entry_id] == FREE:
+                raise RuntimeError(f"id_of[{block_hash}] = {entry_id} disagrees with the id tables")
+        free = [i for i in range(1, num_ids) if kind[i] == FREE]
+        if len(self._id_of) + len(free) != num_ids - 1 or sorted(free) != sorted(self._free_ids):
+            raise RuntimeError("free ids disagree with the kinds")
+        entries = [i for i in range(1, num_ids) if kind[i] & 1]
+        if len(entries) != self._num_entries:
+            raise RuntimeError(f"{self._num_entries} entries counted, {len(entries)} real")
         expected: dict[int, list[int]] = {}
-        for child, up in parent.items():
-            if child not in self._rooted:
+        for child in entries:
+            if kind[child] == ENTRY:
+                up = parent[child]
+                if not (kind[up] & 1 or kind[up] == DANGLING):
+                    raise RuntimeError(f"entry {child} has a free parent id {up}")
                 expected.setdefault(up, []).append(child)
-        actual = {up: sorted(iter_children(value)) for up, value in self._children.items()}
-        if actual != {up: sorted(c) for up, c in expected.items()}:
-            raise RuntimeError("children disagree with parent pointers")
-        if not self._rooted <= parent.keys():
-            raise RuntimeError("a rooted block is not an entry")
-        if self._dangling != {up for up in self._children if up not in parent}:
+            elif parent[child] != NULL_ID:
+                raise RuntimeError(f"rooted entry {child} has a parent")
+        actual = {up: sorted(self._iter_children(up)) for up in range(1, num_ids)}
+        if {up: c for up, c in actual.items() if c} != {up: sorted(c) for up, c in expected.items()}:
+            raise RuntimeError("children disagree with parent links")
+        dangling = [i for i in range(1, num_ids) if kind[i] == DANGLING]
+        if len(dangling) != self._num_dangling or any(i not in expected for i in dangling):
             raise RuntimeError("dangling keys disagree")
-        for lane in self._lanes.values():
-            if not lane.keys() <= parent.keys():
-                raise RuntimeError("a held block is not an entry")
+        log = self._log
+        for entry_id in entries:
+            pos = self._stamp[entry_id]
+            if not 0 <= pos < len(log) or log[pos] != entry_id:
+                raise RuntimeError(f"entry {entry_id} has no valid eviction record")
+            if not self._is_held(entry_id) and entry_id not in expected:
+                raise RuntimeError(f"entry {entry_id} has neither holders nor children")
+        for lane_key, lane in self._lanes.items():
+            if any(lane[i] and not kind[i] & 1 for i in range(num_ids)):
+                raise RuntimeError(f"a block held on {lane_key} is not an entry")
+            if self._lane_sizes[lane_key] != sum(1 for m in lane if m):
+                raise RuntimeError(f"size of lane {lane_key} is off")
         dirty = 0
+        gpu = self._gpu0
         for slot in self._slots.values():
             mask = slot.mask
             for lane_key, lane in self._lanes.items():
-                if slot.num_held.get(lane_key, 0) != sum(1 for m in lane.values() if m & mask):
+                if slot.num_held.get(lane_key, 0) != sum(1 for m in lane if m & mask):
                     raise RuntimeError(f"num_held of {slot.worker_id}/{slot.dp_rank} on {lane_key} is off")
-            num_gaps = sum(1 for h, m in self._gpu0.items() if m & mask and self._is_gap(mask, h))
+            num_gaps = sum(1 for i in range(num_ids) if gpu[i] & mask and self._is_gap(mask, i))
             if num_gaps != slot.num_gaps:
                 raise RuntimeError(f"{slot.worker_id}/{slot.dp_rank}: {slot.num_gaps} gaps counted, {num_gaps} real")
             if num_gaps:

@@ -1,7 +1,7 @@
 """Upkeep of the prefix index: clearing workers and tiers, the block cap (LRU pruning), approximate mode.
 
-Eviction order for the block cap: oldest entry first (``parent``'s insertion order: creation, or the last store
-that ended at the block, ``router.index.state``), leaves only; a parent becomes a leaf when its last child goes
+Eviction order for the block cap: oldest entry first (``log`` order: creation, or the last store that ended at
+the block, ``router.index.state``), leaves only; a parent becomes a leaf when its last child goes
 and is pruned next if it was older than that child.
 Approximate blocks expire in expiry order (a heap of insert records); a record whose block was refreshed,
 confirmed by an event or dropped since is skipped.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from itertools import repeat
 
 from events.types import Medium
 from router.index.errors import UnknownWorkerError
@@ -39,6 +38,7 @@ class UpkeepMixin(IndexState):
         candidates = set(slot.engine.values())
         candidates.update(h for _, h in slot.span_held)
         candidates.update(slot.approx)
+        candidate_ids = [i for i in map(self._id_of.get, candidates) if i is not None]
         mask = slot.mask
         keep = ~mask
         freed: list[int] = []
@@ -46,15 +46,16 @@ class UpkeepMixin(IndexState):
             if not slot.num_held.get(lane_key):
                 continue
             lane = self._lanes[lane_key]
-            for block_hash in candidates:
-                holders = lane.get(block_hash, 0)
+            num_emptied = 0
+            for entry_id in candidate_ids:
+                holders = lane[entry_id]
                 if holders & mask:
                     holders &= keep
-                    if holders:
-                        lane[block_hash] = holders
-                    else:
-                        del lane[block_hash]
-                        freed.append(block_hash)
+                    lane[entry_id] = holders
+                    if not holders:
+                        freed.append(entry_id)
+                        num_emptied += 1
+            self._lane_sizes[lane_key] -= num_emptied
             slot.num_held[lane_key] = 0
         cleared = set(lane_keys)
         if slot.copies:
@@ -72,11 +73,11 @@ class UpkeepMixin(IndexState):
             slot.engine.clear()
             slot.spans.clear()
         else:
-            mapped_hashes = {h for h in candidates if self._slot_holds(slot, h)}
+            mapped_hashes = {h for h in candidates if self._slot_holds_hash(slot, h)}
             slot.engine = {eh: h for eh, h in slot.engine.items() if h in mapped_hashes}
             slot.spans = {key: k for key, k in slot.spans.items() if key[1] in slot.engine}
-        for block_hash in freed:
-            self._maybe_delete_entry(block_hash)
+        for entry_id in freed:
+            self._maybe_delete_entry(entry_id)
 
     def clear_worker(self, worker_id: str, medium: Medium | None = None) -> None:
         """Drop a worker's holdings (all dp ranks) on one medium, or on every medium including pools.
@@ -102,12 +103,7 @@ class UpkeepMixin(IndexState):
 
     def clear(self) -> None:
         """Drop every block of every worker (workers, pools and groups stay configured)."""
-        for lane in self._lanes.values():
-            lane.clear()
-        self._parent.clear()
-        self._children.clear()
-        self._rooted.clear()
-        self._dangling.clear()
+        self._reset_tables(self._lanes)
         self._dirty_mask = 0
         for slot in self._slots.values():
             slot.is_live = False
@@ -121,7 +117,7 @@ class UpkeepMixin(IndexState):
         """Drop engine-hash mappings of blocks the slot no longer holds once they outnumber its holdings."""
         if len(slot.engine) <= 2 * sum(slot.num_held.values()) + 4096:
             return
-        stale = [eh for eh, h in slot.engine.items() if not self._slot_holds(slot, h)]
+        stale = [eh for eh, h in slot.engine.items() if not self._slot_holds_hash(slot, h)]
         for engine_hash in stale:
             del slot.engine[engine_hash]
         if slot.spans:
@@ -130,33 +126,41 @@ class UpkeepMixin(IndexState):
     # ------------------------------------------------------------------ the block cap
 
     def _prune(self) -> None:
-        parent = self._parent
-        children = self._children
-        excess = len(parent) - int(self.config.max_blocks * self.config.prune_target_ratio)
+        """Evict least recently stored leaves (``log`` order) down to the target size, then compact ``log``."""
+        kind = self._kind
+        stamp = self._stamp
+        log = self._log
+        excess = self._num_entries - int(self.config.max_blocks * self.config.prune_target_ratio)
         skipped: set[int] = set()
         touched: set[Slot] = set()
-        for block_hash in list(parent):
+        for pos, entry_id in enumerate(log):
             if excess <= 0:
                 break
-            if block_hash not in parent:
+            if stamp[entry_id] != pos or not kind[entry_id] & 1:
+                continue  # a stale record, or gone since
+            if self._has_children(entry_id):
+                skipped.add(entry_id)
                 continue
-            if block_hash in children:
-                skipped.add(block_hash)
-                continue
-            current = block_hash
+            current = entry_id
             while True:
                 up = self._evict_entry(current, touched)
                 excess -= 1
-                if excess <= 0 or up not in skipped or up in children or up not in parent:
+                if excess <= 0 or up not in skipped or not kind[up] & 1 or self._has_children(up):
                     break
                 current = up
+        self._compact_log()
         for slot in touched:
             self._maybe_sweep_engine(slot)
 
-    def _evict_entry(self, block_hash: int, touched: set[Slot]) -> int:
-        """Delete a leaf entry with all its holdings; returns its parent hash."""
+    def _evict_entry(self, entry_id: int, touched: set[Slot]) -> int:
+        """Delete a leaf entry with all its holdings; returns its parent id."""
+        block_hash = self._hash[entry_id]
         for lane_key, lane in self._lanes.items():
-            holders = lane.pop(block_hash, 0)
+            holders = lane[entry_id]
+            if not holders:
+                continue
+            lane[entry_id] = 0
+            self._lane_sizes[lane_key] -= 1
             for bit in iter_bits(holders):
                 slot = self._slots_by_bit[bit]
                 touched.add(slot)
@@ -166,11 +170,11 @@ class UpkeepMixin(IndexState):
                 if slot.span_held:
                     slot.span_held.discard((lane_key, block_hash))
                 if lane_key == GPU0:
-                    if self._is_gap(slot.mask, block_hash):
+                    if self._is_gap(slot.mask, entry_id):
                         self._add_gaps(slot, -1)
                     if slot.approx.pop(block_hash, None) is not None:
                         self._num_approx -= 1
-        up = self._unlink(block_hash)
+        up = self._unlink(entry_id)
         self._counters["num_pruned_blocks"] += 1
         return up
 
@@ -203,23 +207,26 @@ class UpkeepMixin(IndexState):
             return
         slot = self._slot(worker_id, dp_rank)
         hashes = list(block_hashes)
-        _, is_consistent = self._link(hashes, 0, True)
+        ids, _, is_consistent = self._link(hashes, 0, True)
         expiry = now_s + (self.config.approx_ttl_s if ttl_s is None else ttl_s)
         lane = self._gpu0
         mask = slot.mask
         approx = slot.approx
         num_new = 0
-        olds = list(map(lane.get, hashes, repeat(0)))
-        for block_hash, old in zip(hashes, olds, strict=True):
+        num_filled = 0
+        olds = list(map(lane.__getitem__, ids))
+        for entry_id, block_hash, old in zip(ids, hashes, olds, strict=True):
             if old & mask:
                 if block_hash in approx:
                     approx[block_hash] = expiry
                 continue
-            lane[block_hash] = old | mask
+            lane[entry_id] = old | mask
             approx[block_hash] = expiry
             num_new += 1
+            num_filled += not old
+        self._lane_sizes[GPU0] += num_filled
         slot.num_held[GPU0] = slot.num_held.get(GPU0, 0) + num_new
-        self._gaps_after_chain_hold(slot, hashes, olds, is_consistent)
+        self._gaps_after_chain_hold(slot, ids, olds, is_consistent)
         self._num_approx += num_new
         self._counters["num_approx_blocks_inserted"] += num_new
         self._approx_seq += 1
@@ -228,7 +235,7 @@ class UpkeepMixin(IndexState):
             target = int(self.config.approx_max_blocks * self.config.prune_target_ratio)
             while self._num_approx > target and self._approx_queue:
                 self._expire_record(*heapq.heappop(self._approx_queue))
-        if len(self._parent) > self.config.max_blocks:
+        if self._num_entries > self.config.max_blocks:
             self._prune()
 
     def expire(self, now_s: float) -> int:
@@ -244,7 +251,9 @@ class UpkeepMixin(IndexState):
             return 0
         num_expired = 0
         for block_hash in hashes:
-            if slot.approx.get(block_hash) == expiry and self._drop(slot, GPU0, block_hash):
-                num_expired += 1
+            if slot.approx.get(block_hash) == expiry:
+                entry_id = self._entry_id(block_hash)
+                if entry_id is not None and self._drop(slot, GPU0, entry_id):
+                    num_expired += 1
         self._counters["num_approx_blocks_expired"] += num_expired
         return num_expired
