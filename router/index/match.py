@@ -58,7 +58,9 @@ def prefix_depths(masks: Iterable[int]) -> tuple[dict[int, int], int]:
     return depths, pos
 
 
-def jump_depths(lookup: Callable[[int, int], int], hashes: Sequence[int], mask: int) -> dict[int, int]:
+def jump_depths(
+    id_of: Callable[[int, int], int], masks: Sequence[int], hashes: Sequence[int], mask: int
+) -> dict[int, int]:
     """Depth per slot for slots whose bits are monotone along ``hashes``, by binary search over positions.
 
     Precondition (not checked): every bit of ``mask`` is set at position 0 and, once clear at some position,
@@ -67,7 +69,9 @@ def jump_depths(lookup: Callable[[int, int], int], hashes: Sequence[int], mask: 
     holds all of ``hashes``, plus at most ``2 * ceil(log2 n)`` per distinct depth.
 
     Args:
-        lookup: ``lane.get`` of the holder table (called as ``lookup(block_hash, 0)``).
+        id_of: ``dict.get`` of the block hash -> id table (called as ``id_of(block_hash, 0)``; id 0 must have
+            mask 0).
+        masks: the lane's holder masks, indexed by id.
         hashes: ``[n]`` block hashes, root-most first (``n >= 1``).
         mask: the slots to place (a subset of the holders of ``hashes[0]``).
 
@@ -76,7 +80,7 @@ def jump_depths(lookup: Callable[[int, int], int], hashes: Sequence[int], mask: 
     """
     num_blocks = len(hashes)
     depths: dict[int, int] = {}
-    last = lookup(hashes[num_blocks - 1], 0) & mask
+    last = masks[id_of(hashes[num_blocks - 1], 0)] & mask
     for bit in iter_bits(last):
         depths[bit] = num_blocks
     if last == mask:
@@ -90,7 +94,7 @@ def jump_depths(lookup: Callable[[int, int], int], hashes: Sequence[int], mask: 
                 depths[bit] = hi
             continue
         mid = (lo + hi) >> 1
-        mid_mask = (lookup(hashes[mid], 0) & lo_mask) | hi_mask
+        mid_mask = (masks[id_of(hashes[mid], 0)] & lo_mask) | hi_mask
         if mid_mask != lo_mask:
             stack.append((lo, lo_mask, mid, mid_mask))
         if mid_mask != hi_mask:

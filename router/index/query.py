@@ -73,11 +73,7 @@ class QueryMixin(IndexState):
         if not first:
             return {}
         dirty = first & self._dirty_mask
-
-        def lookup(block_hash: int, _default: int) -> int:
-            return gpu[get(block_hash, NULL_ID)]
-
-        depths = jump_depths(lookup, hashes, first ^ dirty) if first ^ dirty else {}
+        depths = jump_depths(get, gpu, hashes, first ^ dirty) if first ^ dirty else {}
         if dirty:
             masks = map(gpu.__getitem__, map(get, hashes, repeat(NULL_ID)))
             depths.update(prefix_depths(map(and_, masks, repeat(dirty)))[0])

@@ -52,7 +52,9 @@ binary-searches where each such bit leaves instead of reading every position.
 
 from __future__ import annotations
 
+import sys
 from array import array
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from operator import and_, or_
@@ -74,12 +76,18 @@ FREE = 0
 """Kind of an unused id (and of the null id 0)."""
 ENTRY = 1
 """Kind of an entry with a parent entry or dangling key."""
+ENTRY_BYTES = bytes([ENTRY])
+FREE_BYTE = bytes([FREE])
 ROOTED = 3
 """Kind of an entry starting a chain at a namespace seed (``kind & 1`` is set for both entry kinds)."""
 DANGLING = 4
 """Kind of a parent hash that is not an entry but has children."""
+DANGLING_BYTE = bytes([DANGLING])
 NULL_ID = 0
 """The null id: never an entry, every mask 0; ``parent`` of rooted entries and dangling keys."""
+UNSTAMPED = -1
+"""``stamp`` of an id whose only eviction record is the one appended when it was created."""
+UNSTAMPED_BYTES = UNSTAMPED.to_bytes(8, sys.byteorder, signed=True)
 
 COUNTER_NAMES: tuple[str, ...] = (
     "num_batches",
@@ -147,12 +155,13 @@ class IndexState:
         """Empty id tables holding only the null id, with empty lanes ``lane_keys`` (plus ``GPU0``)."""
         self._id_of: dict[int, int] = {}
         self._hash: list[int] = [0]
-        self._parent: array[int] = array("q", [NULL_ID])
+        self._parent: list[int] = [NULL_ID]
         self._kind = bytearray([FREE])
-        self._stamp: array[int] = array("q", [-1])
-        self._log: array[int] = array("q")
+        self._stamp: array[int] = array("q", [UNSTAMPED])
+        self._log: list[int] = []
         self._extra_children: dict[int, int | list[int]] = {}
         self._free_ids: list[int] = []
+        self._iota: list[int] = [NULL_ID]
         self._num_ids = 1
         self._num_entries = 0
         self._num_dangling = 0
@@ -212,21 +221,30 @@ class IndexState:
 
     # ------------------------------------------------------------------ ids
 
+    def _iota_slice(self, start: int, num_ids: int) -> list[int]:
+        """``list(range(start, start + num_ids))`` as shared int objects (``iota[i] == i``; grown on demand)."""
+        iota = self._iota
+        end = start + num_ids
+        if len(iota) < end:
+            iota.extend(range(len(iota), end + 1024))
+        return iota[start:end]
+
     def _extend_ids(self, num_ids: int) -> int:
         """Append ``num_ids`` fresh ids (kind ``FREE``, masks 0) to every table; returns the first."""
         base = self._num_ids
         self._num_ids = base + num_ids
+        self._iota_slice(base, num_ids)
         self._hash.extend(repeat(0, num_ids))
         self._parent.extend(repeat(NULL_ID, num_ids))
         self._kind.extend(bytes(num_ids))
-        self._stamp.extend(repeat(-1, num_ids))
+        self._stamp.frombytes(UNSTAMPED_BYTES * num_ids)
         for lane in self._lanes.values():
             lane.extend(repeat(0, num_ids))
         return base
 
     def _take_id(self, block_hash: int) -> int:
         """An unused id (reused or fresh), mapped from ``block_hash``; its kind is still ``FREE``."""
-        new_id = self._free_ids.pop() if self._free_ids else self._extend_ids(1)
+        new_id = self._free_ids.pop() if self._free_ids else self._iota[self._extend_ids(1)]
         self._id_of[block_hash] = new_id
         self._hash[new_id] = block_hash
         return new_id
@@ -237,7 +255,7 @@ class IndexState:
         self._hash[old_id] = 0
         self._parent[old_id] = NULL_ID
         self._kind[old_id] = FREE
-        self._stamp[old_id] = -1
+        self._stamp[old_id] = UNSTAMPED
         self._free_ids.append(old_id)
 
     def _touch(self, entry_id: int) -> None:
@@ -250,10 +268,15 @@ class IndexState:
         """Drop stale records from the eviction log (O(log length))."""
         stamp = self._stamp
         kind = self._kind
-        live = [i for pos, i in enumerate(self._log) if stamp[i] == pos and kind[i] & 1]
+        live = [i for pos, i in enumerate(self._log) if stamp[i] in (pos, UNSTAMPED) and kind[i] & 1]
         for pos, entry_id in enumerate(live):
             stamp[entry_id] = pos
-        self._log = array("q", live)
+        self._log = live
+
+    def _is_entry_run(self, first: int, num_ids: int) -> bool:
+        """Whether ids ``first .. first + num_ids - 1`` are all entries."""
+        run = self._kind[first : first + num_ids]
+        return FREE_BYTE not in run and (not self._num_dangling or DANGLING_BYTE not in run)
 
     def _parent_id(self, block_hash: int) -> int:
         """Id of a parent hash: its entry, or its dangling key (created when unknown)."""
@@ -323,6 +346,57 @@ class IndexState:
             self._num_dangling -= 1
             self._release_id(up)
 
+    def _create_chain(
+        self, hashes: list[int], ids: list[int], up: int, is_rooted: bool, lane: list[int], mask: int
+    ) -> None:
+        """Fill the tables of a chain of new entries already mapped in ``id_of``, held by ``mask`` on ``lane``.
+
+        Args:
+            hashes: ``[n]`` our block hashes of the chain.
+            ids: ``[n]`` their ids: ``iota[num_ids : num_ids + n]`` (fresh, tables extended at C speed), or the
+                last ``n`` of ``free_ids`` (reused, written per id).
+            up: id of the parent of ``hashes[0]`` (``NULL_ID`` when ``is_rooted``).
+            is_rooted: the chain starts at a namespace seed.
+            lane: the lane to hold the chain on; ``mask``: the holder bit.
+        """
+        num_blocks = len(hashes)
+        parent = self._parent
+        kind = self._kind
+        log = self._log
+        first = ids[0]
+        if first == self._num_ids:
+            self._num_ids = first + num_blocks
+            self._hash.extend(hashes)
+            parent.append(up)
+            parent.extend(ids)
+            parent.pop()
+            kind.append(ROOTED if is_rooted else ENTRY)
+            kind += ENTRY_BYTES * (num_blocks - 1)
+            self._stamp.frombytes(UNSTAMPED_BYTES * num_blocks)
+            log.extend(ids)
+            for other in self._lanes.values():
+                other.extend(repeat(mask if other is lane else 0, num_blocks))
+            if not is_rooted:
+                self._add_child(up, first)
+        else:
+            del self._free_ids[-num_blocks:]
+            block_hash_of = self._hash
+            stamp = self._stamp
+            prev = up
+            for entry_id, block_hash in zip(ids, hashes, strict=True):
+                block_hash_of[entry_id] = block_hash
+                parent[entry_id] = prev
+                kind[entry_id] = ENTRY
+                lane[entry_id] = mask
+                stamp[entry_id] = len(log)
+                log.append(entry_id)
+                if prev != NULL_ID:
+                    self._add_child(prev, entry_id)
+                prev = entry_id
+            if is_rooted:
+                kind[first] = ROOTED
+        self._num_entries += num_blocks
+
     def _link(self, hashes: Sequence[int], first_parent: int, is_rooted: bool) -> tuple[list[int], bool, bool]:
         """Create the missing entries of a chain, root-most first, and touch its last block (LRU).
 
@@ -339,37 +413,6 @@ class IndexState:
             entry ``ids[i]`` for ``i >= 1`` has ``parent == ids[i - 1]`` (true unless two chains collide).
         """
         id_of = self._id_of
-        num_blocks = len(hashes)
-        if id_of.keys().isdisjoint(hashes) and not self._free_ids:
-            # All new (the common case of a growing conversation): consecutive fresh ids, bulk inserts.
-            up = NULL_ID if is_rooted else self._parent_id(first_parent)
-            base = self._num_ids
-            fresh = range(base, base + num_blocks)
-            num_before = len(id_of)
-            id_of.update(zip(hashes, fresh, strict=True))
-            if len(id_of) - num_before == num_blocks:
-                self._num_ids = base + num_blocks
-                self._hash.extend(hashes)
-                parent = self._parent
-                parent.append(up)
-                parent.extend(range(base, base + num_blocks - 1))
-                kind = self._kind
-                kind.append(ROOTED if is_rooted else ENTRY)
-                kind.extend(repeat(ENTRY, num_blocks - 1))
-                log = self._log
-                self._stamp.extend(range(len(log), len(log) + num_blocks))
-                log.extend(fresh)
-                for lane in self._lanes.values():
-                    lane.extend(repeat(0, num_blocks))
-                if not is_rooted:
-                    self._add_child(up, base)
-                self._num_entries += num_blocks
-                return list(fresh), True, True
-            for block_hash in hashes:  # a block repeated in the chain: undo, take the general path
-                id_of.pop(block_hash, None)
-            if up != NULL_ID and self._kind[up] == DANGLING and not self._has_children(up):
-                self._num_dangling -= 1
-                self._release_id(up)
         olds: list[int | None] = list(map(id_of.get, hashes))
         kind = self._kind
         parent = self._parent
@@ -406,7 +449,7 @@ class IndexState:
             ids.append(entry_id)
             prev = entry_id
         last = olds[-1]
-        if last is not None and kind[last] & 1 and self._stamp[last] != len(self._log) - 1:
+        if last is not None and kind[last] & 1 and self._stamp[last] not in (len(self._log) - 1, UNSTAMPED):
             self._touch(last)
         return ids, is_all_new, is_consistent
 
@@ -512,25 +555,85 @@ class IndexState:
     def _hold(self, slot: Slot, lane_key: LaneKey, hashes: list[int], first_parent: int, is_rooted: bool) -> None:
         """Add the slot as holder of a chain on one lane (with copy counting and approximate confirmation)."""
         lane = self._lane(lane_key)
-        ids, is_all_new, is_consistent = self._link(hashes, first_parent, is_rooted)
         mask = slot.mask
-        num_blocks = len(ids)
-        if is_all_new:  # new entries are held nowhere yet
-            first = ids[0]
-            if ids[-1] - first == num_blocks - 1:
-                lane[first : first + num_blocks] = [mask] * num_blocks
+        num_blocks = len(hashes)
+        id_of = self._id_of
+        up = NULL_ID if is_rooted else id_of.get(first_parent, NULL_ID)
+        if is_rooted or up != NULL_ID:
+            first = id_of.get(hashes[0], NULL_ID)
+            if (
+                first != NULL_ID
+                and self._hash[first : first + num_blocks] == hashes
+                and self._is_entry_run(first, num_blocks)
+            ):
+                # Blocks already indexed under consecutive ids (another worker storing the same chain): the
+                # first probe is the only random access.
+                self._hold_entries(slot, lane_key, lane, self._iota_slice(first, num_blocks))
+                return
+            # One probe per block: new blocks get candidate ids, blocks already indexed give theirs.
+            free_ids = self._free_ids
+            if len(free_ids) >= num_blocks:
+                candidates = free_ids[-num_blocks:]
             else:
-                for entry_id in ids:
-                    lane[entry_id] = mask
+                candidates = self._iota_slice(self._num_ids, num_blocks)
+            num_before = len(id_of)
+            ids = list(map(id_of.setdefault, hashes, candidates))
+            num_new = len(id_of) - num_before
+            if num_new == num_blocks:  # all new (a growing conversation): bulk inserts at C speed
+                self._create_chain(hashes, ids, up, is_rooted, lane, mask)
+                slot.num_held[lane_key] = slot.num_held.get(lane_key, 0) + num_blocks
+                self._lane_sizes[lane_key] += num_blocks
+                if lane_key == GPU0 and not is_rooted and not self._gpu0[up] & mask:
+                    self._add_gaps(slot, 1)
+                return
+            if not num_new and not (self._num_dangling and any(self._kind[i] == DANGLING for i in ids)):
+                # Every block an entry (another worker storing the same chain).
+                self._hold_entries(slot, lane_key, lane, ids)
+                return
+            for block_hash, entry_id, candidate in zip(hashes, ids, candidates, strict=True):
+                if entry_id == candidate:  # undo; the general path below creates the entries
+                    del id_of[block_hash]
+        ids, is_all_new, is_consistent = self._link(hashes, first_parent, is_rooted)
+        if is_all_new:  # new entries are held nowhere yet
+            for entry_id in ids:
+                lane[entry_id] = mask
             slot.num_held[lane_key] = slot.num_held.get(lane_key, 0) + num_blocks
             self._lane_sizes[lane_key] += num_blocks
-            if lane_key == GPU0 and not is_rooted and not self._gpu0[self._parent[first]] & mask:
+            if lane_key == GPU0 and not is_rooted and not self._gpu0[self._parent[ids[0]]] & mask:
                 self._add_gaps(slot, 1)
             return
-        olds = list(map(lane.__getitem__, ids))
-        news = list(map(or_, olds, repeat(mask)))
+        self._hold_entries(slot, lane_key, lane, ids, is_consistent, is_touched=True)
+
+    def _hold_entries(
+        self,
+        slot: Slot,
+        lane_key: LaneKey,
+        lane: list[int],
+        ids: list[int],
+        is_consistent: bool | None = None,
+        *,
+        is_touched: bool = False,
+    ) -> None:
+        """Set the slot's bit on entries of a chain (``[n]`` ids, root-most first), with copies and gaps.
+
+        ``is_consistent`` (every ``ids[i]`` has parent ``ids[i - 1]``) is computed when ``None``; the last
+        block moves to the most recent end of the eviction order unless ``is_touched``.
+        """
+        mask = slot.mask
+        num_blocks = len(ids)
         first = ids[0]
-        if ids[-1] - first == num_blocks - 1 and ids == list(range(first, first + num_blocks)):
+        is_run = ids[-1] - first == num_blocks - 1 and ids == self._iota_slice(first, num_blocks)
+        if is_consistent is None:
+            parent = self._parent
+            if is_run:
+                is_consistent = parent[first + 1 : first + num_blocks] == ids[:-1]
+            else:
+                is_consistent = list(map(parent.__getitem__, ids[1:])) == ids[:-1]
+        if not is_touched:
+            self._touch(ids[-1])
+        olds = lane[first : first + num_blocks] if is_run else list(map(lane.__getitem__, ids))
+        news = list(map(or_, olds, repeat(mask)))
+        if is_run:
             lane[first : first + num_blocks] = news
         else:
             for entry_id, new in zip(ids, news, strict=True):
@@ -641,8 +744,11 @@ class IndexState:
         if len(dangling) != self._num_dangling or any(i not in expected for i in dangling):
             raise RuntimeError("dangling keys disagree")
         log = self._log
+        num_records = Counter(log)
         for entry_id in entries:
             pos = self._stamp[entry_id]
+            if pos == UNSTAMPED and num_records[entry_id] == 1:
+                continue
             if not 0 <= pos < len(log) or log[pos] != entry_id:
                 raise RuntimeError(f"entry {entry_id} has no valid eviction record")
             if not self._is_held(entry_id) and entry_id not in expected:

@@ -16,7 +16,7 @@ from events.types import Medium
 from router.index.errors import UnknownWorkerError
 from router.index.match import iter_bits
 from router.index.slots import Slot
-from router.index.state import GPU0, POOL_MEDIA, IndexState
+from router.index.state import GPU0, POOL_MEDIA, UNSTAMPED, IndexState
 
 
 class UpkeepMixin(IndexState):
@@ -136,7 +136,7 @@ class UpkeepMixin(IndexState):
         for pos, entry_id in enumerate(log):
             if excess <= 0:
                 break
-            if stamp[entry_id] != pos or not kind[entry_id] & 1:
+            if stamp[entry_id] not in (pos, UNSTAMPED) or not kind[entry_id] & 1:
                 continue  # a stale record, or gone since
             if self._has_children(entry_id):
                 skipped.add(entry_id)

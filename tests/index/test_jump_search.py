@@ -44,7 +44,8 @@ def test_jump_depths_agrees_with_walk_on_monotone_masks(depths: list[int], num_b
     hashes = list(range(num_blocks))
     held_at_root = masks[0]
     expected, _ = prefix_depths(masks)
-    assert jump_depths(lambda h, _default: masks[h], hashes, held_at_root) == expected
+    ids = {h: h + 1 for h in hashes}  # id 0 is the null id
+    assert jump_depths(ids.get, [0, *masks], hashes, held_at_root) == expected
     assert set(expected) == set(iter_bits(held_at_root))
 
 
