@@ -9,11 +9,12 @@ Offload stores without tokens (vLLM's CPU connector) are resolved through ``slot
 covering ``k`` index blocks (``block_size = k * index block_size``) is the engine hash of the last of them, and
 marks that block and its ``k - 1`` ancestors that the slot knows.
 
-Ingest cost: a store of ``n`` new blocks is one token conversion, ``n`` xxh3 calls and five bulk dict updates
-(``isdisjoint`` probe, ``parent``, ``children``, the lane, ``slot.engine``). A store of blocks already indexed
-(another worker storing the same chain) reads ``parent`` and the lane and updates the lane per block, and moves
-only its last block in the eviction order; copies and gaps are looked at per block only when the slot already
-holds some of the blocks or has gaps. Figures in ``router.index.bench``.
+Ingest cost: a store of ``n`` new blocks is one token conversion, ``n`` xxh3 calls, one ``setdefault`` probe
+per block into ``id_of`` (the only random access of the index tables), list extends of the per-id tables, and
+the ``slot.engine`` update. A store of blocks already indexed under consecutive ids (another worker storing the
+same chain) is one probe of its first block, slice compares of ``block_hash`` and ``parent``, and a slice
+update of the lane; the last block moves in the eviction order. Copies and gaps are looked at per block only
+when the slot already holds some of the blocks or has gaps. Figures in ``router.index.bench``.
 """
 
 from __future__ import annotations

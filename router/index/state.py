@@ -1,27 +1,31 @@
 """State of the prefix index and its primitive operations: entries (the chain structure) and holdings.
 
 Layout: dense ids. Every entry (and every dangling key, below) has a small integer id; one dict maps block
-hashes to ids, and everything else is a flat per-id array indexed by id, with no Python object per block::
+hashes to ids, and everything else is a flat per-id table indexed by id, with no Python object per block::
 
     id_of[block_hash] -> id          one dict for the whole index (entries and dangling keys)
 
     id:               0 (null)   1        2        3        4        5 ...
-    block_hash[id]    -          h1       h2       h3       h7       h8        list of ints
-    parent[id]        0          0        1        2        2        4         array('q'); 0 = none (rooted)
+    block_hash[id]    0          h1       h2       h3       h7       h8        list
+    parent[id]        0          0        1        2        2        4         list; 0 = none (rooted)
     kind[id]          FREE       ROOTED   ENTRY    ENTRY    ENTRY    ENTRY     bytearray
-    lanes[(g, m)][id] 0          mask     mask     mask     mask     mask      one list per (group, medium);
+    lanes[(g, m)][id] 0          mask     mask     mask     mask     mask      one list per (group, medium):
                                                                                one bit per slot (worker, dp_rank)
-    stamp[id]         -1         pos      pos      pos      pos      pos       array('q'): position in ``log``
+    stamp[id]         -1         -1       -1       -1       9        -1        array('q'): position in ``log``
+    log               [1, 2, 3, 4, 5, ..., 4]                                  eviction records, oldest first
 
     extra_children[2] = 4          children not at ``id + 1`` (here 2 -> 4, a branch; 2 -> 3 is implicit)
 
-Ids are handed out consecutively along a chain, so a chain of ``n`` new blocks costs ``n`` inserts into
-``id_of`` plus array extends, and its parent links need no child table: ``c`` is a child of ``p`` when
-``parent[c] == p``, and the children of ``p`` are ``p + 1`` (when ``parent[p + 1] == p``) plus
-``extra_children[p]`` (an int for one, a list for two or more). Id 0 is a null entry whose masks are always 0,
-so ``lane[id_of.get(h, 0)]`` reads 0 for an unknown hash. Ids of deleted entries go to ``free_ids`` and are
-reused; per-slot tables (``slot.engine``, ``copies``, ``approx``...) keep block hashes, never ids, so a reused
-id can never be mistaken for the block it held before.
+Ids are handed out consecutively along a chain, so a chain of ``n`` new blocks costs one ``setdefault`` probe
+per block into ``id_of`` and list extends, and its parent links need no child table: ``c`` is a child of ``p``
+when ``parent[c] == p``, and the children of ``p`` are ``p + 1`` (when ``parent[p + 1] == p``) plus
+``extra_children[p]`` (an int for one, a list for two or more). A chain stored again (another worker) is found
+by probing its first block and comparing ``block_hash[i : i + n]`` with the chain. Id 0 is a null entry whose
+masks are always 0, so ``lane[id_of.get(h, 0)]`` reads 0 for an unknown hash. Id ints are shared objects
+(``iota[i] is i``, reused by ``id_of``, ``parent`` and ``log``). Ids of deleted entries go to ``free_ids`` and
+are reused (a chain of ``n`` takes the last ``n`` when there are that many); per-slot tables (``slot.engine``,
+``copies``, ``approx``...) keep block hashes, never ids, so a reused id can never be mistaken for the block
+it held before.
 
 Kinds: ``FREE`` (unused id), ``ENTRY``, ``ROOTED`` (an entry starting a chain at a namespace seed; parent 0),
 ``DANGLING`` (a parent hash that is not an entry but has children; parent 0, masks 0).
@@ -33,13 +37,13 @@ Invariants:
   * ``lanes[k][i]`` is non-zero only for entries; ``lane_sizes[k]`` counts the non-zero ones.
   * Copy counts: a slot holding a block twice on one lane needs as many removals before its bit clears.
 
-Eviction order: ``log`` lists ids oldest first; ``stamp[i]`` is the position of ``i``'s valid record (older
-records of ``i`` are stale and skipped; ``log`` is compacted when stale records outnumber the entries, and after
-each pruning pass). A new entry goes to the most recent end; a store of blocks already indexed moves only its
-last block there (one append per store, not one per block); an offload store without tokens moves each block it
-marks. Pruning takes leaves only, so a block's ancestors never go before it: an ancestor's own position matters
-only once every descendant is gone, and then it ranks by its creation or its last store as the last block of a
-chain.
+Eviction order: ``log`` lists ids oldest first. An id's valid record is at position ``stamp[i]``, or, while
+``stamp[i] == -1`` (an entry created by a bulk store and never moved since), its only record; other records of
+``i`` are stale and skipped. ``log`` is compacted when stale records outnumber the entries (by 65,536), and after
+each pruning pass. A new entry goes to the most recent end; a store of blocks already indexed moves only its last
+block there (one append per store, not one per block); an offload store without tokens moves each block it marks.
+Pruning takes leaves only, so a block's ancestors never go before it: an ancestor's own position matters only once
+every descendant is gone, and then it ranks by its creation or its last store as the last block of a chain.
 
 Gaps (group 0, GPU lane only): a *gap* of slot ``s`` is an ``ENTRY`` ``i`` that ``s`` holds on GPU whose parent
 ``s`` does not hold on GPU. ``slot.num_gaps`` equals the number of gaps of the slot, kept incrementally on every

@@ -309,6 +309,32 @@ def test_block_cap_restore_of_a_chain_makes_it_recent():
     index.check_invariants()
 
 
+def test_pruned_ids_are_reused_and_stale_engine_hashes_never_reach_the_new_blocks():
+    index = make_index(max_blocks=7, prune_target_ratio=0.5)
+    other = tuple(range(500, 516))
+    index.apply(batch("w0", stored(0, 4)))
+    index.apply(batch("w1", BlockStored((1, 2, 3, 4), None, other, BS)))  # 8 > 7: prune to 3
+    assert index.stats().counters["num_pruned_blocks"] == 5  # w0's chain, then w1's last block
+    third = tuple(range(700, 708))
+    index.apply(batch("w2", BlockStored((5, 6), None, third, BS)))  # takes 2 of the 5 freed ids
+    assert index.num_blocks() == 5
+    # w0 still maps its engine hashes to its pruned blocks: a removal finds nothing held, and a child of
+    # block 3 hangs under a dangling key (not an entry) and matches nowhere from the root.
+    index.apply(batch("w0", BlockRemoved((1001,))))
+    assert index.stats().counters["num_removals_not_held"] == 1
+    index.apply(batch("w0", stored(4, 6)))
+    assert index.num_blocks() == 7
+    assert depths(index) == {}
+    assert depths(index, HASHES[:4]) == {}
+    assert depths(index, hash_token_blocks(list(third), BS)) == {"w2": (2, 0, 0)}
+    assert depths(index, hash_token_blocks(list(other), BS)) == {"w1": (3, 0, 0)}
+    index.check_invariants()
+    # Dropping the child frees the dangling key with it.
+    index.apply(batch("w0", BlockRemoved((1005, 1004))))
+    assert index.num_blocks() == 5
+    index.check_invariants()
+
+
 def test_hybrid_groups_sliding_window_and_recurrent():
     index = PrefixIndex(
         IndexConfig(block_size=BS),
