@@ -159,13 +159,13 @@ class IndexState:
         """Empty id tables holding only the null id, with empty lanes ``lane_keys`` (plus ``GPU0``)."""
         self._id_of: dict[int, int] = {}
         self._hash: list[int] = [0]
-        self._parent: list[int] = [NULL_ID]
+        self._parent: array[int] = array("q", [NULL_ID])
         self._kind = bytearray([FREE])
         self._stamp: array[int] = array("q", [UNSTAMPED])
-        self._log: list[int] = []
+        self._log: array[int] = array("q")
         self._extra_children: dict[int, int | list[int]] = {}
         self._free_ids: list[int] = []
-        self._iota: list[int] = [NULL_ID]
+        self._iota: array[int] = array("q", [NULL_ID])
         self._num_ids = 1
         self._num_entries = 0
         self._num_dangling = 0
@@ -225,21 +225,20 @@ class IndexState:
 
     # ------------------------------------------------------------------ ids
 
-    def _iota_slice(self, start: int, num_ids: int) -> list[int]:
-        """``list(range(start, start + num_ids))`` as shared int objects (``iota[i] == i``; grown on demand)."""
+    def _iota_slice(self, start: int, num_ids: int) -> array[int]:
+        """``array("q", range(start, start + num_ids))`` by one copy (``iota[i] == i``, grown on demand)."""
         iota = self._iota
         end = start + num_ids
         if len(iota) < end:
-            iota.extend(range(len(iota), end + 1024))
+            iota.extend(range(len(iota), end + 65536))
         return iota[start:end]
 
     def _extend_ids(self, num_ids: int) -> int:
         """Append ``num_ids`` fresh ids (kind ``FREE``, masks 0) to every table; returns the first."""
         base = self._num_ids
         self._num_ids = base + num_ids
-        self._iota_slice(base, num_ids)
         self._hash.extend(repeat(0, num_ids))
-        self._parent.extend(repeat(NULL_ID, num_ids))
+        self._parent.frombytes(bytes(8 * num_ids))
         self._kind.extend(bytes(num_ids))
         self._stamp.frombytes(UNSTAMPED_BYTES * num_ids)
         for lane in self._lanes.values():
@@ -248,7 +247,7 @@ class IndexState:
 
     def _take_id(self, block_hash: int) -> int:
         """An unused id (reused or fresh), mapped from ``block_hash``; its kind is still ``FREE``."""
-        new_id = self._free_ids.pop() if self._free_ids else self._iota[self._extend_ids(1)]
+        new_id = self._free_ids.pop() if self._free_ids else self._extend_ids(1)
         self._id_of[block_hash] = new_id
         self._hash[new_id] = block_hash
         return new_id
@@ -275,7 +274,7 @@ class IndexState:
         live = [i for pos, i in enumerate(self._log) if stamp[i] in (pos, UNSTAMPED) and kind[i] & 1]
         for pos, entry_id in enumerate(live):
             stamp[entry_id] = pos
-        self._log = live
+        self._log = array("q", live)
 
     def _is_entry_run(self, first: int, num_ids: int) -> bool:
         """Whether ids ``first .. first + num_ids - 1`` are all entries."""
@@ -351,14 +350,14 @@ class IndexState:
             self._release_id(up)
 
     def _create_chain(
-        self, hashes: list[int], ids: list[int], up: int, is_rooted: bool, lane: list[int], mask: int
+        self, hashes: list[int], ids: Sequence[int], up: int, is_rooted: bool, lane: list[int], mask: int
     ) -> None:
         """Fill the tables of a chain of new entries already mapped in ``id_of``, held by ``mask`` on ``lane``.
 
         Args:
             hashes: ``[n]`` our block hashes of the chain.
-            ids: ``[n]`` their ids: ``iota[num_ids : num_ids + n]`` (fresh, tables extended at C speed), or the
-                last ``n`` of ``free_ids`` (reused, written per id).
+            ids: ``[n]`` their ids: ``num_ids .. num_ids + n - 1`` (fresh, tables extended by array copies), or
+                the last ``n`` of ``free_ids`` (reused, written per id).
             up: id of the parent of ``hashes[0]`` (``NULL_ID`` when ``is_rooted``).
             is_rooted: the chain starts at a namespace seed.
             lane: the lane to hold the chain on; ``mask``: the holder bit.
@@ -371,13 +370,13 @@ class IndexState:
         if first == self._num_ids:
             self._num_ids = first + num_blocks
             self._hash.extend(hashes)
+            fresh = self._iota_slice(first, num_blocks)
             parent.append(up)
-            parent.extend(ids)
-            parent.pop()
+            parent.extend(fresh[:-1])
             kind.append(ROOTED if is_rooted else ENTRY)
             kind += ENTRY_BYTES * (num_blocks - 1)
             self._stamp.frombytes(UNSTAMPED_BYTES * num_blocks)
-            log.extend(ids)
+            log.extend(fresh)
             for other in self._lanes.values():
                 other.extend(repeat(mask if other is lane else 0, num_blocks))
             if not is_rooted:
@@ -519,7 +518,9 @@ class IndexState:
             if gpu[child] & mask and (skip is None or child not in skip)
         )
 
-    def _gaps_after_chain_hold(self, slot: Slot, ids: list[int], olds: list[int], is_consistent: bool) -> None:
+    def _gaps_after_chain_hold(
+        self, slot: Slot, ids: Sequence[int], olds: list[int], is_consistent: bool
+    ) -> None:
         """Account gaps after the slot's bit was set on every block of a chain (``olds``: masks before)."""
         mask = slot.mask
         if is_consistent and not slot.num_gaps:  # only the first block can be a new gap
@@ -572,19 +573,17 @@ class IndexState:
             ):
                 # Blocks already indexed under consecutive ids (another worker storing the same chain): the
                 # first probe is the only random access.
-                self._hold_entries(slot, lane_key, lane, self._iota_slice(first, num_blocks))
+                self._hold_entries(slot, lane_key, lane, range(first, first + num_blocks))
                 return
             # One probe per block: new blocks get candidate ids, blocks already indexed give theirs.
             free_ids = self._free_ids
-            if len(free_ids) >= num_blocks:
-                candidates = free_ids[-num_blocks:]
-            else:
-                candidates = self._iota_slice(self._num_ids, num_blocks)
+            base = self._num_ids
+            candidates = free_ids[-num_blocks:] if len(free_ids) >= num_blocks else range(base, base + num_blocks)
             num_before = len(id_of)
             ids = list(map(id_of.setdefault, hashes, candidates))
             num_new = len(id_of) - num_before
             if num_new == num_blocks:  # all new (a growing conversation): bulk inserts at C speed
-                self._create_chain(hashes, ids, up, is_rooted, lane, mask)
+                self._create_chain(hashes, candidates, up, is_rooted, lane, mask)
                 slot.num_held[lane_key] = slot.num_held.get(lane_key, 0) + num_blocks
                 self._lane_sizes[lane_key] += num_blocks
                 if lane_key == GPU0 and not is_rooted and not self._gpu0[up] & mask:
@@ -613,12 +612,13 @@ class IndexState:
         slot: Slot,
         lane_key: LaneKey,
         lane: list[int],
-        ids: list[int],
+        ids: Sequence[int],
         is_consistent: bool | None = None,
         *,
         is_touched: bool = False,
     ) -> None:
-        """Set the slot's bit on entries of a chain (``[n]`` ids, root-most first), with copies and gaps.
+        """Set the slot's bit on entries of a chain (``[n]`` ids, root-most first; a ``range`` for consecutive
+        ids), with copies and gaps.
 
         ``is_consistent`` (every ``ids[i]`` has parent ``ids[i - 1]``) is computed when ``None``; the last
         block moves to the most recent end of the eviction order unless ``is_touched``.
@@ -626,13 +626,15 @@ class IndexState:
         mask = slot.mask
         num_blocks = len(ids)
         first = ids[0]
-        is_run = ids[-1] - first == num_blocks - 1 and ids == self._iota_slice(first, num_blocks)
+        is_run = type(ids) is range or (
+            ids[-1] - first == num_blocks - 1 and list(ids) == list(range(first, first + num_blocks))
+        )
         if is_consistent is None:
             parent = self._parent
             if is_run:
-                is_consistent = parent[first + 1 : first + num_blocks] == ids[:-1]
+                is_consistent = parent[first + 1 : first + num_blocks] == self._iota_slice(first, num_blocks - 1)
             else:
-                is_consistent = list(map(parent.__getitem__, ids[1:])) == ids[:-1]
+                is_consistent = list(map(parent.__getitem__, ids[1:])) == list(ids[:-1])
         if not is_touched:
             self._touch(ids[-1])
         olds = lane[first : first + num_blocks] if is_run else list(map(lane.__getitem__, ids))
