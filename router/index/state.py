@@ -638,6 +638,16 @@ class IndexState:
         if not is_touched:
             self._touch(ids[-1])
         olds = lane[first : first + num_blocks] if is_run else list(map(lane.__getitem__, ids))
+        old = olds[0]
+        if is_run and not old & mask and olds.count(old) == num_blocks:
+            # One holder set over the whole run (the common case): one new mask object, shared.
+            lane[first : first + num_blocks] = [old | mask] * num_blocks
+            slot.num_held[lane_key] = slot.num_held.get(lane_key, 0) + num_blocks
+            if not old:
+                self._lane_sizes[lane_key] += num_blocks
+            if lane_key == GPU0:
+                self._gaps_after_chain_hold(slot, ids, olds, is_consistent)
+            return
         news = list(map(or_, olds, repeat(mask)))
         if is_run:
             lane[first : first + num_blocks] = news
