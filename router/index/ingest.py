@@ -117,7 +117,10 @@ class IngestMixin(UpkeepMixin):
             if parent_hash is None:
                 self._park(slot, event)
                 return ()
-        salt, num_ok = split_extra_keys(event.extra_keys, event.lora_name, num_event_blocks)
+        if event.extra_keys is None:
+            salt, num_ok = None, num_event_blocks
+        else:
+            salt, num_ok = split_extra_keys(event.extra_keys, event.lora_name, num_event_blocks)
         if parent_hash is not None and salt is not None:
             num_ok = 0  # a salt only ever starts a request's chain
         if num_ok < num_event_blocks:

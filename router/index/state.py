@@ -379,7 +379,7 @@ class IndexState:
             log.extend(fresh)
             for other in self._lanes.values():
                 other.extend(repeat(mask if other is lane else 0, num_blocks))
-            if not is_rooted:
+            if not is_rooted and first != up + 1:
                 self._add_child(up, first)
         else:
             del self._free_ids[-num_blocks:]
@@ -559,7 +559,7 @@ class IndexState:
 
     def _hold(self, slot: Slot, lane_key: LaneKey, hashes: list[int], first_parent: int, is_rooted: bool) -> None:
         """Add the slot as holder of a chain on one lane (with copy counting and approximate confirmation)."""
-        lane = self._lane(lane_key)
+        lane = self._lanes.get(lane_key) or self._lane(lane_key)
         mask = slot.mask
         num_blocks = len(hashes)
         id_of = self._id_of
@@ -636,7 +636,9 @@ class IndexState:
             else:
                 is_consistent = list(map(parent.__getitem__, ids[1:])) == list(ids[:-1])
         if not is_touched:
-            self._touch(ids[-1])
+            log = self._log
+            self._stamp[ids[-1]] = len(log)
+            log.append(ids[-1])
         olds = lane[first : first + num_blocks] if is_run else list(map(lane.__getitem__, ids))
         old = olds[0]
         if is_run and not old & mask and olds.count(old) == num_blocks:
