@@ -452,7 +452,7 @@ class IndexState:
             ids.append(entry_id)
             prev = entry_id
         last = olds[-1]
-        if last is not None and kind[last] & 1 and self._stamp[last] not in (len(self._log) - 1, UNSTAMPED):
+        if last is not None and kind[last] & 1 and self._stamp[last] != len(self._log) - 1:
             self._touch(last)
         return ids, is_all_new, is_consistent
 
