@@ -31,13 +31,13 @@ Decisions:
     ``remove_worker`` do.
   * Time is injected (``now_s``); nothing reads a clock.
 
-Measured by ``python -m router.index.bench`` (figures and method in that module's docstring): 161 bytes per
-(block, worker) holding at 1 M blocks / 64 workers (tracemalloc), no gc-tracked object per block (children
-lists only at branching blocks). ``match`` binary-searches the GPU depth of every engine without gaps
-(``router.index.state``) instead of reading all 2,048 positions: about 15x faster than a node-per-block tree
-walk at p50 in the same run. Ingest is bound by cache misses on dict inserts (four per new block, one per
-re-stored block beside two lookups): about 0.7 M (block, worker) stores per second per core on a loaded 2-core
-host, 1.3x the node tree's rate there.
+Measured by ``python -m router.index.bench`` (figures and method in that module's docstring): 143 bytes per
+(block, worker) holding at 1 M blocks / 64 workers (tracemalloc), no Python object per block (dense ids: one
+block hash -> id dict, per-id lists and arrays, ``router.index.state``). ``match`` binary-searches the GPU depth
+of every engine without gaps instead of reading all 2,048 positions: about 15x faster than a node-per-block tree
+walk at p50 in the same run. Ingest is bound by one dict probe per new block (ids of a chain are consecutive,
+so the other tables grow by list and array extends; a chain another worker stored is found by its first block):
+about 1.0 M (block, worker) stores per second per core on a loaded 2-core host, 1.9x the node tree's rate there.
 """
 
 from router.index.config import GroupKind, GroupSpec, IndexConfig

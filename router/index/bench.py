@@ -18,24 +18,25 @@ Figures (each printed beside its baseline and as a ratio):
   * gc: one full ``gc.collect()`` with the structure alive.
 
 Measured (defaults: 1,000,000 blocks, 64 workers, 1.9 M holdings in 56,781 stores of 33 blocks on average; a
-shared 2-core host with other jobs running, four runs)::
+shared 2-core host with other jobs running, two runs)::
 
-    ingest        0.63-0.75 M blocks/s per core    node tree 0.49-0.55 M/s      (1.28-1.37x)
-    match 2048    p50 40-57 us, p99 99-128 us      node tree p50 741-1044 us    (p99 ~0.09x)
-    gc pass       +4-16 ms over an empty heap      node tree +310-330 ms
-    hash 131072   0.50-0.73 ms (uint32 array), 1.25-2.04 ms (list)   one xxh3 pass 0.008 ms
-    memory        161 bytes per (block, worker)    node tree 290 (0.56x)
+    ingest        0.95-1.00 M blocks/s per core    node tree 0.48-0.51 M/s      (1.94-1.97x)
+    match 2048    p50 39-47 us, p99 78-119 us      node tree p50 741-751 us     (p99 0.08-0.10x)
+    gc pass       +11-21 ms over an empty heap     node tree +310-360 ms
+    hash 131072   0.51-0.80 ms (uint32 array), 1.28-1.62 ms (list)   one xxh3 pass 0.008-0.010 ms
+    memory        143 bytes per (block, worker)    node tree 290 (0.49x)
 
 Match reads 2 positions per prompt when every holder holds all of it, plus about ``2 log2 n`` per distinct
 depth (the fleet's shared system prompts give 60+ workers a short match: about 70 probes); the rest is building
 the per-worker result.
 
-Ingest, about 1.3 us of CPU per (block, worker) store, splits into (thread time, each phase alone over the same
-stores): token tuple to uint32 0.13 us, the xxh3 chain 0.12 us, ``slot.engine`` 0.18 us, the index tables
-0.67 us, the rest per event (about 5 us per store). A new block costs an ``isdisjoint`` probe and inserts into
-``parent``, ``children`` and the lane, 1 M-entry dicts with random keys: about one cache miss each, 0.15-0.2 us
-on this host. A block another worker stored already costs a ``parent`` and a lane lookup and a lane update
-(the eviction order moves only the store's last block).
+Ingest, about 1.0 us of CPU per (block, worker) store on that host. A loop doing only the unavoidable work over
+the same stores (token tuple to uint32, the xxh3 chain, one ``setdefault`` per block into a 1 M-entry dict, the
+``slot.engine`` insert) takes 0.73-0.81 us per block; the rest is the per-id tables and the per-event code. A
+new block is one ``setdefault`` probe and insert into ``id_of`` (random keys: a cache miss, about 0.35 us on
+this host with the dict's resizes) plus its share of list and array extends (``router.index.state``); a block
+another worker stored already costs no random access beyond the first block of its run (a slice compare of
+``block_hash``, a slice update of the lane with one shared mask object).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The prefix index: which worker holds which prefix, on which tier.
 
 ``block_hash`` is our own chained hash (``router.block_hash``), so a hash identifies a whole prefix and the
-"radix tree" needs no per-node child tables for lookups: a prompt's hashes are probed by position in one
-holder-mask table per (cache group, medium). One entry per block regardless of how many workers hold it; a
-holding is one bit. Modules, one concept each::
+"radix tree" needs no per-node child tables for lookups: one dict maps a block hash to a dense id, and a prompt's
+positions are probed as ``lane[id_of.get(h, 0)]`` in one holder-mask list per (cache group, medium). One entry
+per block regardless of how many workers hold it; a holding is one bit. Modules, one concept each::
 
     state.py   IndexState   the tables (layout, invariants, gap accounting) and holding / entry primitives
     ingest.py  IngestMixin  BlockStored / BlockRemoved / AllBlocksCleared / Resync, parking of orphans
@@ -12,8 +12,8 @@ holding is one bit. Modules, one concept each::
     match.py                pure depth computations (walk, jump search, hybrid hit rules)
 
 Measured by ``python -m router.index.bench`` (1 M blocks, 64 workers, 1.9 M (block, worker) holdings; figures
-and method in that module's docstring): 161 bytes per (block, worker) holding (tracemalloc), no gc-tracked
-object per block (children lists only at branching blocks).
+and method in that module's docstring): 143 bytes per (block, worker) holding (tracemalloc), no Python object
+per block (per-id lists and arrays; children lists only at branching blocks).
 """
 
 from __future__ import annotations

@@ -7,25 +7,24 @@ hashes to ids, and everything else is a flat per-id table indexed by id, with no
 
     id:               0 (null)   1        2        3        4        5 ...
     block_hash[id]    0          h1       h2       h3       h7       h8        list
-    parent[id]        0          0        1        2        2        4         list; 0 = none (rooted)
+    parent[id]        0          0        1        2        2        4         array('q'); 0 = none (rooted)
     kind[id]          FREE       ROOTED   ENTRY    ENTRY    ENTRY    ENTRY     bytearray
     lanes[(g, m)][id] 0          mask     mask     mask     mask     mask      one list per (group, medium):
                                                                                one bit per slot (worker, dp_rank)
     stamp[id]         -1         -1       -1       -1       9        -1        array('q'): position in ``log``
-    log               [1, 2, 3, 4, 5, ..., 4]                                  eviction records, oldest first
+    log               [1, 2, 3, 4, 5, ..., 4]                                  array('q'): eviction records
 
     extra_children[2] = 4          children not at ``id + 1`` (here 2 -> 4, a branch; 2 -> 3 is implicit)
 
-Ids are handed out consecutively along a chain, so a chain of ``n`` new blocks costs one ``setdefault`` probe
-per block into ``id_of`` and list extends, and its parent links need no child table: ``c`` is a child of ``p``
-when ``parent[c] == p``, and the children of ``p`` are ``p + 1`` (when ``parent[p + 1] == p``) plus
-``extra_children[p]`` (an int for one, a list for two or more). A chain stored again (another worker) is found
-by probing its first block and comparing ``block_hash[i : i + n]`` with the chain. Id 0 is a null entry whose
-masks are always 0, so ``lane[id_of.get(h, 0)]`` reads 0 for an unknown hash. Id ints are shared objects
-(``iota[i] is i``, reused by ``id_of``, ``parent`` and ``log``). Ids of deleted entries go to ``free_ids`` and
-are reused (a chain of ``n`` takes the last ``n`` when there are that many); per-slot tables (``slot.engine``,
-``copies``, ``approx``...) keep block hashes, never ids, so a reused id can never be mistaken for the block
-it held before.
+Ids are handed out consecutively along a chain, so a chain of ``n`` new blocks costs one ``setdefault`` probe per
+block into ``id_of`` and list and array extends (``parent`` and ``log`` copy slices of ``iota``, an ``array('q')``
+with ``iota[i] == i``), and its parent links need no child table: ``c`` is a child of ``p`` when ``parent[c] ==
+p``, and the children of ``p`` are ``p + 1`` (when ``parent[p + 1] == p``) plus ``extra_children[p]`` (an int for
+one, a list for two or more). A chain stored again (another worker) is found by probing its first block and
+comparing ``block_hash[i : i + n]`` with the chain. Id 0 is a null entry whose masks are always 0, so
+``lane[id_of.get(h, 0)]`` reads 0 for an unknown hash. Ids of deleted entries go to ``free_ids`` and are reused (a
+chain of ``n`` takes the last ``n`` when there are that many); per-slot tables (``slot.engine``, ``copies``,
+``approx``...) keep block hashes, never ids, so a reused id can never be mistaken for the block it held before.
 
 Kinds: ``FREE`` (unused id), ``ENTRY``, ``ROOTED`` (an entry starting a chain at a namespace seed; parent 0),
 ``DANGLING`` (a parent hash that is not an entry but has children; parent 0, masks 0).
