@@ -18,12 +18,12 @@ Figures (each printed beside its baseline and as a ratio):
   * gc: one full ``gc.collect()`` with the structure alive.
 
 Measured (defaults: 1,000,000 blocks, 64 workers, 1.9 M holdings in 56,781 stores of 33 blocks on average; a
-shared 2-core host with other jobs running, two runs)::
+shared 2-core host with other jobs running, four runs)::
 
-    ingest        0.95-1.00 M blocks/s per core    node tree 0.48-0.51 M/s      (1.94-1.97x)
-    match 2048    p50 39-47 us, p99 78-119 us      node tree p50 741-751 us     (p99 0.08-0.10x)
-    gc pass       +11-21 ms over an empty heap     node tree +310-360 ms
-    hash 131072   0.51-0.80 ms (uint32 array), 1.28-1.62 ms (list)   one xxh3 pass 0.008-0.010 ms
+    ingest        0.95-1.04 M blocks/s per core    node tree 0.48-0.51 M/s      (1.94-2.07x)
+    match 2048    p50 39-47 us, p99 78-131 us      node tree p50 741-774 us     (p99 0.08-0.10x)
+    gc pass       +11-35 ms over an empty heap     node tree +307-364 ms
+    hash 131072   0.50-0.80 ms (uint32 array), 1.28-1.62 ms (list)   one xxh3 pass 0.008-0.010 ms
     memory        143 bytes per (block, worker)    node tree 290 (0.49x)
 
 Match reads 2 positions per prompt when every holder holds all of it, plus about ``2 log2 n`` per distinct
