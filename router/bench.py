@@ -18,6 +18,9 @@ its spread; figures are printed as ratios to the baselines of the same run.
 
 (b) Routing decision time for a 32,768-token chat: the request view (incremental tokenization + hashing) plus
 index match and policy select, for the first turn and for an incremental next turn.
+
+(c) ``--instructions``: user-space instructions per proxied request of ``bare`` and ``kvgate`` under valgrind's
+callgrind (``bench_instructions``), the repeatable figure behind the CPU ratio.
 """
 
 from __future__ import annotations
@@ -199,6 +202,17 @@ def _report(kind: str, runs: dict[str, list[dict[str, float]]], n: int, c: int, 
               f"{med(name, 'cpu_us') / base_med:6.2f} {best(name) / base_best:9.2f}")
 
 
+def _gateway_args(py: str, tmp: str, port: int, worker_ports: tuple[int, ...]) -> list[str]:
+    """``kvgate serve`` with ``cache_aware`` over the backend's ports (its config written under ``tmp``)."""
+    cfg = {"listen": {"host": "127.0.0.1", "port": port}, "models": [{"name": "m", "block_size": 16}],
+           "workers": [{"id": f"w{i}", "url": f"http://127.0.0.1:{p}", "model": "m", "load_path": None,
+                        "snapshot_path": None} for i, p in enumerate(worker_ports)],
+           "policy": {"name": "cache_aware"}, "admin": {"disable_auth": True}, "health": {"interval_s": 60}}
+    cfg_path = Path(tmp) / "gateway.yaml"
+    cfg_path.write_text(json.dumps(cfg))
+    return [py, "-m", "router.cli", "serve", "--config", str(cfg_path), "--log-level", "WARNING"]
+
+
 def _free_ports(k: int) -> list[int]:
     import socket
 
@@ -222,14 +236,7 @@ async def bench_proxy(num_requests: int, concurrency: int, rounds: int = 3) -> N
         await _wait_port(b1)
         procs["bare"] = _spawn([py, "-m", "router.bench", "--role", "bare", "--ports", str(bare),
                                 "--upstream", f"http://127.0.0.1:{b1}"])
-        cfg = {"listen": {"host": "127.0.0.1", "port": gate}, "models": [{"name": "m", "block_size": 16}],
-               "workers": [{"id": f"w{i}", "url": f"http://127.0.0.1:{p}", "model": "m", "load_path": None,
-                            "snapshot_path": None} for i, p in enumerate((b1, b2))],
-               "policy": {"name": "cache_aware"}, "admin": {"disable_auth": True}, "health": {"interval_s": 60}}
-        cfg_path = Path(tmp) / "gateway.yaml"
-        cfg_path.write_text(json.dumps(cfg))
-        procs["kvgate"] = _spawn([py, "-m", "router.cli", "serve", "--config", str(cfg_path), "--log-level",
-                                  "WARNING"])
+        procs["kvgate"] = _spawn(_gateway_args(py, tmp, gate, (b1, b2)))
         if SGLR_PYTHON.exists():
             procs["sglang"] = _spawn([str(SGLR_PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                                       "--port", str(sgl), "--worker-urls", f"http://127.0.0.1:{b1}",
@@ -265,6 +272,51 @@ async def bench_proxy(num_requests: int, concurrency: int, rounds: int = 3) -> N
             p.terminate()
         for p in procs.values():
             p.wait(timeout=10)
+
+
+async def bench_instructions(num_requests: int, concurrency: int) -> None:
+    """Benchmark (c): user-space instructions per proxied request, bare proxy and kvgate, each run alone under
+    valgrind's callgrind with counting switched on (``callgrind_control``) only around ``num_requests`` requests
+    after a warm-up. Deterministic to about 1 % run to run, so it resolves changes the CPU-time table cannot on a
+    shared host; it does not see kernel time or cache misses."""
+    py = sys.executable
+    tmp = tempfile.mkdtemp(prefix="kvgate-bench-")
+    print(f"\nuser-space instructions per request (callgrind), 2 KB prompt, {num_requests} requests, "
+          f"concurrency {concurrency}")
+    print(f"{'kind':14} {'bare':>9} {'kvgate':>9} {'/bare':>6}")
+    for kind, stream in (("non-streaming", False), ("streaming", True)):
+        body = msgspec.json.encode({"model": "m", "prompt": "x" * 2000, "max_tokens": 4, "stream": stream})
+        counts: dict[str, float] = {}
+        for name in ("bare", "kvgate"):
+            b1, b2, port = _free_ports(3)
+            out = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp))
+            backend = _spawn([py, "-m", "router.bench", "--role", "backend", "--ports", f"{b1},{b2}"])
+            args = ([py, "-m", "router.bench", "--role", "bare", "--ports", str(port), "--upstream",
+                     f"http://127.0.0.1:{b1}"] if name == "bare" else _gateway_args(py, str(out), port, (b1, b2)))
+            target = _spawn(["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                             f"--callgrind-out-file={out}/callgrind.out", *args])
+            try:
+                await _wait_port(b1)
+                await _wait_port(port, "/v1/completions" if name == "bare" else "/health", 300)
+                await _load(port, body, 300, concurrency)
+                for command in (["-i", "on"], None, ["-i", "off"], ["-d"]):
+                    if command is None:
+                        await _load(port, body, num_requests, concurrency)
+                    else:
+                        subprocess.run(["callgrind_control", *command, str(target.pid)], check=True,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            finally:
+                for proc in (target, backend):
+                    proc.terminate()
+                    proc.wait(timeout=60)
+            total = 0
+            for dump in out.glob("callgrind.out*"):
+                for line in dump.read_text(errors="replace").splitlines():
+                    if line.startswith("totals:"):
+                        total += int(line.split()[1])
+            counts[name] = total / num_requests
+        print(f"{kind:14} {counts['bare'] / 1e3:8.1f}K {counts['kvgate'] / 1e3:8.1f}K "
+              f"{counts['kvgate'] / counts['bare']:6.3f}")
 
 
 def bench_decision(num_tokens: int = 32_768) -> None:
@@ -316,6 +368,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds per target")
     parser.add_argument("--skip-proxy", action="store_true")
     parser.add_argument("--skip-decision", action="store_true")
+    parser.add_argument("--instructions", action="store_true",
+                        help="only (c): instructions per request under valgrind callgrind (needs valgrind)")
     args = parser.parse_args()
     import uvloop
 
@@ -323,6 +377,8 @@ def main() -> None:
         uvloop.run(_backend([int(p) for p in args.ports.split(",")]))
     elif args.role == "bare":
         uvloop.run(_bare_proxy(int(args.ports), args.upstream))
+    elif args.instructions:
+        uvloop.run(bench_instructions(min(args.requests, 1000), args.concurrency))
     else:
         if not args.skip_decision:
             bench_decision()
