@@ -16,6 +16,9 @@ Figures (each printed beside its baseline and as a ratio):
     the token array (memcpy).
   * memory: bytes per (block, worker) holding, by ``tracemalloc`` on a fleet of ``--memory-fraction`` size.
   * gc: one full ``gc.collect()`` with the structure alive.
+  * ingest after churn (steady state, where removals free ids all the time): on the memory fleet, the second
+    half of the conversations stored into the ids the first half freed (stored, then removed by
+    ``BlockRemoved``); baseline: the same stores into a fresh index.
 
 Measured (defaults: 1,000,000 blocks, 64 workers, 1.9 M holdings in 56,781 stores of 33 blocks on average; a
 shared 2-core host with other jobs running, four runs)::
@@ -53,7 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from events.types import BlockStored, EngineBlockHash, EventBatch
+from events.types import BlockRemoved, BlockStored, EngineBlockHash, EventBatch
 from router.block_hash import BlockHash, hash_block_bytes, hash_token_blocks, make_namespace, tokens_to_bytes
 from router.index.config import IndexConfig
 from router.index.index import PrefixIndex
@@ -363,8 +366,39 @@ def run(
         f"on {small_holdings:,} holdings",
         flush=True,
     )
+    _churn(small_convs)
     print(f"summary: match samples {len(index_ns)}, mean {statistics.fmean(index_ns):.0f} us", flush=True)
     return 0
+
+
+def _churn(conversations: list[Conversation]) -> None:
+    """Ingest in steady state: the second half of the conversations stored into the ids that the first half freed
+    (stored, then removed by ``BlockRemoved``), against the same stores into a fresh index."""
+    half = len(conversations) // 2
+    gone = list(iter_batches(conversations[:half]))
+    removals = [
+        EventBatch(b.worker_id, b.dp_rank, b.seq, 0.0, (BlockRemoved(block_hashes=e.block_hashes),))
+        for b in gone
+        for e in b.events
+        if isinstance(e, BlockStored)
+    ]
+    kept = list(iter_batches(conversations[half:]))
+    num_kept = sum(len(e.block_hashes) for b in kept for e in b.events if isinstance(e, BlockStored))
+    fresh_s = churned_s = float("inf")
+    for _ in range(2):
+        index = PrefixIndex(IndexConfig(block_size=BLOCK_SIZE))
+        gc.collect()
+        fresh_s = min(fresh_s, _timed_apply(index.apply, kept)[0])
+        index = PrefixIndex(IndexConfig(block_size=BLOCK_SIZE))
+        for batch in (*gone, *removals):
+            index.apply(batch)
+        gc.collect()
+        churned_s = min(churned_s, _timed_apply(index.apply, kept)[0])
+    print(
+        f"ingest after churn: {num_kept / churned_s / 1e6:.2f} M blocks/s per core into freed ids "
+        f"(fresh index {num_kept / fresh_s / 1e6:.2f} M/s; {_ratio(fresh_s, churned_s)}) on {num_kept:,} stores",
+        flush=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -356,7 +356,8 @@ class IndexState:
         Args:
             hashes: ``[n]`` our block hashes of the chain.
             ids: ``[n]`` their ids: ``num_ids .. num_ids + n - 1`` (fresh, tables extended by array copies), or
-                the last ``n`` of ``free_ids`` (reused, written per id).
+                the last ``n`` of ``free_ids``, last first (reused: written by slices when they form one ascending
+                run, else per id).
             up: id of the parent of ``hashes[0]`` (``NULL_ID`` when ``is_rooted``).
             is_rooted: the chain starts at a namespace seed.
             lane: the lane to hold the chain on; ``mask``: the holder bit.
@@ -378,6 +379,21 @@ class IndexState:
             log.extend(fresh)
             for other in self._lanes.values():
                 other.extend(repeat(mask if other is lane else 0, num_blocks))
+            if not is_rooted and first != up + 1:
+                self._add_child(up, first)
+        elif ids[-1] - first == num_blocks - 1 and array("q", ids) == self._iota_slice(first, num_blocks):
+            # Reused ids that form one ascending run (a chain freed leaf first): slice writes, implicit links.
+            del self._free_ids[-num_blocks:]
+            end = first + num_blocks
+            self._hash[first:end] = hashes
+            parent[first] = up
+            parent[first + 1 : end] = self._iota_slice(first, num_blocks - 1)
+            kind[first:end] = ENTRY_BYTES * num_blocks
+            if is_rooted:
+                kind[first] = ROOTED
+            lane[first:end] = repeat(mask, num_blocks)
+            self._stamp[first:end] = self._iota_slice(len(log), num_blocks)
+            log.extend(self._iota_slice(first, num_blocks))
             if not is_rooted and first != up + 1:
                 self._add_child(up, first)
         else:
@@ -577,7 +593,10 @@ class IndexState:
             # One probe per block: new blocks get candidate ids, blocks already indexed give theirs.
             free_ids = self._free_ids
             base = self._num_ids
-            candidates = free_ids[-num_blocks:] if len(free_ids) >= num_blocks else range(base, base + num_blocks)
+            # Reused ids are taken in reverse: a chain freed leaf first lies in ``free_ids`` as a descending run.
+            candidates: Sequence[int] = (
+                free_ids[: -num_blocks - 1 : -1] if len(free_ids) >= num_blocks else range(base, base + num_blocks)
+            )
             num_before = len(id_of)
             ids = list(map(id_of.setdefault, hashes, candidates))
             num_new = len(id_of) - num_before

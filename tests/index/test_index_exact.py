@@ -397,3 +397,24 @@ def test_config_validation():
         IndexConfig(prune_target_ratio=1.5)
     with pytest.raises(IndexConfigError):
         GroupSpec(GroupKind.SLIDING_WINDOW)
+
+
+def test_a_chain_freed_leaf_first_is_reused_as_one_run_of_ids():
+    index = make_index()
+    index.apply(batch("w0", stored(0, 6)))
+    assert [index._id_of[h] for h in HASHES[:6]] == [1, 2, 3, 4, 5, 6]
+    index.apply(batch("w0", BlockRemoved(tuple(range(1000, 1006)))))  # root first: the leaf's removal cascades
+    assert index.num_blocks() == 0 and index._free_ids == [6, 5, 4, 3, 2, 1]
+    other = tuple(range(500, 500 + 6 * BS))
+    other_hashes = hash_token_blocks(list(other), BS)
+    index.apply(batch("w1", BlockStored((1, 2, 3, 4), None, other[: 4 * BS], BS)))
+    assert [index._id_of[h] for h in other_hashes[:4]] == [1, 2, 3, 4]  # ascending: parent links implicit
+    index.apply(batch("w1", BlockStored((5, 6), 4, other[4 * BS :], BS)))
+    assert [index._id_of[h] for h in other_hashes] == [1, 2, 3, 4, 5, 6] and index._free_ids == []
+    assert index._extra_children == {}
+    assert depths(index, other_hashes) == {"w1": (6, 0, 0)}
+    assert depths(index) == {}
+    index.check_invariants()
+    index.apply(batch("w1", BlockRemoved((6,))))
+    assert depths(index, other_hashes) == {"w1": (5, 0, 0)}
+    index.check_invariants()
