@@ -255,8 +255,24 @@ class Proxy:
                 if is_stream and resp.status == 200:
                     out = await self._relay_stream(request, resp, headers, worker, wm, plan, sent_at, uncached,
                                                    predicted)
-                else:
-                    out = await self._relay_body(request, resp, headers, worker, wm, uncached, predicted)
+                else:  # the whole body, then one length-framed write (inline: no coroutine per request)
+                    worker.num_pending_prefill_tokens -= uncached  # the first byte: pending prefill -> decoding
+                    worker.num_decoding_requests += 1
+                    try:
+                        answer = await resp.read()
+                    finally:
+                        worker.num_decoding_requests -= 1
+                    out = _BodyResponse(status=resp.status, headers=headers)
+                    out.content_length = len(answer)
+                    try:
+                        await out.prepare(request)
+                        if answer:
+                            await out.write(answer)
+                        await out.write_eof()
+                    except ConnectionResetError:
+                        logger.info("client went away before the answer of worker %s was sent", worker.worker_id)
+                    if resp.status == 200:
+                        self._check_honesty(worker, wm, predicted, cached_tokens_of(usage_from_body(answer)))
                 wm.count_request(policy_name, out.status,
                                  time.perf_counter() - (received_at if received_at is not None else sent_at))
                 return out
@@ -298,6 +314,7 @@ class Proxy:
         is_first = True
         recent: list[bytes] = []  # the stream's last chunks, at most 2 * SSE_TAIL_BYTES (joined when over)
         num_recent_bytes = 0
+        max_recent_bytes = 2 * SSE_TAIL_BYTES
         try:
             await out.prepare(request)
             async for chunk in resp.iter_chunks():
@@ -307,7 +324,7 @@ class Proxy:
                 await out.write(chunk)
                 recent.append(chunk)
                 num_recent_bytes += len(chunk)
-                if num_recent_bytes > 2 * SSE_TAIL_BYTES:
+                if num_recent_bytes > max_recent_bytes:
                     recent = [b"".join(recent)[-SSE_TAIL_BYTES:]]
                     num_recent_bytes = len(recent[0])
             await out.write_eof()
@@ -326,29 +343,6 @@ class Proxy:
                 worker.num_decoding_requests -= 1
         tail = recent[0] if len(recent) == 1 else b"".join(recent)
         self._check_honesty(worker, wm, predicted, cached_tokens_of(usage_from_sse_tail(tail[-SSE_TAIL_BYTES:])))
-        return out
-
-    async def _relay_body(
-        self, request: web.Request, resp: UpstreamResponse, headers: dict[str, str], worker: WorkerRuntime,
-        wm: WorkerMetrics, uncached: int, predicted: int,
-    ) -> web.StreamResponse:
-        worker.num_pending_prefill_tokens -= uncached  # the first byte: pending prefill -> decoding
-        worker.num_decoding_requests += 1
-        try:
-            body = await resp.read()
-        finally:
-            worker.num_decoding_requests -= 1
-        out = _BodyResponse(status=resp.status, headers=headers)
-        out.content_length = len(body)
-        try:
-            await out.prepare(request)
-            if body:
-                await out.write(body)
-            await out.write_eof()
-        except ConnectionResetError:
-            logger.info("client went away before the answer of worker %s was sent", worker.worker_id)
-        if resp.status == 200:
-            self._check_honesty(worker, wm, predicted, cached_tokens_of(usage_from_body(body)))
         return out
 
     def _check_honesty(self, worker: WorkerRuntime, wm: WorkerMetrics, predicted: int, reported: int | None) -> None:

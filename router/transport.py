@@ -286,7 +286,9 @@ class AiohttpTransport:
             if len(self._urls) > 4096:
                 self._urls.clear()
             parsed_url = self._urls[url] = URL(url)
-        session = self._session(request.worker_id)
+        session = self._sessions.get(request.worker_id)  # a session leaves the dict when it is closed
+        if session is None:
+            session = self._session(request.worker_id)
         deadlines = self._deadlines
         if deadlines is None or deadlines.loop.is_closed():
             loop = asyncio.get_running_loop()
