@@ -291,21 +291,6 @@ class Proxy:
         message = last_exc.message if isinstance(last_exc, TransportError | UpstreamError) else "no worker reachable"
         raise UpstreamError(f"every attempt failed: {message}", worker_id=worker_id) from last_exc
 
-    def _first_stream_byte(self, worker: WorkerRuntime, wm: WorkerMetrics, plan: RoutePlan, sent_at: float,
-                           uncached: int) -> None:
-        """Move a stream from pending prefill to decoding; feed the observed TTFT to the ``ttft_seconds`` histogram
-        and the calibrator."""
-        worker.num_pending_prefill_tokens -= uncached
-        worker.num_decoding_requests += 1
-        ttft_s = (time.perf_counter() - sent_at) / worker.config.time_scale  # in the worker's seconds
-        wm.ttft_s.observe(ttft_s)
-        calibrator = self._holder.calibrator
-        if calibrator is None or worker.worker_id != plan.decision.worker_id:
-            return
-        predicted = plan.decision.scores.get(worker.worker_id)
-        if predicted is not None:
-            calibrator.observe(worker.worker_id, predicted, ttft_s, speed_factor_used=plan.speed_factor_used)
-
     async def _relay_stream(
         self, request: web.Request, resp: UpstreamResponse, headers: dict[str, str], worker: WorkerRuntime,
         wm: WorkerMetrics, plan: RoutePlan, sent_at: float, uncached: int, predicted: int,
@@ -315,12 +300,21 @@ class Proxy:
         recent: list[bytes] = []  # the stream's last chunks, at most 2 * SSE_TAIL_BYTES (joined when over)
         num_recent_bytes = 0
         max_recent_bytes = 2 * SSE_TAIL_BYTES
+        calibrator = self._holder.calibrator
         try:
             await out.prepare(request)
             async for chunk in resp.iter_chunks():
-                if is_first:
-                    self._first_stream_byte(worker, wm, plan, sent_at, uncached)
+                if is_first:  # pending prefill -> decoding; the TTFT to its histogram and the calibrator
                     is_first = False
+                    worker.num_pending_prefill_tokens -= uncached
+                    worker.num_decoding_requests += 1
+                    ttft_s = (time.perf_counter() - sent_at) / worker.config.time_scale  # in the worker's seconds
+                    wm.ttft_s.observe(ttft_s)
+                    if calibrator is not None and worker.worker_id == plan.decision.worker_id:
+                        predicted_ttft_s = plan.decision.scores.get(worker.worker_id)
+                        if predicted_ttft_s is not None:
+                            calibrator.observe(worker.worker_id, predicted_ttft_s, ttft_s,
+                                               speed_factor_used=plan.speed_factor_used)
                 await out.write(chunk)
                 recent.append(chunk)
                 num_recent_bytes += len(chunk)

@@ -353,6 +353,8 @@ class ModelTokenizer:
         self.tokenizer: Tokenizer = tokenizer
         self.template: ChatTemplate = template
         self._namespaces: dict[tuple[str | None, str | None], Namespace] = {}
+        self._base_namespace = make_namespace(None, None)
+        """The namespace of the base model without a cache salt (most requests)."""
         self.prefixes = PrefixStateCache(max_cached_prefixes, max_cached_blocks)
         self._prompts = PrefixStateCache(256, max_cached_blocks // 4)
 
@@ -374,7 +376,10 @@ class ModelTokenizer:
         Raises:
             InvalidFieldError: the template or tokenizer refuses the input (e.g. token ids out of range).
         """
-        ns = self.namespace(parsed.model, parsed.cache_salt)
+        if parsed.cache_salt is None and parsed.model == self.config.name:
+            ns = self._base_namespace
+        else:
+            ns = self.namespace(parsed.model, parsed.cache_salt)
         bs = self.block_size
         try:
             if parsed.kind == "chat":
