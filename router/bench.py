@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -371,6 +372,11 @@ def main() -> None:
     parser.add_argument("--instructions", action="store_true",
                         help="only (c): instructions per request under valgrind callgrind (needs valgrind)")
     args = parser.parse_args()
+    for name in ("requests", "concurrency", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    if args.instructions and shutil.which("valgrind") is None:
+        parser.error("--instructions needs valgrind on PATH (apt-get install valgrind)")
     import uvloop
 
     if args.role == "backend":

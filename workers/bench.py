@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wall-repeats", type=int, default=2)
     parser.add_argument("--skip-wall", action="store_true")
     args = parser.parse_args(argv)
+    for name in ("streams", "prompt_len", "steps", "repeats", "wall_requests", "wall_concurrency", "wall_repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     f1 = bench_step_cpu(args.streams, args.prompt_len, args.steps)
     print(f"[1] {args.streams} decoding streams, prompt {args.prompt_len} tokens, {args.steps} steps")
     print(
