@@ -120,7 +120,8 @@ def replica_config(workers: list[Worker], url: str, key_prefix: str) -> GatewayC
         "admin": {"token": TOKEN},
         "health": {"interval_s": 3600},
         "sessions": {"store": "redis", "url": url, "key_prefix": key_prefix, "idle_timeout_s": 60,
-                     "reconnect_interval_s": 0.05, "command_timeout_s": 5.0},
+                     "reconnect_interval_s": 0.05, "command_timeout_s": 5.0,
+                     "connect_timeout_s": 5.0},
     })
 
 

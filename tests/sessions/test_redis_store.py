@@ -48,10 +48,11 @@ async def stores() -> AsyncIterator[list[RedisSessionStore]]:
 def make(redis_url: str, redis_key_prefix: str, stores: list[RedisSessionStore]):
     async def _make(url: str | None = None, clock: Callable[[], float] = time.monotonic, environ=None,
                     **overrides) -> RedisSessionStore:
-        # A generous command timeout: on a loaded machine a burst of commands can take longer than the default
-        # 0.5 s, which would (correctly) send claims to the local fallback; tests of that set their own.
+        # Generous timeouts: on a loaded machine a burst of commands (and the new connections it opens) can take
+        # longer than the default 0.5 s, which would (correctly) send claims to the local fallback; tests of that
+        # set their own.
         fields = dict(store="redis", url=url or redis_url, key_prefix=redis_key_prefix, idle_timeout_s=60.0,
-                      reconnect_interval_s=0.05, command_timeout_s=5.0)
+                      reconnect_interval_s=0.05, command_timeout_s=5.0, connect_timeout_s=5.0)
         fields.update(overrides)
         store = build_session_store(SessionsConfig(**fields), clock=clock, environ=environ)
         assert isinstance(store, RedisSessionStore)
