@@ -20,7 +20,7 @@ YAML (every key optional; defaults shown)::
       connect_timeout_s: 0.5
       command_timeout_s: 0.5     # a slower answer counts as Redis unavailable (the request uses the fallback)
       reconnect_interval_s: 1.0
-      max_connections: 64
+      max_connections: 64        # per replica; more concurrent commands queue for one, within command_timeout_s
 
 Secrets (a password, or a URL that carries one) are read when the store is built, kept in a ``RedisTarget`` whose
 ``repr`` is redacted, and never logged; the config struct itself never holds them (``url`` with a password is
@@ -83,7 +83,8 @@ class SessionsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reconnect_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     """Period (seconds) of the background reconnect probe while Redis is unavailable."""
     max_connections: Annotated[int, msgspec.Meta(ge=1)] = 64
-    """Size of the Redis connection pool per replica."""
+    """Size of the Redis connection pool per replica (connections). More concurrent commands queue for a free
+    connection; the wait counts toward ``command_timeout_s`` (seconds), past which the local fallback answers."""
 
     def __post_init__(self) -> None:
         for name in ("idle_timeout_s", "reap_interval_s", "local_cache_ttl_s", "connect_timeout_s",

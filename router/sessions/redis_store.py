@@ -13,6 +13,11 @@ subscribed to ``<prefix>changes``; every move, drop and worker drop is published
 evicts the entry on every replica. A result fetched while an invalidation arrived is not cached. Losing the
 subscription clears the cache and turns it off until resubscribed.
 
+Connections: at most ``max_connections`` per replica (redis-py's ``BlockingConnectionPool``; with
+``enable_local_cache`` the invalidation subscription holds one of them). A burst of more concurrent commands
+queues for a free connection instead of failing; the wait counts toward the command's ``command_timeout_s``, so a
+command that cannot get a connection in time is answered like one Redis is too slow for (below).
+
 Redis unavailable (connection refused or reset, a command slower than ``command_timeout_s``, any Redis error):
 the call is answered by a local ``MemorySessionStore`` (the fallback), seeded with the owners this replica last
 saw for the sessions it served, so those stay sticky. One warning line is logged per outage,
@@ -146,11 +151,16 @@ class RedisSessionStore:
             "socket_connect_timeout": config.connect_timeout_s,
             "retry": Retry(NoBackoff(), 0),
             "max_connections": config.max_connections,
+            # A command finding every connection busy waits for one (not "Too many connections", which would be
+            # taken for an outage). The wait is inside the caller's asyncio.timeout; this bound is for the waits
+            # outside one (the invalidation subscription).
+            "timeout": config.command_timeout_s,
             "client_name": "kvgate",
         }
         if target.password is not None:
             kwargs["password"] = target.password
-        self._client: aioredis.Redis = aioredis.Redis.from_url(target.url, **kwargs)
+        pool = aioredis.BlockingConnectionPool.from_url(target.url, **kwargs)
+        self._client: aioredis.Redis = aioredis.Redis.from_pool(pool)
         self._claim_script = self._client.register_script(scripts.CLAIM_OR_TOUCH)
         self._move_script = self._client.register_script(scripts.MOVE)
         self._drop_script = self._client.register_script(scripts.DROP)
@@ -192,7 +202,8 @@ class RedisSessionStore:
         return self._config.enable_local_cache and self._is_subscribed
 
     async def _call(self, script: AsyncScript, keys: list[str], args: list[str | int]) -> Any:
-        """Run one script, bounded by ``command_timeout_s``. Raises RedisError or OSError (TimeoutError)."""
+        """Run one script, bounded by ``command_timeout_s`` (the wait for a pool connection included). Raises
+        RedisError or OSError (TimeoutError)."""
         async with asyncio.timeout(self._config.command_timeout_s):
             return await script(keys=keys, args=args)
 

@@ -303,3 +303,51 @@ async def test_hung_redis_times_out_to_fallback_and_replays_worker_drop(make, ra
     assert stored == {"kept": b"w2", "gone": None, "fresh": b"w4"}
     assert (await b.claim_or_touch("fresh", "w0")).worker_id == "w4"
     assert a.stats().num_fallbacks_total == 1
+
+
+async def test_burst_beyond_the_pool_queues_for_a_connection(restartable_redis, make, redis_key_prefix) -> None:
+    # A private server: every client named "kvgate" on it is this store's.
+    raw = aioredis.Redis.from_url(restartable_redis.url)
+    try:
+        a = await make(url=restartable_redis.url, max_connections=4)
+        keys = [f"burst-{i}" for i in range(100)]
+        entries = await asyncio.gather(*(a.claim_or_touch(key, f"w{i % 7}") for i, key in enumerate(keys)))
+        assert [(e.session_key, e.worker_id, e.is_new) for e in entries] == [
+            (key, f"w{i % 7}", True) for i, key in enumerate(keys)]
+        stats = a.stats()
+        assert (stats.is_degraded, stats.num_fallbacks_total, stats.num_backend_errors_total) == (False, 0, 0)
+        assert stats.num_created_total == 100
+        stored = [await raw.hget(f"{redis_key_prefix}s:{key}", "w") for key in keys]
+        assert stored == [f"w{i % 7}".encode() for i in range(100)]
+        # No connection was closed (nothing failed), so the ones alive now are all the store ever opened.
+        # All 100 calls reach the pool before any answer comes back: max_connections is reached, not exceeded.
+        names = [client["name"] for client in await raw.client_list()]
+        assert names.count("kvgate") == 4
+        assert names.count("kvgate") + 1 == len(names)  # + raw's own
+    finally:
+        await raw.aclose()
+
+
+async def test_pool_wait_past_command_timeout_falls_back(make, raw, redis_key_prefix) -> None:
+    a = await make(max_connections=1, command_timeout_s=0.2)
+    pool = a._client.connection_pool
+    held = await pool.get_connection()  # the pool's only connection: the next command waits for it
+    try:
+        started_s = time.monotonic()
+        entry = await a.claim_or_touch("s1", "w1")  # waits 0.2 s for a connection; the fallback answers
+        assert time.monotonic() - started_s >= 0.19  # it queued (no "Too many connections" at once)
+        assert (entry.worker_id, entry.is_new) == ("w1", True)
+        stats = a.stats()
+        assert (stats.is_degraded, stats.num_fallbacks_total, stats.num_backend_errors_total) == (True, 1, 1)
+        assert (await a.claim_or_touch("s1", "w2")).worker_id == "w1"
+        assert await raw.exists(f"{redis_key_prefix}s:s1") == 0
+    finally:
+        await pool.release(held)
+
+    async def converged() -> bool:
+        return not a.is_degraded
+
+    await eventually(converged, "a to get a connection again")
+    assert await raw.hget(f"{redis_key_prefix}s:s1", "w") == b"w1"  # written back
+    assert (await a.claim_or_touch("s1", "w2")).worker_id == "w1"
+    assert a.stats().num_fallbacks_total == 1
