@@ -49,7 +49,7 @@ from router.errors import (
 from router.fleet import Fleet, WorkerRuntime
 from router.index import PrefixIndex
 from router.metrics import GatewayMetrics, MetricSample
-from router.proxy import Proxy, client_headers_of
+from router.proxy import ClientHeaderReader, Proxy
 from router.request_view import ModelTokenizer, RequestKind, parse_request
 from router.routing import PolicyHolder, Router
 from router.sessions.base import SessionStore
@@ -82,6 +82,7 @@ class Gateway:
         )
         self.proxy = Proxy(self.transport, config.retry, self.metrics, self.holder, clock=clock)
         self.admission = Admission(config.admission)
+        self.client_headers = ClientHeaderReader()
         self.subscriber: Any = None
         self._request_ids = itertools.count(1)
         self._id_prefix = f"kvg-{os.getpid():x}-{int(time.time()):x}-"
@@ -371,7 +372,7 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         return error_response(exc)
     try:
         request_id = gw.next_request_id()
-        client_headers = client_headers_of(request.headers, request_id)
+        client_headers = gw.client_headers.read(request.raw_headers, request.headers)
         if gw.holder.sticky is None:  # no session store to await: decide in place
             plan = gw.router.decide(request_id, parsed, model, view, client_headers.routing,
                                     max_inflight_per_worker=per_worker)

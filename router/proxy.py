@@ -114,21 +114,23 @@ _HEADER_ROLES: dict[str, int] = {
 
 
 class ClientHeaders(msgspec.Struct, frozen=True, gc=False):
-    """What one pass over a client's request headers gives.
+    """What one pass over a client's request headers gives (shared by every request with the same header block:
+    read only).
 
     Attributes:
-        forward: the headers to send upstream: the client's without hop-by-hop ones, plus ``x-request-id``.
+        forward: the headers to send upstream: the client's without hop-by-hop ones (the proxy adds
+            ``x-request-id``).
         skip_auto_headers: names in ``AUTO_HEADER_BITS`` the client did not send (the HTTP client must not add
             them).
         routing: the first non-empty value of each of ``ROUTING_HEADERS`` the client sent, by lower-cased name.
     """
 
-    forward: list[tuple[str, str]]
+    forward: tuple[tuple[str, str], ...]
     skip_auto_headers: tuple[str, ...]
     routing: dict[str, str]
 
 
-def client_headers_of(headers: Mapping[str, str], request_id: str) -> ClientHeaders:
+def client_headers_of(headers: Mapping[str, str]) -> ClientHeaders:
     """Read a client's request headers once: the ones to forward, the auto headers it did not send, and the
     routing headers (see ``ClientHeaders``)."""
     out: list[tuple[str, str]] = []
@@ -147,10 +149,35 @@ def client_headers_of(headers: Mapping[str, str], request_id: str) -> ClientHead
             else:
                 seen |= role
         out.append((name, value))
-    out.append((REQUEST_ID_HEADER, request_id))
-    if seen == ALL_AUTO_HEADERS:
-        return ClientHeaders(out, (), routing)
-    return ClientHeaders(out, tuple(name for name, bit in AUTO_HEADER_BITS.items() if not seen & bit), routing)
+    skip = () if seen == ALL_AUTO_HEADERS else tuple(name for name, bit in AUTO_HEADER_BITS.items() if not seen & bit)
+    return ClientHeaders(tuple(out), skip, routing)
+
+
+class ClientHeaderReader:
+    """``client_headers_of`` behind a bounded memo keyed by the raw header block.
+
+    A client sends the same headers request after request (an SDK's user agent, its API key, a session id for a
+    conversation), so the pass over them runs once per distinct header block; the memo is cleared when it holds
+    ``max_entries`` blocks. Keys are aiohttp's ``raw_headers`` (name and value bytes as received, in order), so
+    two blocks share an entry only when they are byte-identical.
+    """
+
+    __slots__ = ("_memo", "_max_entries")
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self._memo: dict[tuple[tuple[bytes, bytes], ...], ClientHeaders] = {}
+        self._max_entries = max_entries
+
+    def read(self, raw_headers: tuple[tuple[bytes, bytes], ...], headers: Mapping[str, str]) -> ClientHeaders:
+        """The ``ClientHeaders`` of a request (``raw_headers`` and ``headers`` are the same block: aiohttp's
+        ``request.raw_headers`` and ``request.headers``)."""
+        got = self._memo.get(raw_headers)
+        if got is None:
+            got = client_headers_of(headers)
+            if len(self._memo) >= self._max_entries:
+                self._memo.clear()
+            self._memo[raw_headers] = got
+        return got
 
 
 def response_headers_of(
@@ -196,8 +223,8 @@ class Proxy:
     ) -> web.StreamResponse:
         """Send ``body`` to the plan's workers (best first, retrying before the first byte) and relay the answer.
 
-        ``client_headers`` is ``client_headers_of(request.headers, request_id)`` when the caller has it (else it is
-        read here).
+        ``client_headers`` is ``client_headers_of(request.headers)`` when the caller has it (else it is read here);
+        ``x-request-id: request_id`` is added to the headers forwarded.
 
         The served request is counted for the worker that answered (``requests_total``, and
         ``request_duration_seconds`` from ``received_at``, a ``time.perf_counter()`` reading, else from now).
@@ -206,8 +233,9 @@ class Proxy:
             UpstreamError: every attempt failed before the first byte (502; 504 if the last one timed out).
         """
         if client_headers is None:
-            client_headers = client_headers_of(request.headers, request_id)
-        forward_headers, skip_auto_headers = client_headers.forward, client_headers.skip_auto_headers
+            client_headers = client_headers_of(request.headers)
+        forward_headers = [*client_headers.forward, (REQUEST_ID_HEADER, request_id)]
+        skip_auto_headers = client_headers.skip_auto_headers
         attempts = plan.workers[: 1 + self._retry.max_retries]
         last_exc: Exception | None = None
         for attempt, worker in enumerate(attempts):

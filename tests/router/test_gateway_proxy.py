@@ -199,10 +199,17 @@ async def test_worker_sees_the_client_headers_and_nothing_the_http_client_adds(w
     body = {"model": "m", "prompt": "hi"}
     async with GatewayHarness(make_config(workers), workers=workers) as h:
         async with aiohttp.ClientSession(skip_auto_headers=("User-Agent", "Accept-Encoding")) as s:
-            async with s.post(h.url + "/v1/completions", json=body,
-                              headers={"x-kvgate-worker": "w0", "Authorization": "Bearer k"}) as r:
-                assert r.status == 200
-                request_id = r.headers["x-request-id"]
+            request_ids = []
+            for _ in range(2):  # byte-identical header blocks: the second is read from the memo
+                async with s.post(h.url + "/v1/completions", json=body,
+                                  headers={"x-kvgate-worker": "w0", "Authorization": "Bearer k"}) as r:
+                    assert r.status == 200
+                    request_ids.append(r.headers["x-request-id"])
+        assert request_ids[0] != request_ids[1]
+        forwarded = [[v for k, v in req["headers"].items() if k.lower() == "x-request-id"]
+                     for req in workers[0].requests[-2:]]
+        assert forwarded == [[request_ids[0]], [request_ids[1]]]
+        request_id = request_ids[1]
         sent = {k.lower(): v for k, v in workers[0].requests[-1]["headers"].items()}
         assert "user-agent" not in sent
         assert "accept-encoding" not in sent

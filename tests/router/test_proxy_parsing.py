@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.proxy import cached_tokens_of, client_headers_of, usage_from_sse_tail
+from router.proxy import ClientHeaderReader, cached_tokens_of, client_headers_of, usage_from_sse_tail
 
 
 def _usage_event(cached: int) -> bytes:
@@ -41,13 +41,34 @@ def test_client_headers_one_pass() -> None:
         ("Connection", "keep-alive"), ("X-Session-Id", ""), ("X-Session-Id", "conv-7"),
         ("X-SMG-Target-Worker", "w1"), ("Authorization", "Bearer t"), ("Content-Length", "12"),
     ]))
-    got = client_headers_of(headers, "kvg-1")
-    assert got.forward == [("User-Agent", "openai/1.0"), ("Content-Type", "application/json"),
+    got = client_headers_of(headers)
+    assert got.forward == (("User-Agent", "openai/1.0"), ("Content-Type", "application/json"),
                            ("X-Session-Id", ""), ("X-Session-Id", "conv-7"), ("X-SMG-Target-Worker", "w1"),
-                           ("Authorization", "Bearer t"), ("x-request-id", "kvg-1")]
+                           ("Authorization", "Bearer t"))
     assert got.skip_auto_headers == ("accept-encoding",)
     assert got.routing == {"x-session-id": "conv-7", "x-smg-target-worker": "w1"}
     every_auto = CIMultiDictProxy(CIMultiDict(
         [("user-agent", "u"), ("accept-encoding", "gzip"), ("content-type", "application/json")]))
-    got = client_headers_of(every_auto, "kvg-2")
+    got = client_headers_of(every_auto)
     assert got.skip_auto_headers == () and got.routing == {}
+
+
+def test_client_header_reader_reads_each_distinct_block_once() -> None:
+    reader = ClientHeaderReader(max_entries=2)
+    block_a = ((b"User-Agent", b"openai/1.0"), (b"X-Session-Id", b"conv-7"))
+    headers_a = CIMultiDictProxy(CIMultiDict([("User-Agent", "openai/1.0"), ("X-Session-Id", "conv-7")]))
+    first = reader.read(block_a, headers_a)
+    assert first.forward == (("User-Agent", "openai/1.0"), ("X-Session-Id", "conv-7"))
+    assert first.routing == {"x-session-id": "conv-7"}
+    assert first.skip_auto_headers == ("accept-encoding", "content-type")
+    # A byte-identical block (a new tuple, as aiohttp builds one per request) is answered from the memo: the headers
+    # mapping is not read again, so a different mapping passed beside it is ignored.
+    assert reader.read(tuple(block_a), CIMultiDictProxy(CIMultiDict())) is first
+    block_b = ((b"User-Agent", b"openai/1.0"), (b"X-Session-Id", b"conv-8"))
+    second = reader.read(block_b, CIMultiDictProxy(CIMultiDict([("User-Agent", "openai/1.0"),
+                                                                 ("X-Session-Id", "conv-8")])))
+    assert second.routing == {"x-session-id": "conv-8"}
+    # Full (2 entries): a third block clears the memo, so block A is read afresh.
+    reader.read(((b"Host", b"gw"),), CIMultiDictProxy(CIMultiDict([("Host", "gw")])))
+    again = reader.read(block_a, headers_a)
+    assert again is not first and again == first
