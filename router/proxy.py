@@ -236,7 +236,9 @@ class Proxy:
             client_headers = client_headers_of(request.headers)
         forward_headers = [*client_headers.forward, (REQUEST_ID_HEADER, request_id)]
         skip_auto_headers = client_headers.skip_auto_headers
-        attempts = plan.workers[: 1 + self._retry.max_retries]
+        # The chosen worker; when its attempt fails, the rest of the ranking is appended (iteration sees it).
+        attempts = [plan.chosen]
+        max_retries = self._retry.max_retries
         last_exc: Exception | None = None
         for attempt, worker in enumerate(attempts):
             if attempt:
@@ -264,9 +266,13 @@ class Proxy:
                 except TransportError as exc:
                     worker.breaker.record_failure(self._clock())
                     last_exc = exc
+                    if attempt == 0:
+                        attempts += plan.fallbacks(max_retries)
                     logger.warning("request %s: worker %s failed before the first byte: %s",
                                    request_id, worker.worker_id, exc.message)
                     continue
+                if resp.status >= 500 and attempt == 0:
+                    attempts += plan.fallbacks(max_retries)
                 if resp.status >= 500 and attempt + 1 < len(attempts):
                     worker.breaker.record_failure(self._clock())
                     last_exc = UpstreamError(f"worker answered {resp.status}", worker_id=worker.worker_id)

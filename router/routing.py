@@ -92,21 +92,33 @@ class RoutePlan(msgspec.Struct, gc=False):
 
     Attributes:
         decision: the policy's decision.
-        workers: workers to try, best first (the chosen one, then the rest of the ranking).
-        predicted_cached_tokens: per worker id, cached prompt tokens predicted (honesty check).
+        chosen: the chosen worker (tried first; ``fallbacks`` gives the rest of the ranking).
+        predicted_cached_tokens: per worker id, cached prompt tokens predicted (honesty check); its keys are the
+            candidates.
         num_prompt_tokens: prompt tokens.
         session_key: the session key, or ``None``.
         speed_factor_used: the chosen worker's calibration factor at decision time (1.0 without one).
         decision_s: time the decision took, seconds.
+        workers_by_id: the fleet's workers by id (``fallbacks`` resolves the ranking in it).
     """
 
     decision: Decision
-    workers: list[WorkerRuntime]
+    chosen: WorkerRuntime
     predicted_cached_tokens: dict[str, int]
     num_prompt_tokens: int
     session_key: str | None
     speed_factor_used: float = 1.0
     decision_s: float = 0.0
+    workers_by_id: Mapping[str, WorkerRuntime] = msgspec.field(default_factory=dict)
+
+    def fallbacks(self, max_workers: int) -> list[WorkerRuntime]:
+        """Up to ``max_workers`` workers to try after the chosen one: the rest of the decision's ranking, best
+        first, that were candidates and are still registered (resolved when a retry needs them)."""
+        chosen_id = self.chosen.worker_id
+        workers = self.workers_by_id
+        predicted = self.predicted_cached_tokens
+        out = [workers[w] for w in self.decision.ranking if w != chosen_id and w in predicted and w in workers]
+        return out[:max_workers]
 
 
 class DecisionRecord(msgspec.Struct, frozen=True, gc=False):
@@ -328,9 +340,6 @@ class Router:
         chosen = workers.get(chosen_id)
         if chosen is None or chosen_id not in predicted:
             raise RuntimeError(f"the policy chose {chosen_id!r}, which is not a candidate")
-        order = [chosen]
-        if len(decision.ranking) > 1:
-            order += [workers[w] for w in decision.ranking if w != chosen_id and w in predicted]
         if view.block_hashes:
             index = self._indexes.get(model.name)
             if index is not None:
@@ -347,4 +356,4 @@ class Router:
             req.request_id, parsed.model, chosen_id, decision.reason, decision.detail, req.session_key,
             view.num_tokens, predicted[chosen_id], decision.scores, predicted, decision_s, now_s,
         ))
-        return RoutePlan(decision, order, predicted, view.num_tokens, req.session_key, factor, decision_s)
+        return RoutePlan(decision, chosen, predicted, view.num_tokens, req.session_key, factor, decision_s, workers)

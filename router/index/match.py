@@ -81,6 +81,9 @@ def jump_depths(
     num_blocks = len(hashes)
     depths: dict[int, int] = {}
     last = masks[id_of(hashes[num_blocks - 1], 0)] & mask
+    if last == mask and not mask & (mask - 1):  # one slot holding all of ``hashes`` (the common case)
+        depths[mask.bit_length() - 1] = num_blocks
+        return depths
     for bit in iter_bits(last):
         depths[bit] = num_blocks
     if last == mask:

@@ -20,7 +20,7 @@ from router.index.config import GroupKind
 from router.index.errors import UnknownWorkerError
 from router.index.match import hybrid_prefix_len, jump_depths, position_bitsets, prefix_depths
 from router.index.result import ChainDump, IndexStats, MatchResult, WorkerMatch
-from router.index.state import NULL_ID, OWN_LOWER_MEDIA, POOL_MEDIA, IndexState
+from router.index.state import GPU0, NULL_ID, OWN_LOWER_MEDIA, POOL_MEDIA, IndexState
 
 
 class QueryMixin(IndexState):
@@ -43,6 +43,9 @@ class QueryMixin(IndexState):
         if len(self._groups) > 1 or self._groups[0].kind is not GroupKind.FULL:
             return self._match_hybrid(block_hashes)
         sizes = self._lane_sizes
+        if sum(sizes.values()) == sizes[GPU0]:  # one group: every lane but GPU0 is empty (no lower tier, no pool)
+            gpu_depths = self._gpu_depths(block_hashes)
+            return self._result(gpu_depths, gpu_depths, gpu_depths, num_blocks)
         lower = [
             lane
             for (g, medium), lane in self._lanes.items()
