@@ -34,6 +34,7 @@ import logging
 import math
 import random
 from collections.abc import Mapping
+from operator import itemgetter
 
 from policies.base import Decision, RequestView, Snapshot, WorkerState
 from policies.candidates import eligible_workers, no_worker_decision
@@ -46,6 +47,8 @@ __all__ = ["CacheAwarePolicy"]
 
 _SCORE_RESOLUTION_PER_S = 1e6
 """Scores closer than one microsecond tie."""
+_WORKER_ID_OF_KEY = itemgetter(5)
+"""The worker id of a sort key (see ``select``)."""
 
 
 class CacheAwarePolicy:
@@ -117,10 +120,10 @@ class CacheAwarePolicy:
         factors = self._log_factors
         workers = snapshot.workers
         scores: dict[str, float] = {}
-        # Sort keys (rounded cost, -GPU-cached tokens, running requests, position in snapshot, cost); the position
-        # is unique, so the float cost at the end is never compared.
-        competing: list[tuple[int, int, int, int, float]] = []
-        saturated: list[tuple[int, int, int, int, float]] = []
+        # Sort keys (rounded cost, -GPU-cached tokens, running requests, position in snapshot, cost, worker id); the
+        # position is unique, so the items after it are never compared.
+        competing: list[tuple[int, int, int, int, float, str]] = []
+        saturated: list[tuple[int, int, int, int, float, str]] = []
         prefill_uncached = n * s_per_token + n_sq * s_per_token_sq  # the prefill below with k = 0
         for index, w in enumerate(workers):
             if not w.is_healthy or w.is_draining:  # policies.candidates.is_eligible, inlined
@@ -154,7 +157,7 @@ class CacheAwarePolicy:
             score = overhead_s + work
             scores[w.worker_id] = score
             cost = score + recompute_penalty * prefill
-            key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, running, index, cost)
+            key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, running, index, cost, w.worker_id)
             if has_thresholds and (
                 (max_running is not None and running >= max_running)
                 or (max_kv_usage is not None and w.kv_usage >= max_kv_usage)
@@ -180,7 +183,7 @@ class CacheAwarePolicy:
             reason,
             scores,
             chosen.num_gpu_cached_tokens + chosen.num_cpu_cached_tokens + chosen.num_pool_cached_tokens,
-            tuple([workers[key[3]].worker_id for key in competing]),
+            tuple(map(_WORKER_ID_OF_KEY, competing)),
         )
 
     def _softmax_index(self, scores_s: list[float]) -> int:
