@@ -597,7 +597,7 @@ class KVEventSubscriber:
         self.counters.resyncs[(stream.worker_id, reason)] += 1
         stream.last_seq = None
         stream.is_suspect = False
-        self._emit(Resync(worker_id=stream.worker_id, reason=reason))
+        self._emit(Resync(worker_id=stream.worker_id, reason=reason, dp_rank=stream.dp_rank))
 
     # -- delivery ----------------------------------------------------------------------------------------------
 

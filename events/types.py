@@ -174,14 +174,17 @@ class EventBatch(msgspec.Struct, frozen=True, gc=False):
 
 
 class Resync(msgspec.Struct, frozen=True, gc=False):
-    """Control record from the subscriber: drop everything known about ``worker_id`` (all dp ranks, all its own
-    tiers) before applying any later batch of it. Emitted on a publisher restart, an unclosable gap, or a new
-    worker start id.
+    """Control record from the subscriber: drop everything known about one engine of ``worker_id`` (its own tiers)
+    before applying any later batch of it. Emitted on a publisher restart, an unclosable gap, or a new worker start
+    id. Each data-parallel rank publishes its own sequenced stream (vLLM), so a break in one rank's stream clears
+    that rank only.
 
     Attributes:
         worker_id: the worker to clear.
         reason: ``"seq_backwards"``, ``"gap_unrecoverable"``, ``"reconnect"``, ``"start_id_changed"``...
+        dp_rank: the data-parallel rank whose stream broke; ``None`` clears every rank of the worker.
     """
 
     worker_id: str
     reason: str
+    dp_rank: int | None = None

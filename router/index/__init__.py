@@ -8,7 +8,7 @@ Public API (all synchronous; call from one event loop)::
 
     index = PrefixIndex(IndexConfig(block_size=16), pool_members={Medium.MOONCAKE: ["w0", "w1"]})
     index.apply(batch: EventBatch) -> None                 # BlockStored / BlockRemoved / AllBlocksCleared
-    index.apply_resync(resync: Resync) -> None             # drop a worker's own tiers, all dp ranks
+    index.apply_resync(resync: Resync) -> None             # drop a worker's own tiers: one dp rank, or all
     index.match(block_hashes: Sequence[int]) -> MatchResult
         # .workers[worker_id] = WorkerMatch(worker_id, dp_rank, num_gpu_blocks, num_cpu_blocks, num_pool_blocks)
     index.insert_approximate(worker_id, block_hashes, now_s, dp_rank=0, ttl_s=None) -> None

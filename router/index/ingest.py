@@ -68,11 +68,15 @@ class IngestMixin(UpkeepMixin):
             self._compact_log()
 
     def apply_resync(self, resync: Resync) -> None:
-        """Forget what is known about a worker's own tiers, all dp ranks (its pool-tier holdings stay)."""
+        """Forget what is known about a worker's own tiers: the resynced dp rank's, or every rank's when
+        ``resync.dp_rank`` is ``None`` (pool-tier holdings stay)."""
         self._counters["num_resyncs"] += 1
-        logger.info("resync of worker %s (%s): clearing its index entries", resync.worker_id, resync.reason)
+        rank = resync.dp_rank
+        logger.info("resync of worker %s (%s, %s): clearing its index entries", resync.worker_id, resync.reason,
+                    "every dp rank" if rank is None else f"dp rank {rank}")
         for slot in self._worker_slots(resync.worker_id):
-            self._clear_slot(slot, None, include_pool=False)
+            if rank is None or slot.dp_rank == rank:
+                self._clear_slot(slot, None, include_pool=False)
 
     def _store_with_parked(self, slot: Slot, event: BlockStored) -> None:
         mapped = self._store(slot, event)

@@ -228,6 +228,7 @@ async def test_unclosable_gap_resyncs_before_newer_batch(ctx, engine):
     await engine.send(3, payload(4))
     await until(lambda: sub.last_seq("w") == 3)
     assert hashes_of(records) == [(0, 1), ("resync", "gap_unrecoverable"), (3, 4)]
+    assert [r for r in records if isinstance(r, Resync)] == [Resync("w", "gap_unrecoverable", dp_rank=0)]
     assert sub.counters.resyncs == {("w", "gap_unrecoverable"): 1}
     await sub.aclose()
 

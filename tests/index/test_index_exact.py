@@ -228,6 +228,19 @@ def test_resync_clears_all_ranks_of_the_worker():
     assert index.num_blocks() == 1
 
 
+def test_resync_of_one_rank_keeps_the_other_ranks():
+    index = make_index()
+    index.apply(batch("w0", stored(0, 3)))
+    index.apply(batch("w0", stored(0, 5), dp_rank=1))
+    assert index.match(HASHES).workers["w0"] == WorkerMatch("w0", 1, 5)
+    index.apply_resync(Resync("w0", "gap_unrecoverable", dp_rank=1))  # rank 1's stream broke: rank 0 keeps its 3
+    assert index.match(HASHES).workers["w0"] == WorkerMatch("w0", 0, 3)
+    assert index.num_blocks() == 3
+    index.apply_resync(Resync("w0", "gap_unrecoverable", dp_rank=0))
+    assert depths(index) == {}
+    assert index.num_blocks() == 0
+
+
 def test_remove_worker_and_clear_all():
     index = make_index()
     index.apply(batch("w0", stored(0, 3)))
