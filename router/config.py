@@ -189,7 +189,8 @@ class TimeoutsConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     Attributes:
         connect_s: to open a TCP connection to a worker (a pooled connection skips it).
         first_byte_s: from sending the request to the response headers.
-        total_s: for the whole upstream exchange, streaming included.
+        total_s: for the whole upstream exchange, streaming included; past it the exchange is cut (a 504 when
+            nothing has reached the client yet, else the client's response is aborted).
     """
 
     connect_s: float = 2.0

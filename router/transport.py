@@ -7,6 +7,13 @@ transports: ``AiohttpTransport`` for real workers (one pooled keep-alive connect
 An ``UpstreamResponse`` is returned once the status and headers arrived (the "first byte"); its body is read
 with ``iter_chunks()`` (chunk by chunk, as received, never re-encoded) or ``read()``, and ``release()`` must be
 called on every path (it closes the upstream request if the body was not fully read, which cancels it).
+
+Timeouts (``TimeoutsConfig``): the first-byte and total deadlines of every request in flight sit in two FIFOs, each
+on one loop timer (``Deadlines``), instead of aiohttp's per-request timer, which also wraps every wait for a body
+chunk. A deadline that passes cancels the request's task: while it waits for the headers, the send raises
+``TransportTimeoutError``; while it waits for a body chunk, the read raises ``TransportTimeoutError`` (after the
+first byte); while the task is writing to its client, the cancellation ends the request there (the client's
+response is cut).
 """
 
 from __future__ import annotations
@@ -118,15 +125,24 @@ def _json_or_none(body: bytes) -> object:
         return None
 
 
+def _body_timeout(total: _Deadline, worker_id: str, url: str) -> TransportTimeoutError | None:
+    """The error for a body wait cancelled by its total deadline (``None``: another cancellation, to re-raise)."""
+    if total.has_fired and total.task.uncancel() == 0:
+        return TransportTimeoutError(f"worker {worker_id} exceeded the total timeout", worker_id=worker_id,
+                                     endpoint=url, is_before_first_byte=False)
+    return None
+
+
 class _ChunkIterator:
     """Body chunks of an ``aiohttp.ClientResponse`` as they arrive (one ``readany`` per step, no generator frame)."""
 
-    __slots__ = ("_content", "_worker_id", "_url")
+    __slots__ = ("_content", "_worker_id", "_url", "_total")
 
-    def __init__(self, resp: aiohttp.ClientResponse, worker_id: str, url: str) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, worker_id: str, url: str, total: _Deadline) -> None:
         self._content = resp.content
         self._worker_id = worker_id
         self._url = url
+        self._total = total
 
     def __aiter__(self) -> _ChunkIterator:
         return self
@@ -135,13 +151,20 @@ class _ChunkIterator:
         try:
             chunk = await self._content.readany()
         except EofStream:
+            self._total.is_done = True
             raise StopAsyncIteration from None
+        except asyncio.CancelledError:
+            timeout = _body_timeout(self._total, self._worker_id, self._url)
+            if timeout is None:
+                raise
+            raise timeout from None
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise TransportError(
                 f"upstream body broke: {exc!r}", worker_id=self._worker_id, endpoint=self._url,
                 is_before_first_byte=False,
             ) from exc
         if not chunk:
+            self._total.is_done = True
             raise StopAsyncIteration
         return chunk
 
@@ -149,41 +172,50 @@ class _ChunkIterator:
 class _AiohttpResponse:
     """Adapts ``aiohttp.ClientResponse`` to ``UpstreamResponse``."""
 
-    __slots__ = ("_resp", "status", "headers", "_worker_id", "_url")
+    __slots__ = ("_resp", "status", "headers", "_worker_id", "_url", "_total")
 
-    def __init__(self, resp: aiohttp.ClientResponse, worker_id: str, url: str) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, worker_id: str, url: str, total: _Deadline) -> None:
         self._resp = resp
         self.status = resp.status
         self.headers: Mapping[str, str] = resp.headers
         self._worker_id = worker_id
         self._url = url
+        self._total = total
 
     def iter_chunks(self) -> AsyncIterator[bytes]:
-        return _ChunkIterator(self._resp, self._worker_id, self._url)
+        return _ChunkIterator(self._resp, self._worker_id, self._url, self._total)
 
     async def read(self) -> bytes:
         try:
-            return await self._resp.read()
+            body = await self._resp.read()
+        except asyncio.CancelledError:
+            timeout = _body_timeout(self._total, self._worker_id, self._url)
+            if timeout is None:
+                raise
+            raise timeout from None
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise TransportError(
                 f"upstream body broke: {exc!r}", worker_id=self._worker_id, endpoint=self._url,
                 is_before_first_byte=False,
             ) from exc
+        self._total.is_done = True
+        return body
 
     def release(self) -> None:
+        self._total.is_done = True
         if not self._resp.content.at_eof():
             self._resp.close()
         else:
             self._resp.release()
 
 
-class _FirstByteDeadline(msgspec.Struct, gc=False):
-    """One request waiting for its response headers.
+class _Deadline(msgspec.Struct, gc=False):
+    """One request's deadline (for its response headers, or for its whole exchange).
 
     Attributes:
-        task: the task awaiting the headers (cancelled when the deadline passes first).
+        task: the task running the request (cancelled when the deadline passes first).
         deadline_s: ``loop.time()`` at which it times out, seconds.
-        is_done: the headers arrived, or the wait ended otherwise (nothing to cancel).
+        is_done: what the deadline bounds has ended, however (nothing to cancel).
         has_fired: the deadline passed and ``task`` was cancelled for it.
     """
 
@@ -193,14 +225,16 @@ class _FirstByteDeadline(msgspec.Struct, gc=False):
     has_fired: bool = False
 
 
-class FirstByteDeadlines:
-    """Every in-flight request's first-byte deadline on one loop timer.
+class Deadlines:
+    """Every in-flight request's deadline of one kind (first byte, or total) on one loop timer.
 
     A per-request ``loop.call_at`` (plus its cancel) costs a timer handle per request; here a request only appends
     a deadline to a FIFO. With one timeout for all requests the FIFO is in deadline order, so one timer, set for
     the oldest pending deadline, fires each deadline exactly: on firing it pops every finished entry and cancels
     every expired one from the front, then re-arms for the new front. Finished entries are also popped from the
-    front on every ``add``, so the FIFO holds at most the requests sent since the oldest one still waiting.
+    front on every ``add``, so the FIFO holds the requests sent since the oldest one still running; behind a long
+    one (a stream of many minutes) it is compacted (finished entries dropped, order kept) whenever it has doubled
+    since the last compaction, which keeps it under twice the requests in flight plus ``MIN_COMPACT_LEN``.
 
     Args:
         loop: the event loop the requests run on.
@@ -210,23 +244,30 @@ class FirstByteDeadlines:
         loop: the event loop the requests run on.
     """
 
-    __slots__ = ("loop", "_timeout_s", "_pending", "_timer")
+    MIN_COMPACT_LEN = 4096
+    """FIFO length below which it is never compacted."""
+
+    __slots__ = ("loop", "_timeout_s", "_pending", "_timer", "_compact_len")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
         self.loop = loop
         self._timeout_s = timeout_s
-        self._pending: deque[_FirstByteDeadline] = deque()
+        self._pending: deque[_Deadline] = deque()
         self._timer: asyncio.TimerHandle | None = None
+        self._compact_len = self.MIN_COMPACT_LEN
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, task: asyncio.Task[object]) -> _FirstByteDeadline:
+    def add(self, task: asyncio.Task[object]) -> _Deadline:
         """Start ``task``'s deadline; set ``is_done`` on the result once the wait ends, whatever the outcome."""
         pending = self._pending
         while pending and pending[0].is_done:
             pending.popleft()
-        deadline = _FirstByteDeadline(task, self.loop.time() + self._timeout_s)
+        if len(pending) >= self._compact_len:
+            pending = self._pending = deque([d for d in pending if not d.is_done])
+            self._compact_len = max(self.MIN_COMPACT_LEN, 2 * len(pending))
+        deadline = _Deadline(task, self.loop.time() + self._timeout_s)
         pending.append(deadline)
         if self._timer is None:
             self._timer = self.loop.call_at(deadline.deadline_s, self._fire)
@@ -250,8 +291,9 @@ class FirstByteDeadlines:
 class AiohttpTransport:
     """aiohttp client sessions, one per worker, each with a pooled keep-alive connector.
 
-    Timeouts (``TimeoutsConfig``, seconds): ``connect_s`` bounds opening a connection, ``first_byte_s`` bounds
-    the wait for the response headers, ``total_s`` the whole exchange including a streamed body.
+    Timeouts (``TimeoutsConfig``, seconds): ``connect_s`` bounds opening a connection (aiohttp's), ``first_byte_s``
+    the wait for the response headers and ``total_s`` the whole exchange including a streamed body (both
+    ``Deadlines``: see the module docstring).
     """
 
     def __init__(self, timeouts: TimeoutsConfig, *, limit_per_worker: int = 0) -> None:
@@ -265,8 +307,10 @@ class AiohttpTransport:
         self._limit = limit_per_worker
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._urls: dict[str, URL] = {}
-        self._deadlines: FirstByteDeadlines | None = None
-        self._client_timeout = aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s)
+        self._deadlines: Deadlines | None = None
+        self._total_deadlines: Deadlines | None = None
+        # No total: aiohttp's would arm a timer per request and wrap every body wait; ``Deadlines`` enforce it.
+        self._client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s)
 
     def _session(self, worker_id: str) -> aiohttp.ClientSession:
         session = self._sessions.get(worker_id)
@@ -290,13 +334,16 @@ class AiohttpTransport:
         if session is None:
             session = self._session(request.worker_id)
         deadlines = self._deadlines
-        if deadlines is None or deadlines.loop.is_closed():
+        totals = self._total_deadlines
+        if deadlines is None or totals is None or deadlines.loop.is_closed():
             loop = asyncio.get_running_loop()
-            deadlines = self._deadlines = FirstByteDeadlines(loop, self._timeouts.first_byte_s)
-        # The first-byte timeout, as ``asyncio.timeout`` does it minus its per-use timer: on expiry the deadline
-        # cancels this task, and the cancellation it caused (and only that one) becomes a timeout.
+            deadlines = self._deadlines = Deadlines(loop, self._timeouts.first_byte_s)
+            totals = self._total_deadlines = Deadlines(loop, self._timeouts.total_s)
+        # The timeouts, as ``asyncio.timeout`` does them minus its per-use timer: on expiry a deadline cancels this
+        # task, and the cancellations they caused (and only those) become a timeout.
         task = asyncio.current_task(deadlines.loop)
         assert task is not None
+        total = totals.add(task)
         expiry = deadlines.add(task)
         try:
             try:
@@ -306,22 +353,31 @@ class AiohttpTransport:
                 else:
                     resp = await session.request(request.method, parsed_url, data=request.body, headers=request.headers)
             except asyncio.CancelledError:
-                if expiry.has_fired and task.uncancel() == 0:
-                    raise TimeoutError from None
+                num_fired = expiry.has_fired + total.has_fired  # the cancellations the deadlines made
+                if num_fired:
+                    if num_fired == 2:
+                        task.uncancel()
+                    if task.uncancel() == 0:  # none left from elsewhere (e.g. the client going away)
+                        raise TimeoutError from None
                 raise
             finally:
                 expiry.is_done = True
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            total.is_done = True
             raise TransportTimeoutError(
                 f"worker {request.worker_id} timed out before the first byte", worker_id=request.worker_id,
                 endpoint=url, is_before_first_byte=True,
             ) from exc
         except aiohttp.ClientError as exc:
+            total.is_done = True
             raise TransportConnectError(
                 f"worker {request.worker_id} unreachable: {exc.__class__.__name__}", worker_id=request.worker_id,
                 endpoint=url, is_before_first_byte=True,
             ) from exc
-        return _AiohttpResponse(resp, request.worker_id, url)
+        except BaseException:
+            total.is_done = True
+            raise
+        return _AiohttpResponse(resp, request.worker_id, url, total)
 
     async def get_bytes(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, bytes]:
         """GET ``url`` on the worker's pool (health, load endpoints).
