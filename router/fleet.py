@@ -41,7 +41,6 @@ import msgspec
 
 from events.errors import EventsConfigError
 from events.types import EventBatch
-from policies.base import WorkerState
 from router.config import CircuitBreakerConfig, GatewayConfig, WorkerConfig
 from router.errors import ConfigError, NotFoundError, TransportError
 
@@ -59,9 +58,6 @@ class CircuitState(IntEnum):
     CLOSED = 0
     OPEN = 1
     HALF_OPEN = 2
-
-
-_CLOSED = CircuitState.CLOSED
 
 
 class CircuitBreaker:
@@ -183,26 +179,6 @@ class WorkerRuntime:
                 self.is_healthy = False
                 return True
         return False
-
-    def state(
-        self, now_s: float, num_gpu: int = 0, num_cpu: int = 0, num_pool: int = 0, max_inflight: int = 0
-    ) -> WorkerState:
-        """The policy's view of this worker with the given cached-token counts."""
-        load = self.load
-        running = self.num_inflight_requests
-        is_healthy = (
-            self.is_healthy
-            and not (max_inflight > 0 and running >= max_inflight)
-            and (self.breaker.state is _CLOSED or self.breaker.allows(now_s))
-        )
-        if load is None:
-            return WorkerState(self.worker_id, is_healthy, self.is_draining, num_gpu, num_cpu, num_pool, running, 0,
-                               self.num_pending_prefill_tokens, 0.0)
-        return WorkerState(
-            self.worker_id, is_healthy, self.is_draining, num_gpu, num_cpu, num_pool,
-            max(running, load.num_running_requests), load.num_waiting_requests, self.num_pending_prefill_tokens,
-            load.kv_usage,
-        )
 
     def info(self, now_s: float) -> dict[str, Any]:
         """JSON-ready description for the admin API."""

@@ -39,7 +39,7 @@ from policies.base import Decision, Policy, RequestView, Snapshot, WorkerState
 from policies.config import KeySource, PolicyConfig
 from router.config import ModelConfig
 from router.errors import InvalidFieldError, NoWorkerError
-from router.fleet import Fleet, WorkerRuntime
+from router.fleet import CircuitState, Fleet, WorkerRuntime
 from router.index.config import IndexConfig
 from router.index.result import MatchResult
 from router.request_view import ParsedRequest, PromptView
@@ -53,6 +53,7 @@ REFRESH_FRACTION = 0.125
 MAX_RECENT_INSERTS = 8192
 """Bound on the memo of recent chain insertions (cleared when full)."""
 DEFAULT_KEY_SOURCES: tuple[KeySource, ...] = ("x-session-id", "x-smg-routing-key", "user")
+_CLOSED = CircuitState.CLOSED
 
 
 class IndexLike(Protocol):
@@ -158,47 +159,62 @@ class Router:
         """The request's session key from the configured sources (``policies.derive_session_key``)."""
         return derive_session_key(self.holder.key_sources, headers, parsed.user, view.opening_hash)
 
+    @staticmethod
     def states(
-        self, candidates: Sequence[WorkerRuntime], model: ModelConfig, view: PromptView, now_s: float,
-        max_inflight: int, match: MatchResult | None = None, predicted: dict[str, int] | None = None,
-    ) -> tuple[WorkerState, ...]:
-        """Each candidate's ``WorkerState`` with cached tokens from one index match (capped, see module doc).
+        candidates: Sequence[WorkerRuntime], view: PromptView, now_s: float, max_inflight: int,
+        match: MatchResult | None,
+    ) -> tuple[tuple[WorkerState, ...], dict[str, int]]:
+        """Each candidate's ``WorkerState`` (the policy's view of it) and its predicted cached tokens.
 
-        Args:
-            match: the index match of ``view.block_hashes`` when the caller already has it (else made here).
-            predicted: filled, when given, with each candidate's predicted cached tokens (all tiers), by worker id.
+        Cached tokens come from one index match of ``view.block_hashes`` (``None``: nothing matched), capped as the
+        module docstring says. Load: requests in flight through this gateway, or the polled count when larger;
+        waiting requests and KV usage as polled (0 without a poll). Healthy: its health checks pass, it has fewer
+        than ``max_inflight`` requests in flight (0: no limit), and its circuit lets a request through at
+        ``now_s``.
+
+        Returns:
+            ``(states in candidate order, predicted cached tokens (all tiers) by worker id)``.
         """
-        if match is None:
-            match = self._match(model, view)
-        if match is None or not match.workers:
-            if predicted is not None:
-                for worker in candidates:
-                    predicted[worker.worker_id] = 0
-            return tuple([worker.state(now_s, 0, 0, 0, max_inflight) for worker in candidates])
-        matched = match.workers
+        matched = match.workers if match is not None else None
         bs = view.block_size
         cap = (view.num_tokens - 1) // bs  # PromptView.num_cacheable_blocks
-        out: list[WorkerState] = []
+        if cap < 0:
+            cap = 0
+        states: list[WorkerState] = []
+        predicted: dict[str, int] = {}
         for worker in candidates:
-            m = matched.get(worker.worker_id)
-            if m is None:
-                if predicted is not None:
-                    predicted[worker.worker_id] = 0
-                out.append(worker.state(now_s, 0, 0, 0, max_inflight))
-                continue
-            gpu = m.num_gpu_blocks
-            cpu = gpu + m.num_cpu_blocks
-            pool = cpu + m.num_pool_blocks
-            if pool > cap:  # capped per tier, from the root: GPU, then CPU, then pool
-                pool = cap if cap > 0 else 0
-                if cpu > pool:
-                    cpu = pool
-                    if gpu > pool:
-                        gpu = pool
-            if predicted is not None:
-                predicted[worker.worker_id] = pool * bs
-            out.append(worker.state(now_s, gpu * bs, (cpu - gpu) * bs, (pool - cpu) * bs, max_inflight))
-        return tuple(out)
+            worker_id = worker.worker_id
+            gpu = cpu = pool = 0
+            m = matched.get(worker_id) if matched else None
+            if m is not None:
+                gpu = m.num_gpu_blocks
+                cpu = gpu + m.num_cpu_blocks
+                pool = cpu + m.num_pool_blocks
+                if pool > cap:  # capped per tier, from the root: GPU, then CPU, then pool
+                    pool = cap
+                    if cpu > pool:
+                        cpu = pool
+                        if gpu > pool:
+                            gpu = pool
+            predicted[worker_id] = pool * bs
+            running = worker.num_inflight_requests
+            breaker = worker.breaker
+            is_healthy = (
+                worker.is_healthy
+                and not (max_inflight > 0 and running >= max_inflight)
+                and (breaker.state is _CLOSED or breaker.allows(now_s))
+            )
+            load = worker.load
+            if load is None:
+                states.append(WorkerState(worker_id, is_healthy, worker.is_draining, gpu * bs, (cpu - gpu) * bs,
+                                          (pool - cpu) * bs, running, 0, worker.num_pending_prefill_tokens, 0.0))
+            else:
+                states.append(WorkerState(
+                    worker_id, is_healthy, worker.is_draining, gpu * bs, (cpu - gpu) * bs, (pool - cpu) * bs,
+                    max(running, load.num_running_requests), load.num_waiting_requests,
+                    worker.num_pending_prefill_tokens, load.kv_usage,
+                ))
+        return tuple(states), predicted
 
     def _match(self, model: ModelConfig, view: PromptView) -> MatchResult | None:
         index = self._indexes.get(model.name)
@@ -239,8 +255,7 @@ class Router:
         if not candidates:
             raise NoWorkerError(f"no worker serves model {parsed.model!r}", reason="no_workers")
         match = self._match(model, view)
-        predicted: dict[str, int] = {}
-        states = self.states(candidates, model, view, now_s, max_inflight_per_worker, match, predicted)
+        states, predicted = self.states(candidates, view, now_s, max_inflight_per_worker, match)
         if headers or parsed.user is not None or view.opening_hash is not None:
             session_key = derive_session_key(self.holder.key_sources, headers, parsed.user, view.opening_hash)
         else:

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from events.types import BlockStored, Medium
+from router.request_view import PromptView
 from tests.router.sim_fleet import (
     BLOCK_SIZE,
     MODEL,
@@ -85,7 +86,8 @@ async def test_load_polling_reads_the_workers_load_endpoint():
                 assert load is not None
                 assert load.num_running_requests == 1
                 assert load.kv_usage > 0.0
-                assert fleet.workers["w0"].state(0.0).num_running_requests == 1
+                states, _ = g.gw.router.states((fleet.workers["w0"],), PromptView(1, (), 16), 0.0, 0, None)
+                assert states[0].num_running_requests == 1
             finally:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
