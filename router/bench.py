@@ -1,8 +1,9 @@
 """Gateway benchmarks: ``python -m router.bench``.
 
-(a) Cost per proxied request. One fast fake backend process (aiohttp + uvloop, two ports = two workers) answers
-``/v1/completions`` with a fixed body (non-streaming, ~2 KB prompt in, small JSON out) or a 4-event SSE stream.
-In front of it, each in its own process and measured in the same run with the same load:
+(a) Cost per proxied request. One fast fake backend process (aiohttp + uvloop, ``--num-workers`` ports = that many
+workers, 2 by default) answers ``/v1/completions`` with a fixed body (non-streaming, ~2 KB prompt in, small JSON
+out) or a 4-event SSE stream. In front of it, each in its own process and measured in the same run with the same
+load:
 
 * ``direct``     the backend itself (baseline for added latency);
 * ``bare``       a bare aiohttp + uvloop + msgspec pass-through proxy with no routing (baseline for CPU);
@@ -14,7 +15,9 @@ The load generator runs in this process (aiohttp, ``--concurrency`` connections)
 proxy process's user+system time (``/proc/<pid>/stat``) over the measured requests; latency p50/p99 are client
 side (each measurement after its own warm-up). ``--rounds`` interleaved rounds (the target order rotated each
 round, so drift on a shared machine hits every target) give per target the median and the best (lowest) CPU and
-its spread; figures are printed as ratios to the baselines of the same run.
+its spread; figures are printed as ratios to the baselines of the same run. With at least 8 CPUs (or ``--pin``),
+every process gets cores of its own (``sched_setaffinity``: the load generator, the backend, each proxy), so no
+proxy shares a core's caches with another process or migrates between cores; ``--no-pin`` turns it off.
 
 (b) Routing decision time for a 32,768-token chat: the request view (incremental tokenization + hashing) plus
 index match and policy select, for the first turn and for an incremental next turn.
@@ -126,8 +129,23 @@ async def _bare_proxy(port: int, upstream: str) -> None:
     await asyncio.Event().wait()
 
 
-def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _spawn(args: list[str], cores: set[int] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``args`` (output discarded), on ``cores`` only when given."""
+    if cores is None:
+        return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: os.sched_setaffinity(0, cores))
+
+
+def _core_plan(pin: bool | None) -> dict[str, set[int]] | None:
+    """Cores per process when pinning (``None``: not pinned). ``pin=None`` pins when at least 8 CPUs are usable."""
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if pin is False or (pin is None and len(usable) < 8):
+        return None
+    if len(usable) < 6:
+        raise SystemExit(f"--pin needs at least 6 usable CPUs, found {len(usable)}")
+    return {"load": {usable[0]}, "backend": {usable[1], usable[2]}, "bare": {usable[3]}, "kvgate": {usable[4]},
+            "sglang": {usable[5]}}
 
 
 async def _wait_port(port: int, path: str = "/health", timeout_s: float = 30.0) -> None:
@@ -226,24 +244,40 @@ def _free_ports(k: int) -> list[int]:
     return ports
 
 
-async def bench_proxy(num_requests: int, concurrency: int, rounds: int = 3) -> None:
+async def bench_proxy(
+    num_requests: int, concurrency: int, rounds: int = 3, *, num_workers: int = 2, pin: bool | None = None,
+) -> None:
     """Benchmark (a); prints one table per request kind (``rounds`` interleaved measurements per target)."""
     py = sys.executable
-    b1, b2, bare, gate, sgl = _free_ports(5)
+    cores = _core_plan(pin)
+    worker_ports = tuple(_free_ports(num_workers))
+    b1 = worker_ports[0]
+    bare, gate, sgl = _free_ports(3)
     procs: dict[str, subprocess.Popen[bytes]] = {}
     tmp = tempfile.mkdtemp(prefix="kvgate-bench-")
+    print(f"\n{num_workers} workers; " + (
+        "not pinned" if cores is None else "pinned: " + ", ".join(f"{k} {sorted(v)}" for k, v in cores.items())))
+    own_cores = os.sched_getaffinity(0) if cores is not None else set()
+
+    def on(plan: dict[str, set[int]] | None, name: str) -> set[int] | None:
+        return plan[name] if plan is not None else None
+
     try:
-        procs["backend"] = _spawn([py, "-m", "router.bench", "--role", "backend", "--ports", f"{b1},{b2}"])
+        if cores is not None:
+            os.sched_setaffinity(0, cores["load"])
+        procs["backend"] = _spawn([py, "-m", "router.bench", "--role", "backend", "--ports",
+                                   ",".join(map(str, worker_ports))], on(cores, "backend"))
         await _wait_port(b1)
         procs["bare"] = _spawn([py, "-m", "router.bench", "--role", "bare", "--ports", str(bare),
-                                "--upstream", f"http://127.0.0.1:{b1}"])
-        procs["kvgate"] = _spawn(_gateway_args(py, tmp, gate, (b1, b2)))
+                                "--upstream", f"http://127.0.0.1:{b1}"], on(cores, "bare"))
+        procs["kvgate"] = _spawn(_gateway_args(py, tmp, gate, worker_ports), on(cores, "kvgate"))
         if SGLR_PYTHON.exists():
             procs["sglang"] = _spawn([str(SGLR_PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                      "--port", str(sgl), "--worker-urls", f"http://127.0.0.1:{b1}",
-                                      f"http://127.0.0.1:{b2}", "--policy", "cache_aware", "--prometheus-host",
+                                      "--port", str(sgl), "--worker-urls",
+                                      *(f"http://127.0.0.1:{p}" for p in worker_ports),
+                                      "--policy", "cache_aware", "--prometheus-host",
                                       "127.0.0.1", "--prometheus-port", str(_free_ports(1)[0]),
-                                      "--log-level", "warn"])
+                                      "--log-level", "warn"], on(cores, "sglang"))
         else:
             print(f"sglang-router: skipped (no venv at {SGLR_PYTHON.parent.parent}; "
                   "python3 -m venv it and pip install sglang-router)")
@@ -273,6 +307,8 @@ async def bench_proxy(num_requests: int, concurrency: int, rounds: int = 3) -> N
             p.terminate()
         for p in procs.values():
             p.wait(timeout=10)
+        if cores is not None:
+            os.sched_setaffinity(0, own_cores)
 
 
 async def bench_instructions(num_requests: int, concurrency: int) -> None:
@@ -367,14 +403,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds per target")
+    parser.add_argument("--num-workers", type=int, default=2, help="backend ports = workers behind each router")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
+                        help="a core per process (default: on with at least 8 CPUs)")
     parser.add_argument("--skip-proxy", action="store_true")
     parser.add_argument("--skip-decision", action="store_true")
     parser.add_argument("--instructions", action="store_true",
                         help="only (c): instructions per request under valgrind callgrind (needs valgrind)")
     args = parser.parse_args()
-    for name in ("requests", "concurrency", "rounds"):
+    for name in ("requests", "concurrency", "rounds", "num_workers"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1")
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.instructions and shutil.which("valgrind") is None:
         parser.error("--instructions needs valgrind on PATH (apt-get install valgrind)")
     import uvloop
@@ -389,7 +428,8 @@ def main() -> None:
         if not args.skip_decision:
             bench_decision()
         if not args.skip_proxy:
-            uvloop.run(bench_proxy(args.requests, args.concurrency, args.rounds))
+            uvloop.run(bench_proxy(args.requests, args.concurrency, args.rounds, num_workers=args.num_workers,
+                                   pin=args.pin))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ def test_worker_bench_refuses_non_positive_counts(flag, capsys):
     assert f"{flag} must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--rounds", "--requests", "--concurrency"])
+@pytest.mark.parametrize("flag", ["--rounds", "--requests", "--concurrency", "--num-workers"])
 def test_gateway_bench_refuses_non_positive_counts(flag, capsys, monkeypatch):
     monkeypatch.setattr("sys.argv", ["router.bench", flag, "0"])
     with pytest.raises(SystemExit) as exc:
