@@ -4,7 +4,6 @@ The gateway's YAML holds the policy as a mapping whose ``name`` picks the struct
 
     policy:
       name: session_sticky
-      idle_timeout_s: 1800
       max_extra_ttft_s: 0.5
       inner:
         name: cache_aware
@@ -175,17 +174,17 @@ class SessionStickyConfig(_PolicyConfigBase, frozen=True, tag="session_sticky"):
     to ``None`` is not checked; both ``None`` never moves on cost). Margins apply only when the inner policy
     scores in seconds of TTFT (``cache_aware``).
 
+    Idle expiry belongs to the session store, shared by every gateway replica: ``sessions.idle_timeout_s``.
+
     Attributes:
         inner: the wrapped policy (chooses new owners and scores the alternatives).
         key_sources: where the gateway looks for the session key, first match wins.
-        idle_timeout_s: a session unused this long expires (the store enforces it), seconds.
         max_extra_ttft_s: the owner may be at most this many seconds costlier than the best alternative.
         max_ttft_ratio: the owner may be at most this many times costlier than the best alternative.
     """
 
     inner: InnerPolicyConfig = msgspec.field(default_factory=CacheAwareConfig)
     key_sources: tuple[KeySource, ...] = ("x-session-id", "x-smg-routing-key", "user", "opening_blocks")
-    idle_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=30 * 86_400.0)] = 1800.0
     max_extra_ttft_s: NonNegativeSeconds | None = 0.5
     max_ttft_ratio: Annotated[float, msgspec.Meta(ge=1.0)] | None = 2.0
 
@@ -219,6 +218,10 @@ _AT_PATH = re.compile(r"^(?P<reason>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOT
 _BAD_TAG = re.compile(r"^Invalid value (?P<value>.+)$")
 _FIELD_REASON = re.compile(r"^(?P<field>[a-z_]+): (?P<reason>.+)$", re.DOTALL)
 """``__post_init__`` checks raise ``ValueError("<field>: <reason>")`` so the error can name the key."""
+
+
+_MOVED_KEYS = {"idle_timeout_s": "sessions.idle_timeout_s (session expiry is the session store's, shared by replicas)"}
+"""Policy keys that belong to another section of the gateway's config: their error says where."""
 
 
 def _dotted(path: str) -> str:
@@ -268,7 +271,9 @@ def _translate(message: str) -> PolicyConfigError:
     unknown = re.match(r"^Object contains unknown field `(?P<field>[^`]+)`$", reason)
     if unknown is not None:
         field = unknown.group("field")
-        return PolicyConfigError(f"{key}.{field}" if key else field, "unknown key")
+        moved = _MOVED_KEYS.get(field)
+        return PolicyConfigError(f"{key}.{field}" if key else field,
+                                 "unknown key" if moved is None else f"unknown key; set {moved} instead")
     missing = re.match(r"^Object missing required field `(?P<field>[^`]+)`$", reason)
     if missing is not None:
         field = missing.group("field")

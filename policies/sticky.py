@@ -29,7 +29,7 @@ otherwise                                              owner       sticky
 
 Margins (``max_extra_ttft_s``, ``max_ttft_ratio``) compare the inner policy's scores, so they apply only when
 those are estimated TTFT seconds (inner ``cache_aware``); with a baseline inside, only availability moves a
-session. Idle expiry is the store's (``idle_timeout_s`` from this config).
+session. Idle expiry is the store's (``sessions.idle_timeout_s`` in the gateway's config).
 """
 
 from __future__ import annotations

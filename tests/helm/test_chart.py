@@ -103,7 +103,7 @@ def test_default_render_objects_and_gateway_config(tmp_path, monkeypatch):
     monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "t")
     config = parse_config(raw)  # the gateway's own loader accepts what the chart renders
     assert [m.name for m in config.models] == ["meta-llama/Llama-3.1-8B-Instruct"]
-    assert config.policy == {"name": "session_sticky", "idle_timeout_s": 1800, "inner": {"name": "cache_aware"}}
+    assert config.policy == {"name": "session_sticky", "inner": {"name": "cache_aware"}}
     discovery = decode_discovery_config(config.discovery)
     assert (discovery.namespace, discovery.label_selector, discovery.port, discovery.events_port,
             discovery.replay_port, discovery.model_label) == (NAMESPACE, "app=vllm", 8000, 5557, None,

@@ -27,7 +27,6 @@ pytestmark = pytest.mark.unit
 GATEWAY_YAML = """
 policy:
   name: session_sticky
-  idle_timeout_s: 600
   max_extra_ttft_s: 0.25
   max_ttft_ratio: null
   key_sources: [x-smg-routing-key, user]
@@ -45,12 +44,19 @@ def test_yaml_decodes_to_nested_frozen_structs():
     assert config == SessionStickyConfig(
         inner=CacheAwareConfig(temperature=0.5, seed=7, max_kv_usage=0.97, max_running_requests=64),
         key_sources=("x-smg-routing-key", "user"),
-        idle_timeout_s=600.0,
         max_extra_ttft_s=0.25,
         max_ttft_ratio=None,
     )
     with pytest.raises(AttributeError):
-        config.idle_timeout_s = 1.0  # type: ignore[misc,unused-ignore]
+        config.max_extra_ttft_s = 1.0  # type: ignore[misc,unused-ignore]
+
+
+def test_session_expiry_is_refused_in_the_policy_with_where_it_belongs():
+    with pytest.raises(PolicyConfigError) as caught:
+        decode_policy_config({"name": "session_sticky", "idle_timeout_s": 60})
+    assert caught.value.key == "idle_timeout_s"
+    assert caught.value.reason == (
+        "unknown key; set sessions.idle_timeout_s (session expiry is the session store's, shared by replicas) instead")
 
 
 def test_defaults_and_name_only():

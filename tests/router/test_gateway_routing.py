@@ -113,7 +113,7 @@ async def test_sticky_expiry_and_owner_death(workers):
     clock = Clock()
     config = make_config(
         workers[:2],
-        policy={"name": "session_sticky", "idle_timeout_s": 60, "inner": {"name": "round_robin"}},
+        policy={"name": "session_sticky", "inner": {"name": "round_robin"}},
         sessions={"idle_timeout_s": 60},
     )
     async with GatewayHarness(config, clock=clock, workers=workers[:2]) as h:

@@ -253,7 +253,7 @@ async def test_sticky_expiry_with_an_injected_clock_and_the_owner_dying_mid_sess
     clock = Clock()
     async with running(SimWorker("w0"), SimWorker("w1")) as ws:
         config = make_config(
-            ws, policy={"name": "session_sticky", "idle_timeout_s": 60, "inner": {"name": "cache_aware"}},
+            ws, policy={"name": "session_sticky", "inner": {"name": "cache_aware"}},
             sessions={"idle_timeout_s": 60}, health={"interval_s": 3600, "failure_threshold": 1})
         async with Gw(config, clock=clock) as g:
             await connected(g, ws)
