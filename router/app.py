@@ -49,11 +49,12 @@ from router.errors import (
 from router.fleet import Fleet, WorkerRuntime
 from router.index import PrefixIndex
 from router.metrics import GatewayMetrics, MetricSample
-from router.proxy import ClientHeaderReader, Proxy
+from router.proxy import WORKER_HEADER, ClientHeaderReader, Proxy
 from router.request_view import ModelTokenizer, RequestKind, parse_request
-from router.routing import PolicyHolder, Router
+from router.routing import PolicyHolder, RoutePlan, Router
 from router.sessions.base import SessionStore
 from router.sessions.config import build_session_store
+from router.sessions.errors import SessionBackendError
 from router.transport import AiohttpTransport, Transport
 
 logger = logging.getLogger(__name__)
@@ -376,17 +377,38 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         if gw.holder.sticky is None:  # no session store to await: decide in place
             plan = gw.router.decide(request_id, parsed, model, view, client_headers.routing,
                                     max_inflight_per_worker=per_worker)
-        else:
-            plan = await gw.router.route(request_id, parsed, model, view, client_headers.routing,
-                                         max_inflight_per_worker=per_worker)
+            gw.metrics.decision_s.observe(time.perf_counter() - t0)
+            return await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream, request_id=request_id,
+                                          policy_name=policy_name, received_at=t0, client_headers=client_headers)
+        plan = await gw.router.route(request_id, parsed, model, view, client_headers.routing,
+                                     max_inflight_per_worker=per_worker)
         gw.metrics.decision_s.observe(time.perf_counter() - t0)
-        return await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream, request_id=request_id,
-                                      policy_name=policy_name, received_at=t0, client_headers=client_headers)
+        response = await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream, request_id=request_id,
+                                          policy_name=policy_name, received_at=t0, client_headers=client_headers)
+        await _follow_retry(gw, plan, response)
+        return response
     except GatewayError as exc:
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
         return error_response(exc)
     finally:
         gw.admission.release()
+
+
+async def _follow_retry(gw: Gateway, plan: RoutePlan, response: web.StreamResponse) -> None:
+    """A session whose request was served by another worker after a retry (its owner failed before the first byte)
+    moves there: that worker now holds the conversation's KV, and the next turn should not try the failed owner
+    first. Compare-and-set from the planned owner; a store error only logs (the answer was already sent)."""
+    served = response.headers.get(WORKER_HEADER)
+    key = plan.session_key
+    if (key is None or served is None or served == plan.chosen.worker_id or response.status >= 500
+            or served not in gw.fleet.workers):
+        return
+    try:
+        if await gw.sessions.move(key, plan.chosen.worker_id, served):
+            logger.info("session %s moved from %s to %s, which served it after a retry", key,
+                        plan.chosen.worker_id, served)
+    except SessionBackendError as exc:
+        logger.warning("session %s: could not move it to %s after a retry: %s", key, served, exc)
 
 
 completions = functools.partial(_handle, kind="completions")

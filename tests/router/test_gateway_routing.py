@@ -137,6 +137,26 @@ async def test_sticky_expiry_and_owner_death(workers):
         assert [(s.session_key, s.worker_id) for s in sessions] == [("sid:s1", other)]
 
 
+async def test_session_follows_a_retry_to_the_worker_that_served_it(workers):
+    config = make_config(workers[:2], policy={"name": "session_sticky", "inner": {"name": "round_robin"}})
+    async with GatewayHarness(config, workers=workers[:2]) as h:
+        hdr = {"x-session-id": "s2"}
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "hello"}, headers=hdr)
+        owner = headers["x-kvgate-worker"]
+        other = "w1" if owner == "w0" else "w0"
+        owner_worker = workers[0] if owner == "w0" else workers[1]
+        owner_worker.fail_statuses = [503]  # fails before the first byte: retried on the other worker
+        num_owner_requests = len(owner_worker.requests)
+        status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "hello"}, headers=hdr)
+        assert (status, headers["x-kvgate-worker"], headers["x-kvgate-decision"]) == (200, other, "retry")
+        sessions = await h.gw.sessions.list_sessions(10)
+        assert [(s.session_key, s.worker_id) for s in sessions] == [("sid:s2", other)]
+        # The next turn goes straight to the worker that holds the conversation now, without trying the old owner.
+        status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "hello"}, headers=hdr)
+        assert (status, headers["x-kvgate-worker"], headers["x-kvgate-decision"]) == (200, other, "sticky")
+        assert len(owner_worker.requests) == num_owner_requests + 1  # the failed attempt only
+
+
 async def test_approximate_mode_worker_without_events():
     w = FakeWorker("a0", with_events=False)
     w2 = FakeWorker("a1", with_events=False)
