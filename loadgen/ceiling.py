@@ -8,6 +8,11 @@ sum of prompt tokens. Output tokens never enter the cache (the traces carry no i
 are chained, "a path in the trie" equals "every one of the first ``k`` ids was seen before", which is what the
 code checks. Ids are keyed by namespace.
 
+A run's ceiling (``served_ceiling``) is the same walk over the requests that succeeded, in trace order: a request
+that failed (a worker refused it) or was never sent neither reads the cache nor fills it, and its prompt tokens
+are not counted. That is the population of the run's measured hit ratio (``loadgen.report``), so a failure can
+never lift ``hit ratio ÷ ceiling`` above 1.
+
 The LRU variant runs the same walk against one cache of bounded capacity that evicts the least recently used
 block (a hit or an insert refreshes a block). It tells whether a fleet's total capacity could reach the ceiling
 if placement were perfect, which the demo uses to size its workers.
@@ -16,10 +21,11 @@ if placement were perfect, which the demo uses to size its workers.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
+from loadgen.client import RequestRecord
 from loadgen.traces import TraceRequest
 
 
@@ -66,6 +72,21 @@ def ceiling(requests: Sequence[TraceRequest]) -> CacheBound:
         num_distinct_blocks=len(seen),
         num_blocks=num_blocks,
     )
+
+
+def served_ceiling(requests: Sequence[TraceRequest], records: Iterable[RequestRecord]) -> CacheBound:
+    """The infinite-cache ceiling of the requests a run served (module docstring).
+
+    Args:
+        requests: the replayed slice in trace order (``RequestRecord.index`` points into it).
+        records: the run's records; only successful ones count (failed requests and those never sent have no
+            successful record).
+
+    Raises:
+        IndexError: a record whose index is outside ``requests``.
+    """
+    served = sorted({r.index for r in records if r.is_ok})
+    return ceiling([requests[i] for i in served])
 
 
 def lru_bound(requests: Sequence[TraceRequest], capacity_blocks: int) -> CacheBound:

@@ -138,7 +138,11 @@ def add_replay_arguments(parser: argparse._ActionsContainer) -> None:
     )
     parser.add_argument("--request-timeout-s", type=_positive_float, default=120.0, help="wall limit per request (s)")
     parser.add_argument(
-        "--max-duration-s", type=_positive_float, default=None, help="wall limit of a replay; no send after it (s)"
+        "--max-duration-s",
+        type=_positive_float,
+        default=None,
+        help="wall limit of a replay (s): every wait (arrival time, think time, free slot) ends at it and nothing is "
+        "sent after it; requests in flight finish",
     )
     parser.add_argument(
         "--max-in-flight", type=_positive_int, default=256, help="open loop: requests in flight at most"
@@ -248,7 +252,11 @@ def _replay_config(args: argparse.Namespace) -> ReplayConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``kvgate loadgen``; returns 0 when every request succeeded, 1 when some failed, 2 on bad input."""
+    """Run ``kvgate loadgen``; returns 0 when every request succeeded, 1 when some failed, 2 on bad input.
+
+    ``results.json`` holds ``slice_ceiling`` (the infinite-cache bound of the whole slice, printed before the run)
+    and the run's summary, whose ``ceiling_hit_ratio`` is over the requests that succeeded (``served_ceiling``).
+    """
     console = Console()
     try:
         source = _trace_source(args)
@@ -264,7 +272,7 @@ def main(args: argparse.Namespace) -> int:
     bound = ceiling(requests)
     console.print(
         f"{len(requests)} requests, {len({r.session_id for r in requests})} sessions, "
-        f"{bound.num_prompt_tokens} prompt tokens; ceiling hit ratio {bound.hit_ratio:.3f}"
+        f"{bound.num_prompt_tokens} prompt tokens; ceiling hit ratio of the slice {bound.hit_ratio:.3f}"
     )
     workers = [w for w in args.workers.split(",") if w]
     try:
@@ -284,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
         paths = write_results(
             Path(args.out),
             [outcome],
-            extra={"ceiling": bound, "trace": args.trace or "synthetic"},
+            extra={"slice_ceiling": bound, "trace": args.trace or "synthetic"},
             plots=not args.no_plots,
         )
         console.print("wrote " + ", ".join(str(p) for p in paths))

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import yaml
@@ -112,6 +112,8 @@ class DemoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename
     """Live progress bars."""
     write_plots: bool = True
     """Write the PNG plots."""
+    is_quick: bool = False
+    """The ``--quick`` slice: a note under the checks says that some are expected to fail on it."""
 
 
 def worker_profile(config: DemoConfig) -> dict[str, Any]:
@@ -191,12 +193,32 @@ def size_fleet(requests: Sequence[TraceRequest], config: DemoConfig) -> FleetSiz
 
 
 class AcceptanceCheck(msgspec.Struct, frozen=True):
-    """One acceptance criterion on the demo's results."""
+    """One acceptance criterion on the demo's results.
+
+    Attributes:
+        name: the criterion, with its limit.
+        value: the measured value (``None`` when it cannot be computed).
+        limit: the limit ``value`` is compared with.
+        passed: whether ``value`` meets the limit.
+        unit: how ``value`` and ``limit`` are shown: ``"ratio"`` (3 decimals), ``"percent"`` (a fraction shown
+            as a percentage, as the table's ``cached mismatch``) or ``"count"``.
+    """
 
     name: str
     value: float | None
     limit: float
     passed: bool
+    unit: Literal["ratio", "percent", "count"] = "ratio"
+
+    def format_value(self) -> str:
+        """``value`` in the check's unit (``–`` when missing)."""
+        if self.value is None:
+            return "–"
+        if self.unit == "percent":
+            return f"{self.value:.2%}"
+        if self.unit == "count":
+            return f"{self.value:.0f}"
+        return f"{self.value:.3f}"
 
 
 def acceptance(summaries: Sequence[RunSummary]) -> list[AcceptanceCheck]:
@@ -205,20 +227,30 @@ def acceptance(summaries: Sequence[RunSummary]) -> list[AcceptanceCheck]:
     ca, rr = by.get("cache_aware"), by.get("round_robin")
     if ca is None or rr is None:
         return []
-    checks: list[tuple[str, float | None, float, bool]] = []
+    checks: list[AcceptanceCheck] = []
     frac = ca.hit_ratio / ca.ceiling_hit_ratio if ca.ceiling_hit_ratio else None
-    checks.append(("cache_aware hit ratio ÷ ceiling >= 0.9", frac, 0.9, frac is not None and frac >= 0.9))
+    checks.append(
+        AcceptanceCheck("cache_aware hit ratio ÷ ceiling >= 0.9", frac, 0.9, frac is not None and frac >= 0.9)
+    )
     rel = ca.hit_ratio / rr.hit_ratio if rr.hit_ratio else None
-    checks.append(("cache_aware ÷ round_robin hit ratio >= 1.5", rel, 1.5, rel is not None and rel >= 1.5))
+    checks.append(
+        AcceptanceCheck("cache_aware ÷ round_robin hit ratio >= 1.5", rel, 1.5, rel is not None and rel >= 1.5)
+    )
     ttft = ca.ttft_p50_s / rr.ttft_p50_s if ca.ttft_p50_s and rr.ttft_p50_s else None
-    checks.append(("cache_aware ÷ round_robin TTFT p50 <= 0.7", ttft, 0.7, ttft is not None and ttft <= 0.7))
+    checks.append(
+        AcceptanceCheck("cache_aware ÷ round_robin TTFT p50 <= 0.7", ttft, 0.7, ttft is not None and ttft <= 0.7)
+    )
     imb = ca.load_imbalance
-    checks.append(("cache_aware load imbalance <= 1.3", imb, 1.3, imb is not None and imb <= 1.3))
+    checks.append(AcceptanceCheck("cache_aware load imbalance <= 1.3", imb, 1.3, imb is not None and imb <= 1.3))
     mis = ca.cached_tokens_mismatch_ratio
-    checks.append(("cache_aware cached-tokens mismatch <= 1%", mis, 0.01, mis is not None and mis <= 0.01))
+    checks.append(
+        AcceptanceCheck(
+            "cache_aware cached-tokens mismatch <= 1%", mis, 0.01, mis is not None and mis <= 0.01, unit="percent"
+        )
+    )
     failed = sum(s.requests_failed for s in summaries)
-    checks.append(("no failed request (all runs)", float(failed), 0.0, failed == 0))
-    return [AcceptanceCheck(n, v, lim, ok) for n, v, lim, ok in checks]
+    checks.append(AcceptanceCheck("no failed request (all runs)", float(failed), 0.0, failed == 0, unit="count"))
+    return checks
 
 
 async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcome], FleetSizing]:
@@ -292,12 +324,23 @@ async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcom
     return outcomes, sizing
 
 
-def _print_results(console: Console, summaries: Sequence[RunSummary], checks: Sequence[AcceptanceCheck]) -> None:
-    """The comparison table (Markdown, readable in any terminal width) and the acceptance checks."""
+QUICK_NOTE = (
+    "note: the --quick slice has little prefix reuse, so the policies barely differ and some checks are expected to "
+    "fail; run without --quick to compare them."
+)
+"""Printed under the checks of a ``--quick`` run."""
+
+
+def _print_results(
+    console: Console, summaries: Sequence[RunSummary], checks: Sequence[AcceptanceCheck], *, is_quick: bool = False
+) -> None:
+    """The comparison table (Markdown, readable in any terminal width), the acceptance checks (each value in its
+    unit, as in the table) and, for ``--quick``, ``QUICK_NOTE``."""
     console.print(markdown_table(summaries), markup=False, highlight=False, soft_wrap=True)
     for c in checks:
-        value = "–" if c.value is None else f"{c.value:.3f}"
-        console.print(f"{'[green]PASS[/green]' if c.passed else '[red]FAIL[/red]'} {c.name}: {value}")
+        console.print(f"{'[green]PASS[/green]' if c.passed else '[red]FAIL[/red]'} {c.name}: {c.format_value()}")
+    if is_quick and checks:
+        console.print(QUICK_NOTE, markup=False, highlight=False)
 
 
 def find_default_trace() -> str | None:
@@ -390,6 +433,7 @@ def _demo_config(args: argparse.Namespace) -> DemoConfig:
         startup_timeout_s=args.startup_timeout_s,
         show_progress=not args.no_progress,
         write_plots=not args.no_plots,
+        is_quick=args.quick,
     )
 
 
@@ -420,7 +464,7 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     summaries = [o.summary for o in outcomes]
     checks = acceptance(summaries)
-    _print_results(console, summaries, checks)
+    _print_results(console, summaries, checks, is_quick=config.is_quick)
     paths = write_results(
         Path(config.out),
         outcomes,

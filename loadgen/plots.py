@@ -4,7 +4,8 @@
 * ``hit_ratio_over_time.png``: cached ÷ prompt tokens of the requests finishing in each time bucket, per run.
 * ``worker_load_over_time.png``: prompt tokens sent to each worker per time bucket, one panel per run.
 
-Times in simulated seconds (wall seconds × ``time_scale``).
+Times in simulated seconds (wall seconds × ``time_scale``); the axes say wall seconds when every run has time
+scale 1.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class RunRecords(msgspec.Struct, frozen=True):
     time_scale: float = 1.0
 
 
+def _seconds_label(runs: Sequence[RunRecords]) -> str:
+    """The unit of the time axes: ``"s"`` (wall) when every run has time scale 1, else ``"simulated s"``."""
+    return "s" if all(run.time_scale == 1.0 for run in runs) else "simulated s"
+
+
 def _bucket_edges(runs: Sequence[RunRecords], num_buckets: int) -> np.ndarray:
     end_s = max(
         ((r.start_s + r.e2e_s) * run.time_scale for run in runs for r in run.records),
@@ -60,7 +66,7 @@ def plot_ttft_cdf(runs: Sequence[RunRecords], path: Path) -> None:
         ttfts = np.sort([r.ttft_s * run.time_scale for r in run.records if r.is_ok and r.ttft_s is not None])
         if ttfts.size:
             ax.plot(ttfts, np.arange(1, ttfts.size + 1) / ttfts.size, label=run.label)
-    ax.set_xlabel("TTFT (simulated s)")
+    ax.set_xlabel(f"TTFT ({_seconds_label(runs)})")
     ax.set_ylabel("fraction of requests")
     ax.set_xscale("log")
     ax.grid(True, alpha=0.3)
@@ -88,7 +94,7 @@ def plot_hit_ratio_over_time(runs: Sequence[RunRecords], path: Path, num_buckets
         with np.errstate(invalid="ignore", divide="ignore"):
             ratio = np.where(prompt > 0, cached / np.maximum(prompt, 1), np.nan)
         ax.plot(centers, ratio, marker="o", markersize=3, label=run.label)
-    ax.set_xlabel("time (simulated s)")
+    ax.set_xlabel(f"time ({_seconds_label(runs)})")
     ax.set_ylabel("cached ÷ prompt tokens")
     ax.set_ylim(0, 1)
     ax.grid(True, alpha=0.3)
@@ -118,7 +124,7 @@ def plot_worker_load_over_time(runs: Sequence[RunRecords], path: Path, num_bucke
         ax.grid(True, alpha=0.3)
         if per_worker:
             ax.legend(fontsize=7, ncol=4)
-    axes[-1, 0].set_xlabel("time (simulated s)")
+    axes[-1, 0].set_xlabel(f"time ({_seconds_label(runs)})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

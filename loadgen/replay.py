@@ -6,6 +6,9 @@
   that wait, as it would for a real client).
 * **Closed loop**: ``concurrency`` session runners; each takes the next session (in order of first arrival)
   and sends its turns one after another, waiting ``think_time_s / time_scale`` before each turn after the first.
+* **Deadline** (``max_duration_s``): every wait of the replay (an arrival time, a think time, a free slot) ends at
+  the deadline, and no request is sent after it; requests already in flight run to completion (or to their
+  ``request_timeout_s``), so the replay ends when the last of them does.
 
 Every request of a session carries the session header (``x-session-id`` by default). Times in the records are
 wall-clock; the report multiplies them by ``time_scale`` so that, against sim workers running ``time_scale``
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
@@ -58,7 +62,8 @@ class ReplayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rena
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
     """Wall-clock limit of one request, seconds."""
     max_duration_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
-    """Wall-clock limit of the replay: no request is sent after it, seconds."""
+    """Wall-clock limit of the replay, seconds: every wait ends at it and no request is sent after it (requests in
+    flight finish)."""
     session_header: str = "x-session-id"
     """Request header carrying the session id."""
     worker_header: str = DEFAULT_WORKER_HEADER
@@ -125,9 +130,28 @@ class Replayer:
         self._records: dict[int, RequestRecord] = {}
         self._t0 = 0.0
 
-    def _is_past_deadline(self) -> bool:
+    def _remaining_s(self) -> float:
+        """Wall seconds left before the deadline (``inf`` without ``max_duration_s``; <= 0 once past it)."""
         limit = self._config.max_duration_s
-        return limit is not None and time.perf_counter() - self._t0 > limit
+        return math.inf if limit is None else self._t0 + limit - time.perf_counter()
+
+    def _is_past_deadline(self) -> bool:
+        return self._remaining_s() <= 0
+
+    async def _wait(self, delay_s: float) -> bool:
+        """Sleep ``delay_s`` seconds, or only until the deadline when it comes first.
+
+        Returns:
+            True when the replay may send after the wait; False when the deadline ended it (or was already past).
+        """
+        remaining_s = self._remaining_s()
+        if delay_s >= remaining_s:
+            if remaining_s > 0:
+                await asyncio.sleep(remaining_s)
+            return False
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        return not self._is_past_deadline()
 
     async def _send(self, session: aiohttp.ClientSession, index: int) -> RequestRecord:
         cfg = self._config
@@ -161,19 +185,19 @@ class Replayer:
     async def _open_loop(self, session: aiohttp.ClientSession) -> None:
         cfg = self._config
         slots = asyncio.Semaphore(cfg.max_in_flight)
-        tasks: list[asyncio.Task[RequestRecord]] = []
+        tasks: list[asyncio.Task[RequestRecord | None]] = []
         base_s = self._requests[0].arrival_s
 
-        async def one(index: int) -> RequestRecord:
+        async def one(index: int) -> RequestRecord | None:
             async with slots:
+                if self._is_past_deadline():  # the slot came free after the deadline: not sent
+                    return None
                 return await self._send(session, index)
 
         try:
             for index, r in enumerate(self._requests):
                 delay_s = (r.arrival_s - base_s) / cfg.time_scale - (time.perf_counter() - self._t0)
-                if delay_s > 0:
-                    await asyncio.sleep(delay_s)
-                if self._is_past_deadline():
+                if not await self._wait(delay_s):
                     break
                 tasks.append(asyncio.create_task(one(index)))
             await asyncio.gather(*tasks)
@@ -192,13 +216,11 @@ class Replayer:
             queue.put_nowait(turns)
 
         async def runner() -> None:
-            while not queue.empty() and not self._is_past_deadline():
+            while not queue.empty():
                 turns = queue.get_nowait()
                 for n, index in enumerate(turns):
                     think_s = self._requests[index].think_time_s / cfg.time_scale if n else 0.0
-                    if think_s > 0:
-                        await asyncio.sleep(think_s)
-                    if self._is_past_deadline():
+                    if not await self._wait(think_s):
                         return
                     await self._send(session, index)
 

@@ -1,11 +1,13 @@
 """Run summaries from request records: hit ratio against the ceiling, latency percentiles, balance, errors.
 
-Definitions (all times in simulated seconds: wall seconds multiplied by the replay's ``time_scale``):
+Definitions (all times in simulated seconds: wall seconds multiplied by the replay's ``time_scale``; at time
+scale 1 they are wall seconds):
 
 * ``hit_ratio`` = Σ cached tokens (``usage.prompt_tokens_details.cached_tokens``) ÷ Σ prompt tokens, over
   successful requests (reported prompt tokens where the server sends them, else the trace's);
-  ``ceiling_hit_ratio`` is the slice's infinite-cache bound (``loadgen.ceiling``), so ``hit_ratio ÷
-  ceiling_hit_ratio`` is the share of the reachable reuse a run achieved.
+  ``ceiling_hit_ratio`` is the infinite-cache bound of the same requests (``loadgen.ceiling.served_ceiling``:
+  failed and unsent requests neither read nor fill that cache), so ``hit_ratio ÷ ceiling_hit_ratio`` is the share
+  of the reachable reuse a run achieved, and a failed request cannot lift it above 1.
 * percentiles: numpy's default (linear interpolation between closest ranks); ITL pools every gap of every
   successful request.
 * ``output_tokens_per_s`` = Σ output tokens ÷ run duration (first send to last completion).
@@ -31,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 class RunSummary(msgspec.Struct):
-    """The numbers of one replay. Times in simulated seconds (see module docstring)."""
+    """The numbers of one replay. Times in simulated seconds (see module docstring); ``policy`` is the run's label
+    (the routing policy in the demo)."""
 
     policy: str
     requests_ok: int
@@ -92,7 +95,7 @@ def summarize(
     Args:
         records: the replay's request records.
         policy: label of the run (the routing policy, or any name).
-        ceiling_hit_ratio: the slice's infinite-cache ceiling, 0..1.
+        ceiling_hit_ratio: the infinite-cache ceiling of the successful requests (``served_ceiling``), 0..1.
         duration_s: wall-clock duration of the replay, seconds.
         time_scale: wall seconds are multiplied by this to give simulated seconds.
         workers: the fleet's worker ids (workers that served nothing count as 0); empty to use the ones seen.
@@ -159,7 +162,7 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 MARKDOWN_COLUMNS: tuple[str, ...] = (
-    "policy",
+    "run",
     "ok",
     "failed",
     "hit ratio",
@@ -201,8 +204,30 @@ def table_rows(summaries: Sequence[RunSummary]) -> list[list[str]]:
     return rows
 
 
+def ceiling_caption(summaries: Sequence[RunSummary]) -> str:
+    """The sentence naming the ceiling and its population: one value when every run has the same, else one per
+    run (runs whose failures differ serve different requests)."""
+    values = [f"{s.ceiling_hit_ratio:.3f}" for s in summaries]
+    if len(set(values)) == 1:
+        shown = values[0]
+    else:
+        shown = ", ".join(f"{s.policy} {v}" for s, v in zip(summaries, values, strict=True))
+    return (
+        f"Ceiling hit ratio (infinite cache) over the requests that succeeded, as `hit ratio`: {shown} (failed "
+        "and unsent requests neither read nor fill that cache)."
+    )
+
+
+def times_caption(time_scale: float) -> str:
+    """The sentence saying which seconds the times are in."""
+    if time_scale == 1.0:
+        return "Times in wall seconds (time scale 1)."
+    return f"Times in simulated seconds (wall seconds × time scale {time_scale:g})."
+
+
 def markdown_table(summaries: Sequence[RunSummary]) -> str:
-    """The comparison table in Markdown (one row per run), with the ceiling in a caption line."""
+    """The comparison table in Markdown (one row per run, labelled by the run's name), with the ceiling and the
+    time unit in a caption line."""
     lines = [
         "| " + " | ".join(MARKDOWN_COLUMNS) + " |",
         "|" + "|".join("---" for _ in MARKDOWN_COLUMNS) + "|",
@@ -210,10 +235,7 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
     lines.extend("| " + " | ".join(row) + " |" for row in table_rows(summaries))
     if summaries:
         lines.append("")
-        lines.append(
-            f"Ceiling hit ratio of the slice (infinite cache): {summaries[0].ceiling_hit_ratio:.3f}. "
-            f"Times in simulated seconds (time scale {summaries[0].time_scale:g})."
-        )
+        lines.append(f"{ceiling_caption(summaries)} {times_caption(summaries[0].time_scale)}")
         errors = {s.policy: s.errors_by_kind for s in summaries if s.errors_by_kind}
         if errors:
             lines.append("Errors by kind: " + "; ".join(f"{p}: {e}" for p, e in errors.items()) + ".")

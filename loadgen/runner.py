@@ -11,7 +11,7 @@ import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from loadgen.ceiling import ceiling
+from loadgen.ceiling import served_ceiling
 from loadgen.client import RequestRecord
 from loadgen.plots import RunRecords, write_plots
 from loadgen.prompts import PromptBuilder
@@ -41,6 +41,9 @@ async def replay_with_progress(
 ) -> RunOutcome:
     """Replay ``requests`` and summarize the run, showing a rich progress bar (requests done, failures).
 
+    The summary's ceiling is that of the requests that succeeded (``served_ceiling``), the population of its hit
+    ratio.
+
     Args:
         requests: the slice (arrival order, sessions assigned).
         config: the replay settings.
@@ -53,7 +56,6 @@ async def replay_with_progress(
     Raises:
         ReplayError: as ``Replayer``.
     """
-    bound = ceiling(requests)
     num_failed = 0
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -74,6 +76,7 @@ async def replay_with_progress(
             progress.update(task, advance=1, failed=num_failed)
 
         result = await Replayer(requests, config, prompts, on_complete).run()
+    bound = served_ceiling(requests, result.records)
     summary = summarize(
         result.records,
         policy=label,

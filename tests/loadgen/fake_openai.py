@@ -2,11 +2,14 @@
 
 It streams ``max_tokens`` one-token chunks, reports ``usage`` with ``prompt_tokens`` = UTF-8 bytes of the prompt
 and ``cached_tokens`` = the longest common prefix with any earlier prompt, rounded down to 16-token blocks (a
-byte-level prefix cache), and names itself in the gateway's headers. Prompts starting with ``FAIL`` get a 503.
+byte-level prefix cache), and names itself in the gateway's headers. Prompts starting with ``FAIL`` get a 503;
+prompts longer than ``max_prompt_tokens`` get a 400, as a worker refuses a prompt its KV cache cannot hold. A
+refused prompt is not cached. ``response_delay_s`` holds every answer back that long before its headers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,10 +22,19 @@ BLOCK_SIZE = 16
 class FakeOpenAI:
     """State of the fake server: prompts seen and request headers received."""
 
-    def __init__(self, worker_id: str = "fake-0", predicted_offset: int = 0, send_usage: bool = True) -> None:
+    def __init__(
+        self,
+        worker_id: str = "fake-0",
+        predicted_offset: int = 0,
+        send_usage: bool = True,
+        max_prompt_tokens: int | None = None,
+        response_delay_s: float = 0.0,
+    ) -> None:
         self.worker_id = worker_id
         self.predicted_offset = predicted_offset
         self.send_usage = send_usage
+        self.max_prompt_tokens = max_prompt_tokens
+        self.response_delay_s = response_delay_s
         self.prompts: list[bytes] = []
         self.session_ids: list[str | None] = []
         self.bodies: list[dict] = []
@@ -41,8 +53,12 @@ class FakeOpenAI:
         body = await request.json()
         self.bodies.append(body)
         prompt = body["prompt"].encode()
+        if self.response_delay_s > 0:
+            await asyncio.sleep(self.response_delay_s)
         if prompt.startswith(b"FAIL"):
             return web.Response(status=503, text="overloaded")
+        if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
+            return web.Response(status=400, text=f"prompt of {len(prompt)} tokens > {self.max_prompt_tokens}")
         self.session_ids.append(request.headers.get("x-session-id"))
         cached = self.cached_tokens(prompt)
         self.prompts.append(prompt)

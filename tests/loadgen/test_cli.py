@@ -34,4 +34,8 @@ async def test_loadgen_synthetic_closed_loop_writes_results(tmp_path):
     assert (run["policy"], run["requests_ok"], run["requests_failed"]) == ("syn", 9, 0)
     assert run["hit_ratio"] > 0.5  # every later turn extends the earlier one on the single fake worker
     assert sorted(set(fake.session_ids)) == ["syn0", "syn1", "syn2"]
-    assert (tmp_path / "results.md").read_text().startswith("| policy |")
+    assert (tmp_path / "results.md").read_text().startswith("| run |")
+    assert "Times in simulated seconds (wall seconds × time scale 50)." in (tmp_path / "results.md").read_text()
+    # nothing failed, so the run served the whole slice: its ceiling is the slice's
+    assert data["slice_ceiling"]["hit_ratio"] == run["ceiling_hit_ratio"]
+    assert data["slice_ceiling"]["num_prompt_tokens"] == run["num_prompt_tokens"]

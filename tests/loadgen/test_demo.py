@@ -61,6 +61,73 @@ def test_acceptance_checks_on_known_summaries():
     assert checks["no failed request (all runs)"] == (0.0, True)
 
 
+def quick_demo_summaries():
+    from loadgen.report import summarize
+
+    from .builders import make_record
+
+    rr = summarize(
+        [make_record(i, worker=f"w{i % 2}", cached=20, predicted=20, ttft=1.0) for i in range(60)],
+        policy="round_robin", ceiling_hit_ratio=0.5, duration_s=1.0,
+    )  # fmt: skip
+    # one prediction of 60 is wrong: 1/60 = 1.67% mismatch
+    ca = summarize(
+        [make_record(i, worker=f"w{i % 2}", cached=50, predicted=0 if i == 0 else 50, ttft=0.5) for i in range(60)],
+        policy="cache_aware", ceiling_hit_ratio=0.5, duration_s=1.0,
+    )  # fmt: skip
+    return [rr, ca]
+
+
+def printed_results(summaries, *, is_quick):
+    import io
+
+    from rich.console import Console
+
+    from loadgen.demo import _print_results
+
+    out = io.StringIO()
+    _print_results(Console(file=out, width=400), summaries, acceptance(summaries), is_quick=is_quick)
+    return out.getvalue().splitlines()
+
+
+@pytest.mark.unit
+def test_checks_print_each_value_in_the_table_unit():
+    summaries = quick_demo_summaries()
+    checks = {c.name: c for c in acceptance(summaries)}
+    mismatch = checks["cache_aware cached-tokens mismatch <= 1%"]
+    assert (mismatch.value, mismatch.unit, mismatch.passed) == (1 / 60, "percent", False)
+    lines = printed_results(summaries, is_quick=False)
+    assert lines[3].startswith("| cache_aware | 60 | 0 | 0.500 | 1.00 |") and lines[3].endswith("| 1.67% |")
+    assert lines[-6:] == [
+        "PASS cache_aware hit ratio ÷ ceiling >= 0.9: 1.000",
+        "PASS cache_aware ÷ round_robin hit ratio >= 1.5: 2.500",
+        "PASS cache_aware ÷ round_robin TTFT p50 <= 0.7: 0.500",
+        "PASS cache_aware load imbalance <= 1.3: 1.000",
+        "FAIL cache_aware cached-tokens mismatch <= 1%: 1.67%",
+        "PASS no failed request (all runs): 0",
+    ]
+
+
+@pytest.mark.unit
+def test_quick_run_notes_that_checks_may_fail():
+    import argparse
+
+    from loadgen.demo import QUICK_MAX_REQUESTS, QUICK_NOTE, _demo_config, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = _demo_config(parser.parse_args(["--quick"]))
+    assert (config.is_quick, config.max_requests) == (True, QUICK_MAX_REQUESTS)
+    assert _demo_config(parser.parse_args([])).is_quick is False
+    summaries = quick_demo_summaries()
+    assert QUICK_NOTE == (
+        "note: the --quick slice has little prefix reuse, so the policies barely differ and some checks are expected "
+        "to fail; run without --quick to compare them."
+    )
+    assert printed_results(summaries, is_quick=True)[-1] == QUICK_NOTE
+    assert printed_results(summaries, is_quick=False)[-1].startswith("PASS no failed request")
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(150)

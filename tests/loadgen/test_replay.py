@@ -3,6 +3,7 @@ import socket
 
 import pytest
 
+from loadgen.ceiling import ceiling
 from loadgen.errors import ReplayError
 from loadgen.prompts import PromptBuilder
 from loadgen.replay import ReplayConfig, Replayer
@@ -110,3 +111,30 @@ def test_bad_replay_input():
         Replayer(chain_requests(), ReplayConfig(url="127.0.0.1:1"), PromptBuilder())
     assert ReplayConfig(url="http://h:1/v1").completions_url == "http://h:1/v1/completions"
     assert ReplayConfig(url="http://h:1/").completions_url == "http://h:1/v1/completions"
+
+
+async def test_failed_request_is_outside_both_hit_ratio_and_ceiling():
+    # the worker refuses prompts over 256 tokens (http_400), as a sim worker refuses one its KV cache cannot hold
+    reqs = [
+        make_request([0, 1], 128, block_size=64, arrival_s=0.0, session_id="a", out=2),
+        make_request([0, 1, 2], 192, block_size=64, arrival_s=1.0, session_id="a", out=2),  # cached 128
+        make_request([3, 4, 5, 6, 7], 320, block_size=64, arrival_s=2.0, session_id="b", out=2),  # refused
+        make_request([3, 4], 100, block_size=64, arrival_s=3.0, session_id="b", out=2),  # nothing cached
+        make_request([0, 1], 120, block_size=64, arrival_s=4.0, session_id="c", out=2),  # cached 112 of 120
+    ]
+    fake = FakeOpenAI(max_prompt_tokens=256)
+    async with serve_fake(fake) as url:
+        config = ReplayConfig(url=url, mode="closed", concurrency=1, time_scale=1000.0)
+        outcome = await replay_with_progress(reqs, config, PromptBuilder(), label="f", show_progress=False)
+    s = outcome.summary
+    assert s.errors_by_kind == {"http_400": 1}
+    assert (s.requests_ok, s.requests_failed) == (4, 1)
+    assert [r.num_cached_tokens for r in outcome.records] == [0, 128, None, 0, 112]
+    # hit ratio and ceiling over the same 4 requests (540 prompt tokens): the ceiling reuses 0 + 128 + 0 + 120
+    assert (s.num_prompt_tokens, s.num_cached_tokens) == (540, 240)
+    assert s.hit_ratio == 240 / 540
+    assert s.ceiling_hit_ratio == 248 / 540
+    assert s.fraction_of_ceiling == (240 / 540) / (248 / 540)
+    assert s.fraction_of_ceiling <= 1.0
+    # the whole slice's ceiling counts the refused prompt (and [3, 4] reusing it): 348 of 860, below the hit ratio
+    assert ceiling(reqs).hit_ratio == 348 / 860 < s.hit_ratio

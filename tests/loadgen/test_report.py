@@ -58,9 +58,36 @@ def test_markdown_table_rows():
     b = summarize([make_record(0, error="timeout")], policy="round_robin", ceiling_hit_ratio=0.5, duration_s=1)
     text = markdown_table([a, b])
     lines = text.splitlines()
-    assert lines[0].startswith("| policy | ok | failed | hit ratio | of ceiling |")
+    assert lines[0].startswith("| run | ok | failed | hit ratio | of ceiling |")
     assert lines[2].startswith("| cache_aware | 1 | 0 | 0.500 | 1.00 | 0.100 |")
     assert lines[3].startswith("| round_robin | 0 | 1 | 0.000 | 0.00 | – |")
-    assert "Ceiling hit ratio of the slice (infinite cache): 0.500" in text
-    assert "round_robin: {'timeout': 1}" in text
+    assert lines[5] == (
+        "Ceiling hit ratio (infinite cache) over the requests that succeeded, as `hit ratio`: 0.500 (failed and "
+        "unsent requests neither read nor fill that cache). Times in wall seconds (time scale 1)."
+    )
+    assert lines[6] == "Errors by kind: round_robin: {'timeout': 1}."
     json.dumps(a.errors_by_kind)
+
+
+def test_markdown_caption_per_run_ceilings_and_simulated_seconds():
+    a = summarize([make_record(0, cached=50)], policy="cache_aware", ceiling_hit_ratio=0.5, duration_s=1, time_scale=5)
+    b = summarize([make_record(0, cached=20)], policy="round_robin", ceiling_hit_ratio=0.25, duration_s=1, time_scale=5)
+    assert markdown_table([a, b]).splitlines()[5] == (
+        "Ceiling hit ratio (infinite cache) over the requests that succeeded, as `hit ratio`: cache_aware 0.500, "
+        "round_robin 0.250 (failed and unsent requests neither read nor fill that cache). "
+        "Times in simulated seconds (wall seconds × time scale 5)."
+    )
+
+
+def test_mismatch_column_is_a_percentage():
+    records = [make_record(i, cached=16, predicted=0 if i == 0 else 16) for i in range(60)]
+    s = summarize(records, policy="run", ceiling_hit_ratio=0.5, duration_s=1)
+    assert s.cached_tokens_mismatch_ratio == 1 / 60
+    assert markdown_table([s]).splitlines()[2].endswith("| 1.67% |")
+
+
+def test_plot_time_axes_say_wall_seconds_at_time_scale_1():
+    from loadgen.plots import RunRecords, _seconds_label
+
+    assert _seconds_label([RunRecords("a", []), RunRecords("b", [])]) == "s"
+    assert _seconds_label([RunRecords("a", []), RunRecords("b", [], time_scale=5.0)]) == "simulated s"

@@ -1,9 +1,9 @@
 import pytest
 
-from loadgen.ceiling import ceiling, lru_bound
+from loadgen.ceiling import ceiling, lru_bound, served_ceiling
 from loadgen.sessions import derive_sessions, shared_head_length
 
-from .builders import BUNDLED_TRACE, make_request
+from .builders import BUNDLED_TRACE, make_record, make_request
 
 pytestmark = pytest.mark.unit
 
@@ -58,6 +58,24 @@ def test_ceiling_follows_the_readme_method():
     assert bound.hit_ratio == pytest.approx(2836 / 4436)
     assert bound.num_distinct_blocks == 4
     assert bound.num_blocks == 10
+
+
+def test_served_ceiling_leaves_out_failed_and_unsent_requests():
+    reqs = [
+        make_request([0, 1], 1000),  # served: 0
+        make_request([2, 3], 1024),  # failed: neither counted nor cached
+        make_request([2, 3, 4], 1536),  # served; [2, 3] was never cached, so 0 (the whole slice's walk says 1024)
+        make_request([0, 1, 5], 1200),  # served: k=2, 1024
+        make_request([0, 1], 1000),  # never sent (no record)
+    ]
+    records = [make_record(0), make_record(1, error="http_400"), make_record(3), make_record(2)]
+    bound = served_ceiling(reqs, records)
+    assert bound.num_reused_tokens == 0 + 0 + 1024
+    assert bound.num_prompt_tokens == 1000 + 1536 + 1200
+    assert bound.hit_ratio == 1024 / 3736
+    assert (bound.num_distinct_blocks, bound.num_blocks) == (6, 8)
+    assert ceiling(reqs).num_reused_tokens == 1024 + 1024 + 1000  # the whole slice, for contrast
+    assert served_ceiling(reqs, []).hit_ratio == 0.0
 
 
 def test_lru_bound_matches_ceiling_when_large_and_evicts_when_small():
