@@ -49,7 +49,7 @@ from router.errors import (
 from router.fleet import Fleet, WorkerRuntime
 from router.index import PrefixIndex
 from router.metrics import GatewayMetrics, MetricSample
-from router.proxy import WORKER_HEADER, ClientHeaderReader, Proxy
+from router.proxy import REQUEST_ID_HEADER, WORKER_HEADER, ClientHeaderReader, Proxy
 from router.request_view import ModelTokenizer, RequestKind, parse_request
 from router.routing import PolicyHolder, RoutePlan, Router
 from router.sessions.base import SessionStore
@@ -308,13 +308,16 @@ def _offset_endpoint(endpoint: str | None, rank: int) -> str | None:
 GATEWAY = web.AppKey("gateway", Gateway)
 
 
-def error_response(exc: GatewayError) -> web.Response:
-    """The OpenAI-style JSON error for ``exc`` with its status (plus ``Retry-After`` for 429)."""
+def error_response(exc: GatewayError, request_id: str | None = None) -> web.Response:
+    """The OpenAI-style JSON error for ``exc`` with its status (plus ``Retry-After`` for 429, and ``x-request-id``
+    when the error answers a request that has an id)."""
     body = msgspec.json.encode({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param,
                                           "code": exc.code}})
     headers = {}
     if isinstance(exc, OverloadedError):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    if request_id is not None:
+        headers[REQUEST_ID_HEADER] = request_id
     return web.Response(status=exc.status, body=body, content_type="application/json", headers=headers)
 
 
@@ -345,6 +348,8 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
     gw = request.app[GATEWAY]
     t0 = time.perf_counter()
     policy_name = gw.holder.policy.name
+    client_headers = gw.client_headers.read(request.raw_headers, request.headers)
+    request_id = client_headers.request_id or gw.next_request_id()  # the client's own id is kept end to end
     try:
         limit = gw.config.listen.max_body_bytes
         num_body_bytes = request.content_length
@@ -370,10 +375,8 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
             )
     except GatewayError as exc:
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
-        return error_response(exc)
+        return error_response(exc, request_id)
     try:
-        request_id = gw.next_request_id()
-        client_headers = gw.client_headers.read(request.raw_headers, request.headers)
         if gw.holder.sticky is None:  # no session store to await: decide in place
             plan = gw.router.decide(request_id, parsed, model, view, client_headers.routing,
                                     max_inflight_per_worker=per_worker)
@@ -389,7 +392,7 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         return response
     except GatewayError as exc:
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
-        return error_response(exc)
+        return error_response(exc, request_id)
     finally:
         gw.admission.release()
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 from aiohttp import web
@@ -106,11 +106,12 @@ ROUTING_HEADERS = ("x-session-id", "x-smg-routing-key", "x-kvgate-worker", "x-sm
 """Request headers routing reads (session keys, forced worker); forwarded like any other."""
 _HOP_BY_HOP = -1
 _ROUTING = 8
+_REQUEST_ID = 16
 _HEADER_ROLES: dict[str, int] = {
     **{name: _HOP_BY_HOP for name in HOP_BY_HOP_HEADERS}, **AUTO_HEADER_BITS,
-    **{name: _ROUTING for name in ROUTING_HEADERS},
+    **{name: _ROUTING for name in ROUTING_HEADERS}, REQUEST_ID_HEADER: _REQUEST_ID,
 }
-"""Lower-cased header name -> its role: hop-by-hop (dropped), an auto header bit, or routing."""
+"""Lower-cased header name -> its role: hop-by-hop (dropped), an auto header bit, routing, or the request id."""
 
 
 class ClientHeaders(msgspec.Struct, frozen=True, gc=False):
@@ -123,11 +124,13 @@ class ClientHeaders(msgspec.Struct, frozen=True, gc=False):
         skip_auto_headers: names in ``AUTO_HEADER_BITS`` the client did not send (the HTTP client must not add
             them).
         routing: the first non-empty value of each of ``ROUTING_HEADERS`` the client sent, by lower-cased name.
+        request_id: the client's ``x-request-id`` (first non-empty one), kept as the request's id, or ``None``.
     """
 
     forward: tuple[tuple[str, str], ...]
     skip_auto_headers: tuple[str, ...]
     routing: dict[str, str]
+    request_id: str | None = None
 
 
 def client_headers_of(headers: Mapping[str, str]) -> ClientHeaders:
@@ -135,6 +138,7 @@ def client_headers_of(headers: Mapping[str, str]) -> ClientHeaders:
     routing headers (see ``ClientHeaders``)."""
     out: list[tuple[str, str]] = []
     routing: dict[str, str] = {}
+    request_id: str | None = None
     seen = 0
     roles = _HEADER_ROLES
     for name, value in headers.items():
@@ -146,11 +150,14 @@ def client_headers_of(headers: Mapping[str, str]) -> ClientHeaders:
             if role == _ROUTING:
                 if value and lower not in routing:
                     routing[lower] = value
+            elif role == _REQUEST_ID:
+                if value and request_id is None:
+                    request_id = value
             else:
                 seen |= role
         out.append((name, value))
     skip = () if seen == ALL_AUTO_HEADERS else tuple(name for name, bit in AUTO_HEADER_BITS.items() if not seen & bit)
-    return ClientHeaders(tuple(out), skip, routing)
+    return ClientHeaders(tuple(out), skip, routing, request_id)
 
 
 class ClientHeaderReader:
@@ -159,7 +166,8 @@ class ClientHeaderReader:
     A client sends the same headers request after request (an SDK's user agent, its API key, a session id for a
     conversation), so the pass over them runs once per distinct header block; the memo is cleared when it holds
     ``max_entries`` blocks. Keys are aiohttp's ``raw_headers`` (name and value bytes as received, in order), so
-    two blocks share an entry only when they are byte-identical.
+    two blocks share an entry only when they are byte-identical. A block with an ``x-request-id`` is unique to
+    its request: it is read every time and never memoized.
     """
 
     __slots__ = ("_memo", "_max_entries")
@@ -174,9 +182,10 @@ class ClientHeaderReader:
         got = self._memo.get(raw_headers)
         if got is None:
             got = client_headers_of(headers)
-            if len(self._memo) >= self._max_entries:
-                self._memo.clear()
-            self._memo[raw_headers] = got
+            if got.request_id is None:
+                if len(self._memo) >= self._max_entries:
+                    self._memo.clear()
+                self._memo[raw_headers] = got
         return got
 
 
@@ -224,7 +233,7 @@ class Proxy:
         """Send ``body`` to the plan's workers (best first, retrying before the first byte) and relay the answer.
 
         ``client_headers`` is ``client_headers_of(request.headers)`` when the caller has it (else it is read here);
-        ``x-request-id: request_id`` is added to the headers forwarded.
+        ``x-request-id: request_id`` is added to the headers forwarded unless the client sent its own.
 
         The served request is counted for the worker that answered (``requests_total``, and
         ``request_duration_seconds`` from ``received_at``, a ``time.perf_counter()`` reading, else from now).
@@ -234,7 +243,10 @@ class Proxy:
         """
         if client_headers is None:
             client_headers = client_headers_of(request.headers)
-        forward_headers = [*client_headers.forward, (REQUEST_ID_HEADER, request_id)]
+        forward_headers: Sequence[tuple[str, str]] = (
+            client_headers.forward if client_headers.request_id is not None
+            else [*client_headers.forward, (REQUEST_ID_HEADER, request_id)]
+        )
         skip_auto_headers = client_headers.skip_auto_headers
         # The chosen worker; when its attempt fails, the rest of the ranking is appended (iteration sees it).
         attempts = [plan.chosen]

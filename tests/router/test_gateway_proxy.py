@@ -223,3 +223,14 @@ async def test_worker_sees_the_client_headers_and_nothing_the_http_client_adds(w
         sent = {k.lower(): v for k, v in workers[0].requests[-1]["headers"].items()}
         assert sent["user-agent"] == "agent/1"
         assert sent["accept-encoding"] == "identity"
+        # The client's own request id is kept end to end: forwarded once, echoed, and on the gateway's own errors.
+        _, headers, _ = await h.post("/v1/completions", body, headers={"x-kvgate-worker": "w0",
+                                                                       "X-Request-Id": "my-trace-123"})
+        assert {k.lower(): v for k, v in headers.items()}["x-request-id"] == "my-trace-123"
+        assert [v for k, v in workers[0].requests[-1]["headers"].items() if k.lower() == "x-request-id"] == [
+            "my-trace-123"]
+        status, headers, _ = await h.post("/v1/completions", {"model": "nope", "prompt": "hi"},
+                                          headers={"X-Request-Id": "my-trace-124"})
+        assert (status, {k.lower(): v for k, v in headers.items()}["x-request-id"]) == (404, "my-trace-124")
+        status, headers, _ = await h.post("/v1/completions", {"model": "nope", "prompt": "hi"})
+        assert status == 404 and {k.lower(): v for k, v in headers.items()}["x-request-id"].startswith("kvg-")

@@ -68,6 +68,11 @@ def test_client_header_reader_reads_each_distinct_block_once() -> None:
     second = reader.read(block_b, CIMultiDictProxy(CIMultiDict([("User-Agent", "openai/1.0"),
                                                                  ("X-Session-Id", "conv-8")])))
     assert second.routing == {"x-session-id": "conv-8"}
+    # A block with the client's own request id is read every time and never memoized.
+    with_id = ((b"X-Request-Id", b"trace-1"),)
+    got = reader.read(with_id, CIMultiDictProxy(CIMultiDict([("X-Request-Id", "trace-1")])))
+    assert (got.request_id, got.forward) == ("trace-1", (("X-Request-Id", "trace-1"),))
+    assert reader.read(with_id, CIMultiDictProxy(CIMultiDict([("X-Request-Id", "trace-2")]))).request_id == "trace-2"
     # Full (2 entries): a third block clears the memo, so block A is read afresh.
     reader.read(((b"Host", b"gw"),), CIMultiDictProxy(CIMultiDict([("Host", "gw")])))
     again = reader.read(block_a, headers_a)
