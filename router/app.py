@@ -371,7 +371,8 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         if not gw.admission.try_acquire():
             candidates = gw.fleet.candidates(model.name)
             await gw.admission.acquire(
-                lambda: per_worker == 0 or any(w.num_inflight_requests < per_worker for w in candidates)
+                lambda: per_worker == 0 or any(w.num_inflight_requests < per_worker and w.is_healthy
+                                               and not w.is_draining for w in candidates)
             )
     except GatewayError as exc:
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()

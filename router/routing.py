@@ -270,8 +270,12 @@ class Router:
     ) -> Decision | None:
         """The decision for a forced worker (``FORCE_WORKER_HEADERS``), or ``None`` without one.
 
+        A forced worker is still subject to the operator's controls: one that is draining, unhealthy, behind an
+        open circuit or at its in-flight limit is refused, never sent the request.
+
         Raises:
             InvalidFieldError: the forced worker does not exist or does not serve the model.
+            NoWorkerError: the forced worker cannot take requests now (503, reason ``forced_worker_unavailable``).
         """
         forced = None
         for name in FORCE_WORKER_HEADERS:
@@ -283,8 +287,12 @@ class Router:
         if forced not in {w.worker_id for w in candidates}:
             raise InvalidFieldError(f"forced worker {forced!r} does not serve model {parsed.model!r}",
                                     param="x-kvgate-worker")
-        cached = next(s.num_cached_tokens for s in snapshot.workers if s.worker_id == forced)
-        return Decision(forced, "forced", {}, cached, (forced,))
+        state = next(s for s in snapshot.workers if s.worker_id == forced)
+        if state.is_draining or not state.is_healthy:
+            why = "draining" if state.is_draining else "unhealthy, behind an open circuit, or at its in-flight limit"
+            raise NoWorkerError(f"forced worker {forced!r} cannot take requests now: {why}",
+                                reason="forced_worker_unavailable")
+        return Decision(forced, "forced", {}, state.num_cached_tokens, (forced,))
 
     def decide(
         self, request_id: str, parsed: ParsedRequest, model: ModelConfig, view: PromptView,
@@ -352,9 +360,15 @@ class Router:
             raise NoWorkerError(f"no worker available for model {parsed.model!r}: {decision.reason}",
                                 reason=decision.reason)
         workers = self._fleet.workers
-        chosen = workers.get(chosen_id)
-        if chosen is None or chosen_id not in predicted:
+        if chosen_id not in predicted:
             raise RuntimeError(f"the policy chose {chosen_id!r}, which is not a candidate")
+        chosen = workers.get(chosen_id)
+        if chosen is None:  # removed while the session store was awaited: the next ranked worker still here
+            chosen_id = next((w for w in decision.ranking if w in workers and w in predicted), None)
+            if chosen_id is None:
+                raise NoWorkerError(f"no worker available for model {parsed.model!r}: the chosen worker was removed",
+                                    reason="worker_removed")
+            chosen = workers[chosen_id]
         if view.block_hashes:
             index = self._indexes.get(model.name)
             if index is not None:

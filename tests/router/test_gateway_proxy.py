@@ -146,6 +146,25 @@ async def test_no_worker_503_and_overload_429(workers):
         workers[0].stream_release.set()
         await r.read()
         r.release()
+    # Per-worker limit with the only other worker drained: its free slots are no room, so overload is a 429.
+    config = make_config(workers[:2], admission={"max_inflight_per_worker": 1, "queue_size": 0})
+    async with GatewayHarness(config, workers=workers[:2]) as h:
+        await h.admin("POST", "/admin/workers/w1/drain")
+        workers[0].stream_release = asyncio.Event()
+        r = await h.session.post(h.url + "/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+        await r.content.readline()
+        status, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": "x"})
+        assert (status, headers.get("Retry-After")) == (429, "1"), body
+        workers[0].stream_release.set()
+        await r.read()
+        r.release()
+        # A forced worker obeys the drain too: refused with a reason, never sent the request.
+        num_requests = len(workers[1].requests)
+        status, _, body = await h.post("/v1/completions", {"model": "m", "prompt": "x"},
+                                       headers={"x-kvgate-worker": "w1"})
+        error = json.loads(body)["error"]
+        assert status == 503 and error["message"] == "forced worker 'w1' cannot take requests now: draining"
+        assert len(workers[1].requests) == num_requests
 
 
 async def test_admin_auth_and_policy_hot_reload(workers):

@@ -157,6 +157,26 @@ async def test_session_follows_a_retry_to_the_worker_that_served_it(workers):
         assert len(owner_worker.requests) == num_owner_requests + 1  # the failed attempt only
 
 
+async def test_worker_removed_while_the_session_store_answers(workers):
+    config = make_config(workers[:2], policy={"name": "session_sticky", "inner": {"name": "round_robin"}})
+    async with GatewayHarness(config, workers=workers[:2]) as h:
+        claim = h.gw.sessions.claim_or_touch
+        removed: list[str] = []
+
+        async def claim_then_remove(session_key: str, worker_id: str):  # the admin removes the worker meanwhile
+            entry = await claim(session_key, worker_id)
+            await h.gw.fleet.remove(worker_id)
+            removed.append(worker_id)
+            return entry
+
+        h.gw.sessions.claim_or_touch = claim_then_remove  # type: ignore[method-assign]
+        status, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": "hello"},
+                                             headers={"x-session-id": "gone"})
+        assert len(removed) == 1
+        other = "w1" if removed[0] == "w0" else "w0"
+        assert (status, headers["x-kvgate-worker"]) == (200, other), body
+
+
 async def test_approximate_mode_worker_without_events():
     w = FakeWorker("a0", with_events=False)
     w2 = FakeWorker("a1", with_events=False)
