@@ -49,8 +49,10 @@ __all__ = [
 ]
 
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1, description="seed of the policy's own RNG")]
-PositiveRate = Annotated[float, msgspec.Meta(gt=0.0)]
-NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0.0)]
+PositiveRate = Annotated[float, msgspec.Meta(ge=1.0, le=1e18)]
+"""A rate (tokens/s, tokens**2/s, bytes/s): from 1 to 1e18, so every estimate stays a finite number of seconds."""
+NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]
+"""A duration in seconds, at most a day."""
 
 
 class _PolicyConfigBase(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="name"):
@@ -136,7 +138,7 @@ class CacheAwareConfig(_PolicyConfigBase, frozen=True, tag="cache_aware"):
     per_waiting_request_s: NonNegativeSeconds = 0.005
     per_running_request_s: NonNegativeSeconds = 0.001
     overhead_s: NonNegativeSeconds = 0.003
-    kv_bytes_per_token: Annotated[int, msgspec.Meta(ge=1)] = 131_072
+    kv_bytes_per_token: Annotated[int, msgspec.Meta(ge=1, le=2**40)] = 131_072
     host_bandwidth_bytes_per_s: PositiveRate = 55e9
     pool_bandwidth_bytes_per_s: PositiveRate = 12.5e9
     recompute_penalty: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 2.0

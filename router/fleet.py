@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from enum import IntEnum
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 
@@ -105,19 +105,25 @@ class CircuitBreaker:
             self.opened_at_s = now_s
 
 
+MAX_LOAD_REQUESTS = 1_000_000
+"""Most running or waiting requests a load answer may report; a larger count is refused as malformed."""
+
+
 class WorkerLoad(msgspec.Struct, frozen=True, gc=False):
-    """The worker's load endpoint answer (fields the gateway reads; unknown ones ignored).
+    """The worker's load endpoint answer (fields the gateway reads; unknown ones ignored). A value out of range
+    (a negative count, a count over ``MAX_LOAD_REQUESTS``, a KV usage outside 0..1) makes the whole answer
+    malformed: the previous load is kept and the worker's first such answer is logged.
 
     Attributes:
         num_running_requests: requests decoding or prefilling.
         num_waiting_requests: requests queued.
-        kv_usage: fraction of GPU KV blocks in use.
+        kv_usage: fraction of GPU KV blocks in use, 0..1.
         start_id: changes when the worker (and its event publisher) restarts.
     """
 
-    num_running_requests: int = 0
-    num_waiting_requests: int = 0
-    kv_usage: float = 0.0
+    num_running_requests: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOAD_REQUESTS)] = 0
+    num_waiting_requests: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOAD_REQUESTS)] = 0
+    kv_usage: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     start_id: str | int | None = None
 
 
@@ -161,6 +167,7 @@ class WorkerRuntime:
         self.snapshot_last_seq: int | None = None
         self.is_warm_on_first_batch = False
         self.num_snapshot_refetches = 0
+        self.has_logged_bad_load = False
         self._num_health_failures = 0
         self._num_health_successes = 0
 
@@ -533,7 +540,13 @@ class Fleet:
                 if status != 200 or not isinstance(body, dict):
                     return
                 load = msgspec.convert(body, WorkerLoad, strict=False)
-            except (TransportError, msgspec.ValidationError):
+            except TransportError:
+                return
+            except msgspec.ValidationError as exc:
+                if not worker.has_logged_bad_load:
+                    worker.has_logged_bad_load = True
+                    logger.warning("worker %s: malformed load answer ignored (%s); its last good load is kept",
+                                   worker.worker_id, exc)
                 return
             worker.load = load
             if load.start_id is not None and load.start_id != worker.start_id:

@@ -168,3 +168,15 @@ def test_hot_reload_keeps_learned_speed_factors():
     assert new_calibrator is not None and new_calibrator is not calibrator
     assert new_calibrator.speed_factor("w1") == pytest.approx(learned)
     assert new_calibrator.speed_factor("w2") == 1.0
+
+
+@pytest.mark.parametrize(("key", "value", "reason"), [
+    ("prefill_linear_tokens_per_s", 1e-320, "Expected `float` >= 1.0"),
+    ("prefill_quadratic_tokens_sq_per_s", 0.5, "Expected `float` >= 1.0"),
+    ("host_bandwidth_bytes_per_s", 1e300, "Expected `float` <= 1e+18"),
+    ("overhead_s", 1e308, "Expected `float` <= 86400.0"),
+])
+def test_cost_constants_that_would_overflow_an_estimate_are_refused(key: str, value: float, reason: str) -> None:
+    with pytest.raises(PolicyConfigError) as caught:
+        decode_policy_config({"name": "cache_aware", key: value})
+    assert (caught.value.key, caught.value.reason) == (key, reason)
