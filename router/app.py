@@ -350,6 +350,7 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
     policy_name = gw.holder.policy.name
     client_headers = gw.client_headers.read(request.raw_headers, request.headers)
     request_id = client_headers.request_id or gw.next_request_id()  # the client's own id is kept end to end
+    plan: RoutePlan | None = None
     try:
         limit = gw.config.listen.max_body_bytes
         num_body_bytes = request.content_length
@@ -382,16 +383,24 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
             plan = gw.router.decide(request_id, parsed, model, view, client_headers.routing,
                                     max_inflight_per_worker=per_worker)
             gw.metrics.decision_s.observe(time.perf_counter() - t0)
-            return await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream, request_id=request_id,
-                                          policy_name=policy_name, received_at=t0, client_headers=client_headers)
+            response = await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream,
+                                              request_id=request_id, policy_name=policy_name, received_at=t0,
+                                              client_headers=client_headers)
+            if plan.served_by is not plan.chosen or response.status >= 400:
+                gw.router.settle(plan, model, view, response.status)
+            return response
         plan = await gw.router.route(request_id, parsed, model, view, client_headers.routing,
                                      max_inflight_per_worker=per_worker)
         gw.metrics.decision_s.observe(time.perf_counter() - t0)
         response = await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream, request_id=request_id,
                                           policy_name=policy_name, received_at=t0, client_headers=client_headers)
+        if plan.served_by is not plan.chosen or response.status >= 400:
+            gw.router.settle(plan, model, view, response.status)
         await _follow_retry(gw, plan, response)
         return response
     except GatewayError as exc:
+        if plan is not None:  # every attempt failed
+            gw.router.settle(plan, model, view, None)
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
         return error_response(exc, request_id)
     finally:

@@ -298,6 +298,7 @@ class Proxy:
                 headers = response_headers_of(resp.headers, worker.worker_id, predicted,
                                               plan.decision.reason if attempt == 0 else "retry", request_id)
                 is_relayed = True  # from here the relay settles the pending prefill on every path
+                plan.served_by = worker
                 if is_stream and resp.status == 200:
                     out = await self._relay_stream(request, resp, headers, worker, wm, plan, sent_at, uncached,
                                                    predicted)

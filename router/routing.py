@@ -30,7 +30,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 
@@ -42,6 +42,7 @@ from router.errors import InvalidFieldError, NoWorkerError
 from router.fleet import CircuitState, Fleet, WorkerRuntime
 from router.index.config import IndexConfig
 from router.index.result import MatchResult
+from router.index.upkeep import ApproxInsert
 from router.request_view import ParsedRequest, PromptView
 from router.sessions.base import SessionStore
 
@@ -67,7 +68,9 @@ class IndexLike(Protocol):
     def insert_approximate(
         self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0,
         ttl_s: float | None = None,
-    ) -> Any: ...
+    ) -> ApproxInsert | None: ...
+
+    def withdraw_approximate(self, inserted: ApproxInsert) -> int: ...
 
 
 class PolicyHolder:
@@ -101,6 +104,9 @@ class RoutePlan(msgspec.Struct, gc=False):
         speed_factor_used: the chosen worker's calibration factor at decision time (1.0 without one).
         decision_s: time the decision took, seconds.
         workers_by_id: the fleet's workers by id (``fallbacks`` resolves the ranking in it).
+        pending: the chosen worker's pending index entries this request inserted (``Router.settle`` withdraws them
+            when it does not serve the request), or ``None``.
+        served_by: the worker whose answer was relayed (set by the proxy), or ``None`` before one was.
     """
 
     decision: Decision
@@ -111,6 +117,8 @@ class RoutePlan(msgspec.Struct, gc=False):
     speed_factor_used: float = 1.0
     decision_s: float = 0.0
     workers_by_id: Mapping[str, WorkerRuntime] = msgspec.field(default_factory=dict)
+    pending: ApproxInsert | None = None
+    served_by: WorkerRuntime | None = None
 
     def fallbacks(self, max_workers: int) -> list[WorkerRuntime]:
         """Up to ``max_workers`` workers to try after the chosen one: the rest of the decision's ranking, best
@@ -223,22 +231,57 @@ class Router:
     def _insert(
         self, index: IndexLike, worker: WorkerRuntime, block_hashes: Sequence[int], match: MatchResult | None,
         now_s: float, ttl_s: float | None,
-    ) -> None:
-        """``index.insert_approximate`` unless the worker holds the chain and it was inserted recently (module doc)."""
+    ) -> ApproxInsert | None:
+        """``index.insert_approximate`` unless the worker holds the chain and it was inserted recently (module doc);
+        returns the insertion (``None`` when skipped)."""
         num_blocks = len(block_hashes)
         if not num_blocks:
-            return
+            return None
         key = (worker.worker_id, block_hashes[-1], num_blocks)
         last_s = self._inserted_at_s.get(key)
         if last_s is not None and match is not None:
             held = match.workers.get(worker.worker_id)
             window_s = (ttl_s if ttl_s is not None else index.config.approx_ttl_s) * REFRESH_FRACTION
             if held is not None and held.num_gpu_blocks >= num_blocks and 0.0 <= now_s - last_s < window_s:
-                return
-        index.insert_approximate(worker.worker_id, block_hashes, now_s, ttl_s=ttl_s)
+                return None
+        inserted = index.insert_approximate(worker.worker_id, block_hashes, now_s, ttl_s=ttl_s)
         if len(self._inserted_at_s) >= MAX_RECENT_INSERTS:
             self._inserted_at_s.clear()
         self._inserted_at_s[key] = now_s
+        return inserted
+
+    def _insert_for(
+        self, index: IndexLike, model: ModelConfig, worker: WorkerRuntime, view: PromptView, match: MatchResult | None,
+        now_s: float,
+    ) -> ApproxInsert | None:
+        """The blocks a request sent to ``worker`` makes it hold (module doc, step 5), inserted; ``None`` when the
+        worker needs none (it publishes events and pending entries are off, or it has several dp ranks)."""
+        if worker.is_approximate:
+            return self._insert(index, worker, view.block_hashes, match, now_s, None)
+        if model.enable_pending_blocks and worker.config.dp_ranks == 1:
+            num_full = view.num_tokens // worker.block_size * worker.block_size // view.block_size
+            return self._insert(index, worker, view.block_hashes[:num_full], match, now_s, model.pending_blocks_ttl_s)
+        return None
+
+    def settle(self, plan: RoutePlan, model: ModelConfig, view: PromptView, status: int | None) -> None:
+        """After the answer: when the chosen worker did not serve the request (it refused it with a 4xx/5xx, failed
+        before the first byte, or every attempt failed: ``status`` ``None``), its pending blocks are withdrawn so the
+        next prediction for it is not inflated; the worker that served it after a retry gets them instead."""
+        index = self._indexes.get(model.name)
+        if index is None:
+            return
+        served = plan.served_by
+        is_ok = status is not None and status < 400
+        if served is plan.chosen and is_ok:
+            return
+        pending = plan.pending
+        if pending is not None:
+            index.withdraw_approximate(pending)
+            plan.pending = None
+            hashes = pending.block_hashes
+            self._inserted_at_s.pop((plan.chosen.worker_id, hashes[-1], len(hashes)), None)
+        if is_ok and served is not None and served is not plan.chosen and view.block_hashes:
+            self._insert_for(index, model, served, view, None, self._clock())
 
     def _inputs(
         self, request_id: str, parsed: ParsedRequest, model: ModelConfig, view: PromptView,
@@ -369,15 +412,11 @@ class Router:
                 raise NoWorkerError(f"no worker available for model {parsed.model!r}: the chosen worker was removed",
                                     reason="worker_removed")
             chosen = workers[chosen_id]
+        pending = None
         if view.block_hashes:
             index = self._indexes.get(model.name)
             if index is not None:
-                if chosen.is_approximate:
-                    self._insert(index, chosen, view.block_hashes, match, now_s, None)
-                elif model.enable_pending_blocks and chosen.config.dp_ranks == 1:
-                    num_full = view.num_tokens // chosen.block_size * chosen.block_size // view.block_size
-                    self._insert(index, chosen, view.block_hashes[:num_full], match, now_s,
-                                 model.pending_blocks_ttl_s)
+                pending = self._insert_for(index, model, chosen, view, match, now_s)
         calibrator = self.holder.calibrator
         factor = calibrator.speed_factor(chosen_id) if calibrator is not None else 1.0
         decision_s = time.perf_counter() - t0
@@ -385,4 +424,5 @@ class Router:
             req.request_id, parsed.model, chosen_id, decision.reason, decision.detail, req.session_key,
             view.num_tokens, predicted[chosen_id], decision.scores, predicted, decision_s, now_s,
         ))
-        return RoutePlan(decision, chosen, predicted, view.num_tokens, req.session_key, factor, decision_s, workers)
+        return RoutePlan(decision, chosen, predicted, view.num_tokens, req.session_key, factor, decision_s, workers,
+                         pending)

@@ -110,6 +110,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "num_pruned_blocks",
     "num_approx_blocks_inserted",
     "num_approx_blocks_expired",
+    "num_approx_blocks_withdrawn",
     "num_approx_blocks_confirmed",
     "num_worker_clears",
     "num_resyncs",

@@ -11,12 +11,27 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from events.types import Medium
 from router.index.errors import UnknownWorkerError
 from router.index.match import iter_bits
 from router.index.slots import Slot
 from router.index.state import GPU0, POOL_MEDIA, UNSTAMPED, IndexState
+
+
+class ApproxInsert(NamedTuple):
+    """One ``insert_approximate`` call, to withdraw it (``withdraw_approximate``).
+
+    Attributes:
+        slot: the worker rank the blocks were inserted for.
+        block_hashes: the blocks, root-most first.
+        expiry_s: their expiry time, monotonic seconds (identifies this insertion's holdings).
+    """
+
+    slot: Slot
+    block_hashes: tuple[int, ...]
+    expiry_s: float
 
 
 class UpkeepMixin(IndexState):
@@ -182,7 +197,7 @@ class UpkeepMixin(IndexState):
 
     def insert_approximate(
         self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0, ttl_s: float | None = None
-    ) -> None:
+    ) -> ApproxInsert | None:
         """Record that a routing decision sent these blocks to a worker (no events, or not yet confirmed).
 
         The blocks (our hashes from the root, group 0, GPU) expire ``ttl_s`` (default ``approx_ttl_s``) after
@@ -197,6 +212,9 @@ class UpkeepMixin(IndexState):
             dp_rank: the worker's rank, if known.
             ttl_s: lifetime in seconds of these blocks, or ``None`` for ``approx_ttl_s``.
 
+        Returns:
+            The insertion, for ``withdraw_approximate``; ``None`` for no blocks.
+
         Raises:
             ValueError: ``ttl_s`` is not positive.
         """
@@ -204,7 +222,7 @@ class UpkeepMixin(IndexState):
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.expire(now_s)
         if not block_hashes:
-            return
+            return None
         slot = self._slot(worker_id, dp_rank)
         hashes = list(block_hashes)
         ids, _, is_consistent = self._link(hashes, 0, True)
@@ -230,13 +248,23 @@ class UpkeepMixin(IndexState):
         self._num_approx += num_new
         self._counters["num_approx_blocks_inserted"] += num_new
         self._approx_seq += 1
-        heapq.heappush(self._approx_queue, (expiry, self._approx_seq, slot, tuple(hashes)))
+        record = tuple(hashes)
+        heapq.heappush(self._approx_queue, (expiry, self._approx_seq, slot, record))
         if self._num_approx > self.config.approx_max_blocks:
             target = int(self.config.approx_max_blocks * self.config.prune_target_ratio)
             while self._num_approx > target and self._approx_queue:
                 self._expire_record(*heapq.heappop(self._approx_queue))
         if self._num_entries > self.config.max_blocks:
             self._prune()
+        return ApproxInsert(slot, record, expiry)
+
+    def withdraw_approximate(self, inserted: ApproxInsert) -> int:
+        """Undo one ``insert_approximate`` (the request it stood for was refused or went elsewhere): drop those of
+        its blocks that are still approximate with its expiry. A block an event has confirmed since, or a later
+        insertion refreshed (another request still pending), stays. Returns how many blocks went."""
+        num_dropped = self._drop_approx(inserted.expiry_s, inserted.slot, inserted.block_hashes)
+        self._counters["num_approx_blocks_withdrawn"] += num_dropped
+        return num_dropped
 
     def expire(self, now_s: float) -> int:
         """Drop approximate blocks whose TTL ended at or before ``now_s``; returns how many went."""
@@ -247,13 +275,18 @@ class UpkeepMixin(IndexState):
         return num_expired
 
     def _expire_record(self, expiry: float, seq: int, slot: Slot, hashes: tuple[int, ...]) -> int:
+        num_expired = self._drop_approx(expiry, slot, hashes)
+        self._counters["num_approx_blocks_expired"] += num_expired
+        return num_expired
+
+    def _drop_approx(self, expiry: float, slot: Slot, hashes: tuple[int, ...]) -> int:
+        """Drop the slot's approximate holdings of ``hashes`` whose expiry is still ``expiry``."""
         if not slot.is_live:
             return 0
-        num_expired = 0
+        num_dropped = 0
         for block_hash in hashes:
             if slot.approx.get(block_hash) == expiry:
                 entry_id = self._entry_id(block_hash)
                 if entry_id is not None and self._drop(slot, GPU0, entry_id):
-                    num_expired += 1
-        self._counters["num_approx_blocks_expired"] += num_expired
-        return num_expired
+                    num_dropped += 1
+        return num_dropped

@@ -431,3 +431,18 @@ def test_a_chain_freed_leaf_first_is_reused_as_one_run_of_ids():
     index.apply(batch("w1", BlockRemoved((6,))))
     assert depths(index, other_hashes) == {"w1": (5, 0, 0)}
     index.check_invariants()
+
+
+def test_withdrawn_insertion_leaves_confirmed_and_refreshed_blocks():
+    index = make_index(approx_ttl_s=10.0)
+    first = index.insert_approximate("a", HASHES[:4], now_s=100.0)
+    assert first is not None and first.expiry_s == 110.0
+    index.apply(batch("a", stored(0, 1)))  # an event confirms block 0
+    index.insert_approximate("a", HASHES[:2], now_s=101.0)  # another pending request refreshes block 1
+    assert index.withdraw_approximate(first) == 2  # blocks 2 and 3: still this insertion's
+    assert depths(index) == {"a": (2, 0, 0)}  # block 0 (confirmed) and block 1 (refreshed) stay
+    assert index.stats().counters["num_approx_blocks_withdrawn"] == 2
+    assert index.withdraw_approximate(first) == 0  # idempotent
+    assert index.expire(1000.0) == 1  # block 1's own record still expires on time
+    assert depths(index) == {"a": (1, 0, 0)}
+    assert index.insert_approximate("a", [], now_s=1000.0) is None

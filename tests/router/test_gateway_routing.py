@@ -177,6 +177,45 @@ async def test_worker_removed_while_the_session_store_answers(workers):
         assert (status, headers["x-kvgate-worker"]) == (200, other), body
 
 
+def _honesty(headers: dict[str, str], body: bytes) -> tuple[str, int, int]:
+    usage = json.loads(body)["usage"]
+    return (headers["x-kvgate-worker"], int(headers["x-kvgate-predicted-cached-tokens"]),
+            usage["prompt_tokens_details"]["cached_tokens"])
+
+
+async def test_a_refused_request_leaves_no_pending_blocks(workers):
+    async with GatewayHarness(make_config(workers[:1]), workers=workers[:1]) as h:
+        workers[0].fail_statuses = [400]  # e.g. max_tokens over the worker's limit: nothing was computed
+        status, _, _ = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX})
+        assert status == 400
+        assert h.gw.indexes["m"].stats().counters["num_approx_blocks_withdrawn"] == 10  # its 10 full blocks
+        status, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX})
+        assert status == 200 and _honesty(headers, body) == ("w0", 0, 0)
+
+
+async def test_a_retried_request_moves_its_pending_blocks_to_the_worker_that_served_it():
+    w0 = FakeWorker("w0", with_events=False)
+    w1 = FakeWorker("w1", with_events=False)
+    await w0.start()
+    await w1.start()
+    try:
+        async with GatewayHarness(make_config([w0, w1]), workers=[w0, w1]) as h:
+            _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "B" * 8})
+            chosen = headers["x-kvgate-worker"]
+            first, second = (w0, w1) if chosen == "w0" else (w1, w0)
+            first.fail_statuses = [500]  # the chosen worker fails before the first byte: retried on the other
+            status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX},
+                                              headers={"x-session-id": "t"})
+            assert (status, headers["x-kvgate-decision"]) == (200, "retry")
+            assert headers["x-kvgate-worker"] == second.worker_id
+            # The next identical prompt goes where the blocks are, and the prediction is what that worker reports.
+            status, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX})
+            assert status == 200 and _honesty(headers, body) == (second.worker_id, 36, 36)
+    finally:
+        await w0.stop()
+        await w1.stop()
+
+
 async def test_approximate_mode_worker_without_events():
     w = FakeWorker("a0", with_events=False)
     w2 = FakeWorker("a1", with_events=False)
