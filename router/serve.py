@@ -1,7 +1,10 @@
 """``kvgate serve --config FILE``: run the gateway.
 
-Loads the YAML (``router.config.load_config``), builds the app (``router.app.build_app``) and serves it with
-aiohttp on uvloop when available. ``SIGINT``/``SIGTERM`` stop it cleanly: the listener closes, in-flight
+Loads the YAML (``router.config.load_config``), warns about models tokenized byte-level, builds the app
+(``router.app.build_app``), binds the listen address and only then starts the app (KV event subscriptions,
+workers, background tasks) and serves it with aiohttp on uvloop when available. An address that cannot be bound
+(a port another process holds) or a start-up that fails stops everything already started and exits with status 2
+and one error line, as a bad config does. ``SIGINT``/``SIGTERM`` stop it cleanly: the listener closes, in-flight
 requests get ``shutdown_timeout_s`` to finish, then every background task is cancelled and awaited
 (``cleanup_ctx``). A client disconnect cancels its handler (``handler_cancellation``), which closes the upstream
 request.
@@ -19,9 +22,12 @@ from typing import Any
 
 from aiohttp import web
 
-from router.app import build_app
+from events.errors import EventsConfigError
+from router.app import GATEWAY, build_app
 from router.config import GatewayConfig, load_config
 from router.errors import ConfigError
+from workers.errors import ConfigError as ListenConfigError
+from workers.listen import BACKLOG, bind_tcp, listen_address, zmq_bind_message
 
 logger = logging.getLogger(__name__)
 
@@ -36,29 +42,93 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING...)")
 
 
+def warn_byte_level_tokenizers(config: GatewayConfig) -> None:
+    """Log one warning per model without ``tokenizer_path``: its prompts are hashed as byte-level tokens.
+
+    Byte-level tokens are the bundled sim worker's (``kvgate worker`` without ``--tokenizer``); a real engine
+    tokenizes with the model's own tokenizer, so its cached blocks never match the gateway's hashes and every
+    cached-token prediction is wrong.
+    """
+    for model in config.models:
+        if model.tokenizer_path is None:
+            logger.warning(
+                "model %s has no tokenizer_path: prompts are tokenized byte-level, which matches only the bundled "
+                "sim worker (kvgate worker); for a real engine (vLLM, SGLang) set models[].tokenizer_path (and "
+                "chat_template if the engine uses a custom one) and block_size to the engine's, or cached-token "
+                "predictions will not match",
+                model.name,
+            )
+
+
+async def _undo_partial_start(app: web.Application) -> None:
+    """Close what the app's start-up opened before it failed.
+
+    The start-up context of ``router.app`` releases its parts only once it has started; one that fails half-way
+    (the subscriber's bind endpoint taken, a worker refused) leaves the subscriber, the fleet's warm-up tasks,
+    the session store and the transport open. Each close here is idempotent.
+    """
+    gw = app[GATEWAY]
+    await gw.fleet.aclose()
+    if gw.subscriber is not None:
+        await gw.subscriber.aclose()
+    await gw.sessions.aclose()
+    await gw.transport.aclose()
+
+
 async def serve(config: GatewayConfig, *, host: str | None = None, port: int | None = None) -> None:
-    """Run the gateway until SIGINT or SIGTERM."""
+    """Run the gateway until SIGINT or SIGTERM.
+
+    The listen address is bound before the app starts, so a taken port starts nothing; a start-up that fails
+    (an ``events.bind_endpoint`` ZMQ cannot bind, a worker that cannot be added) stops what had started.
+
+    Args:
+        config: the gateway config.
+        host: overrides ``listen.host``.
+        port: overrides ``listen.port`` (0 picks a free one).
+
+    Raises:
+        ConfigError: the address cannot be bound (the message names it and what to change), or the app refused
+            its config while starting.
+    """
     app = build_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-    await runner.setup()
-    site = web.TCPSite(runner, host or config.listen.host, port if port is not None else config.listen.port,
-                       backlog=1024)
-    await site.start()
-    # Everything built so far (modules, config, tokenizer tables, the app) lives as long as the process: move it
-    # out of the collector's generations so full collections on the request path no longer walk it.
-    gc.freeze()
-    logger.info("kvgate gateway listening on %s", site.name)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
-        logger.info("shutting down")
-    finally:
+        sockets = bind_tcp(
+            host or config.listen.host,
+            port if port is not None else config.listen.port,
+            port_names="listen.port or --port",
+            host_names="listen.host or --host",
+        )
+    except ListenConfigError as exc:
+        raise ConfigError(str(exc)) from exc
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    loop = asyncio.get_running_loop()
+    try:
+        try:
+            await runner.setup()
+        except BaseException as exc:
+            await _undo_partial_start(app)
+            if isinstance(exc, EventsConfigError):  # the subscriber's bind endpoint (workers' are ConfigErrors)
+                raise ConfigError(zmq_bind_message(exc, "events.bind_endpoint")) from exc
+            raise
+        for sock in sockets:
+            await web.SockSite(runner, sock, backlog=BACKLOG).start()
+        # Everything built so far (modules, config, tokenizer tables, the app) lives as long as the process: move
+        # it out of the collector's generations so full collections on the request path no longer walk it.
+        gc.freeze()
+        logger.info("kvgate gateway listening on %s", ", ".join(f"http://{listen_address(s)}" for s in sockets))
+        stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+            logger.info("shutting down")
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+    finally:
         await runner.cleanup()
+        for sock in sockets:
+            sock.close()
 
 
 def _run(coro: Coroutine[Any, Any, None]) -> None:
@@ -79,6 +149,7 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         logger.error("%s", exc.message)
         return 2
+    warn_byte_level_tokenizers(config)
     try:
         _run(serve(config, host=args.host, port=args.port))
     except ConfigError as exc:

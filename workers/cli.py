@@ -3,6 +3,10 @@
 Flags override the YAML profile (``--profile``), which overrides the defaults of ``workers.config``. The shared
 pool tier (``kv-cache.pool``) is enabled by any ``--pool-*`` / ``--mooncake-*`` flag, e.g.
 ``--pool-backend mooncake --mooncake-master 127.0.0.1:50051`` or ``--pool-backend sim --pool-name fleet-a``.
+
+Start-up binds the HTTP port first, then the KV event endpoints, then starts the engine loop; an address that
+cannot be bound (a port another process holds) stops whatever had started and exits with status 2 and one error
+line naming the address and the flag to change, as a bad value does.
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from typing import Any
 
 from aiohttp import web
 
+from events.errors import EventsConfigError
+from events.publisher import KVEventPublisher
 from workers.config import WorkerConfig, build_config, load_profile
-from workers.errors import WorkerError
+from workers.errors import ConfigError, WorkerError
+from workers.listen import BACKLOG, bind_tcp, listen_address, zmq_bind_message
 from workers.server import build_app, build_worker, make_publisher
 
 logger = logging.getLogger(__name__)
@@ -54,12 +61,26 @@ FLAGS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
 )
 
 
+HELP: dict[str, str] = {
+    "--host": "HTTP listen address (default 127.0.0.1)",
+    "--port": "HTTP port (default 8000; 0 picks a free one)",
+    "--kv-events-endpoint": "ZMQ PUB endpoint of the KV events; with '*' (tcp://*:5557) it binds, else it connects",
+    "--replay-endpoint": "ZMQ ROUTER endpoint (bound) answering replay requests after a gap",
+    "--tokenizer": "tokenizer.json or its directory (default: byte-level tokens); the gateway's "
+    "models[].tokenizer_path must name the same tokenizer",
+    "--time-scale": "wall seconds the worker sleeps per simulated second: 1 runs in real time, 0.1 runs 10x faster "
+    "(pair it with the gateway's workers[].time_scale: 0.1 and with kvgate loadgen/demo --time-scale 10, where "
+    "the flag means 'times faster'), 0 does not sleep",
+}
+"""``--help`` text of the flags that need one (the others name their config key)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the worker's flags."""
     parser.add_argument("--profile", help="YAML profile (kebab-case keys of WorkerConfig)")
     parser.add_argument("--log-level", default="INFO")
     for flag, _path, kind in FLAGS:
-        parser.add_argument(flag, type=kind, default=None)
+        parser.add_argument(flag, type=kind, default=None, help=HELP.get(flag))
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -83,24 +104,55 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return build_config(raw)
 
 
-async def serve(config: WorkerConfig) -> None:
-    """Run the worker until SIGINT/SIGTERM."""
-    publisher = make_publisher(config)
+def _open_publisher(config: WorkerConfig) -> KVEventPublisher | None:
+    """``make_publisher`` with ZMQ's refusal worded as a config error.
+
+    Raises:
+        ConfigError: an endpoint ZMQ cannot bind or connect; the message names the flag.
+    """
     try:
+        return make_publisher(config)
+    except EventsConfigError as exc:
+        name = "--replay-endpoint" if exc.endpoint == config.replay_endpoint else "--kv-events-endpoint"
+        raise ConfigError(zmq_bind_message(exc, name)) from exc
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Run the worker until SIGINT/SIGTERM.
+
+    Binds the HTTP port, then the KV event endpoints, then starts the engine loop and serves; on any failure
+    (and on exit) everything already started is stopped, in reverse order.
+
+    Raises:
+        ConfigError: the HTTP address or an event endpoint cannot be bound (the message names it and the flag).
+    """
+    sockets = bind_tcp(config.host, config.port, port_names="--port", host_names="--host")
+    publisher: KVEventPublisher | None = None
+    runner: web.AppRunner | None = None
+    try:
+        publisher = _open_publisher(config)
         worker = build_worker(config, publisher)
         runner = web.AppRunner(build_app(worker), handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        logger.info("worker %s serving %s on %s:%d", config.worker_id, config.model, config.host, config.port)
+        for sock in sockets:
+            await web.SockSite(runner, sock, backlog=BACKLOG).start()
+        logger.info(
+            "worker %s serving %s on %s",
+            config.worker_id,
+            config.model,
+            ", ".join(f"http://{listen_address(s)}" for s in sockets),
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        await runner.cleanup()
     finally:
+        if runner is not None:
+            await runner.cleanup()
+        for sock in sockets:
+            sock.close()
         if publisher is not None:
             publisher.close()
 
