@@ -8,6 +8,7 @@ gateway's own config loader, so the chart cannot drift from ``router/config.py``
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -18,6 +19,7 @@ import yaml
 
 from router.config import parse_config, validate_sessions
 from router.discovery import decode_discovery_config
+from router.serve import warn_byte_level_tokenizers
 from router.sessions.config import resolve_redis_target
 
 pytestmark = pytest.mark.integration
@@ -108,6 +110,36 @@ def test_default_render_objects_and_gateway_config(tmp_path, monkeypatch):
     assert (discovery.namespace, discovery.label_selector, discovery.port, discovery.events_port,
             discovery.replay_port, discovery.model_label) == (NAMESPACE, "app=vllm", 8000, 5557, None,
                                                               "kvgate.io/model")
+
+
+def test_default_model_is_byte_level_and_the_gateway_warns(tmp_path, monkeypatch, caplog):
+    raw = gateway_yaml(render(tmp_path))
+    assert raw["models"] == [{"name": "meta-llama/Llama-3.1-8B-Instruct", "block_size": 16}]
+    monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "t")
+    warn_byte_level_tokenizers(parse_config(raw))
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING,
+         "model meta-llama/Llama-3.1-8B-Instruct has no tokenizer_path: prompts are tokenized byte-level, which "
+         "matches only the bundled sim worker (kvgate worker); for a real engine (vLLM, SGLang) set "
+         "models[].tokenizer_path (and chat_template if the engine uses a custom one) and block_size to the "
+         "engine's, or cached-token predictions will not match"),
+    ]
+
+
+def test_tokenizer_overlay_mounts_the_files_the_gateway_reads(tmp_path):
+    objs = render(tmp_path, "tokenizer.yaml")
+    assert gateway_yaml(objs)["models"] == [{
+        "name": "meta-llama/Llama-3.1-8B-Instruct",
+        "tokenizer_path": "/models/llama-3.1-8b-instruct/tokenizer.json",
+        "chat_template": "/models/llama-3.1-8b-instruct/tool_chat_template_llama3.1_json.jinja",
+        "block_size": 16,
+    }]
+    mounts = {m["name"]: m for m in container(objs)["volumeMounts"]}
+    assert mounts["models"] == {"name": "models", "mountPath": "/models/llama-3.1-8b-instruct", "readOnly": True}
+    volumes = {v["name"]: v for v in objs[("Deployment", f"{RELEASE}-kvgate")]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["models"] == {
+        "name": "models", "persistentVolumeClaim": {"claimName": "llama-3.1-8b-instruct", "readOnly": True}
+    }
 
 
 def test_deployment_probes_token_and_scrape_annotations(tmp_path):
