@@ -224,7 +224,8 @@ class _Hooks:
         num = await gw.sessions.drop_worker(worker.worker_id)
         if num:
             logger.info("worker %s removed: %d sessions will be routed afresh", worker.worker_id, num)
-        await gw.transport.remove_worker(worker.worker_id)
+        # Its requests in flight are relayed to their end (as after a drain); then its connections close.
+        await gw.transport.remove_worker(worker.worker_id, is_idle=lambda: worker.num_inflight_requests == 0)
         gw.metrics.forget_worker(worker.worker_id)
         calibrator = gw.holder.calibrator
         if calibrator is not None:

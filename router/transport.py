@@ -107,8 +107,10 @@ class Transport(Protocol):
         """
         ...
 
-    async def remove_worker(self, worker_id: str) -> None:
-        """Close the worker's pooled connections."""
+    async def remove_worker(self, worker_id: str, *, is_idle: Callable[[], bool] | None = None) -> None:
+        """Close the worker's pooled connections: at once, or (``is_idle`` given) once ``is_idle()`` turns true,
+        so requests in flight are relayed to their end first. A request sent under the same worker id afterwards
+        opens a new pool."""
         ...
 
     async def aclose(self) -> None:
@@ -309,6 +311,8 @@ class AiohttpTransport:
         self._urls: dict[str, URL] = {}
         self._deadlines: Deadlines | None = None
         self._total_deadlines: Deadlines | None = None
+        self._retired: set[aiohttp.ClientSession] = set()
+        self._closing: set[asyncio.Task[None]] = set()
         # No total: aiohttp's would arm a timer per request and wrap every body wait; ``Deadlines`` enforce it.
         self._client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s)
 
@@ -421,14 +425,33 @@ class AiohttpTransport:
         status, body = await self.get_bytes(worker_id, url, timeout_s)
         return status, _json_or_none(body)
 
-    async def remove_worker(self, worker_id: str) -> None:
+    async def remove_worker(self, worker_id: str, *, is_idle: Callable[[], bool] | None = None) -> None:
         session = self._sessions.pop(worker_id, None)
-        if session is not None:
+        if session is None:
+            return
+        if is_idle is None or is_idle():
             await session.close()
+            return
+        self._retired.add(session)
+        task = asyncio.get_running_loop().create_task(self._close_when_idle(session, is_idle))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_when_idle(self, session: aiohttp.ClientSession, is_idle: Callable[[], bool]) -> None:
+        """Close a removed worker's pool once its requests ended (polled every 0.1 s), at most ``total_s`` on."""
+        loop = asyncio.get_running_loop()
+        end_s = loop.time() + self._timeouts.total_s
+        while not is_idle() and loop.time() < end_s:
+            await asyncio.sleep(0.1)
+        self._retired.discard(session)
+        await session.close()
 
     async def aclose(self) -> None:
+        for task in list(self._closing):
+            task.cancel()
         sessions, self._sessions = self._sessions, {}
-        for session in sessions.values():
+        retired, self._retired = self._retired, set()
+        for session in [*sessions.values(), *retired]:
             await session.close()
 
 
@@ -506,7 +529,7 @@ class MockTransport:
         status, body = await self.get_bytes(worker_id, url, timeout_s)
         return status, _json_or_none(body)
 
-    async def remove_worker(self, worker_id: str) -> None:
+    async def remove_worker(self, worker_id: str, *, is_idle: Callable[[], bool] | None = None) -> None:
         return None
 
     async def aclose(self) -> None:

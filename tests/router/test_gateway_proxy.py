@@ -253,3 +253,23 @@ async def test_worker_sees_the_client_headers_and_nothing_the_http_client_adds(w
         assert (status, {k.lower(): v for k, v in headers.items()}["x-request-id"]) == (404, "my-trace-124")
         status, headers, _ = await h.post("/v1/completions", {"model": "nope", "prompt": "hi"})
         assert status == 404 and {k.lower(): v for k, v in headers.items()}["x-request-id"].startswith("kvg-")
+
+
+async def test_removing_a_worker_lets_its_streams_finish(workers):
+    async with GatewayHarness(make_config(workers[:2]), workers=workers[:2]) as h:
+        workers[0].stream_release = asyncio.Event()
+        r = await h.session.post(h.url + "/v1/completions", json={"model": "m", "prompt": "x" * 40, "stream": True},
+                                 headers={"x-kvgate-worker": "w0"})
+        first = await r.content.readline()
+        assert first.startswith(b"data: ")
+        status, _ = await h.admin("DELETE", "/admin/workers/w0")
+        assert status == 200 and "w0" not in h.gw.fleet.workers
+        workers[0].stream_release.set()  # the worker finishes its stream after the removal
+        rest = await asyncio.wait_for(r.read(), timeout=10)
+        r.release()
+        assert rest.endswith(b"data: [DONE]\n\n") and b'"usage"' in rest  # relayed to its end, not cut or hung
+        transport = h.gw.transport
+        await wait_until(lambda: not transport._retired)  # type: ignore[attr-defined]  # the removed pool closed
+        # The fleet goes on without it.
+        status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "y"})
+        assert (status, headers["x-kvgate-worker"]) == (200, "w1")
