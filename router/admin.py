@@ -27,6 +27,7 @@ from contextlib import suppress
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from policies import PolicyError, build_policy, decode_policy_config, encode_policy_config
 from router.config import decode_worker
@@ -49,25 +50,64 @@ def _limit(request: web.Request, default: int = 100) -> int:
         return default
 
 
+_TOO_DEEP = "the request body is not valid JSON: it nests too deeply"
+"""msgspec raises ``RecursionError`` at the interpreter's recursion limit (about 1,000 levels of arrays or objects,
+even inside a key it would reject); such a body is refused as invalid JSON."""
+
+
+async def _read(request: web.Request) -> bytes:
+    """The body as the client sent it, inflated when it has a ``Content-Encoding`` aiohttp decodes.
+
+    Raises:
+        InvalidJSONError: the body does not decode (e.g. a ``gzip`` body that is not gzip).
+    """
+    try:
+        return await request.read()
+    except web.RequestPayloadError as exc:
+        cause = exc.__cause__
+        detail = cause.message if isinstance(cause, HttpProcessingError) else str(exc)
+        raise InvalidJSONError(f"the request body could not be read: {detail}") from exc
+
+
 async def _body(request: web.Request) -> object:
-    raw = await request.read()
+    """The JSON body as builtins (``{}`` when empty).
+
+    Raises:
+        InvalidJSONError: not JSON, nested too deeply, or not decodable.
+    """
+    raw = await _read(request)
     try:
         return msgspec.json.decode(raw) if raw else {}
     except msgspec.DecodeError as exc:
         raise InvalidJSONError(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidJSONError(_TOO_DEEP) from exc
+
+
+def _authorization_bytes(request: web.Request) -> bytes:
+    """The ``Authorization`` header's bytes as the client sent them (``b""`` when absent).
+
+    aiohttp decodes header bytes as UTF-8 with ``surrogateescape``, so encoding back the same way gives the
+    original bytes, non-UTF-8 ones included; a value that still cannot be encoded (no client can produce one)
+    reads as empty, hence as a wrong token.
+    """
+    try:
+        return request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return b""
 
 
 def _guard(token: str | None, handler: Handler) -> Handler:
-    expected = f"Bearer {token}".encode() if token is not None else None
+    # Compared as bytes (constant time): a token from the environment carries its non-UTF-8 bytes as surrogates,
+    # encoded back the same way as the client's header.
+    expected = f"Bearer {token}".encode("utf-8", "surrogateescape") if token is not None else None
 
     async def guarded(request: web.Request) -> web.StreamResponse:
         from router.app import error_response
 
         try:
-            if expected is not None:
-                got = request.headers.get("Authorization", "").encode()
-                if not hmac.compare_digest(got, expected):
-                    raise AuthError("missing or wrong admin bearer token")
+            if expected is not None and not hmac.compare_digest(_authorization_bytes(request), expected):
+                raise AuthError("missing or wrong admin bearer token")
             return await handler(request)
         except GatewayError as exc:
             return error_response(exc)
@@ -180,12 +220,14 @@ async def put_policy(request: web.Request) -> web.StreamResponse:
     from router.app import GATEWAY
 
     gw = request.app[GATEWAY]
-    raw = await request.read()
+    raw = await _read(request)
     try:
         config = decode_policy_config(raw)
         policy = build_policy(config, previous=gw.holder.policy)
     except PolicyError as exc:
         raise ConfigError(f"policy: {exc}", param=getattr(exc, "key", None)) from exc
+    except RecursionError as exc:  # the tagged union scans ahead for ``name`` through any nesting
+        raise InvalidJSONError(_TOO_DEEP) from exc
     gw.holder.set(config, policy)
     logger.info("policy replaced: %s", policy.name)
     return _json({"policy": encode_policy_config(config)})

@@ -106,11 +106,17 @@ _chat_decoder = msgspec.json.Decoder(_ChatBody)
 _completion_decoder = msgspec.json.Decoder(_CompletionBody)
 
 
+_MISSING_FIELD = "Object missing required field `"
+
+
 def _field_of(message: str) -> str | None:
-    """``... - at `$.messages[0].role``` -> ``messages``."""
+    """The top-level field a msgspec validation message is about: ``... - at `$.messages[0].role``` ->
+    ``messages``; ``Object missing required field `model``` (a field missing at the top level) -> ``model``."""
     marker = "- at `$."
     start = message.find(marker)
     if start < 0:
+        if message.startswith(_MISSING_FIELD):
+            return message[len(_MISSING_FIELD) :].split("`", 1)[0] or None
         return None
     path = message[start + len(marker) :].rstrip("`")
     for sep in ".[":
@@ -129,8 +135,11 @@ def parse_request(kind: RequestKind, body: bytes) -> ParsedRequest:
         The parsed request.
 
     Raises:
-        InvalidJSONError: not JSON, or not an object.
-        InvalidFieldError: a missing field, a wrong type, an empty prompt or messages, a bad ``max_tokens``.
+        InvalidJSONError: not JSON, not an object, or nested deeper than msgspec decodes (it raises
+            ``RecursionError`` at the interpreter's recursion limit, about 1,000 levels, even inside a field
+            that is skipped).
+        InvalidFieldError: a missing field (``param`` names it), a wrong type, an empty prompt or messages, a
+            bad ``max_tokens``.
     """
     try:
         if kind == "chat":
@@ -145,6 +154,8 @@ def parse_request(kind: RequestKind, body: bytes) -> ParsedRequest:
         raise InvalidFieldError(text, param=_field_of(text)) from exc
     except msgspec.DecodeError as exc:
         raise InvalidJSONError(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidJSONError("the request body is not valid JSON: it nests too deeply") from exc
 
 
 def _check_max_tokens(value: int | None, name: str) -> None:

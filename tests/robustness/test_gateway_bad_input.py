@@ -3,6 +3,7 @@ refusal is an OpenAI-style JSON error with the right status, and nothing is left
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -91,3 +92,98 @@ async def test_admin_index_clear_with_a_never_indexed_worker() -> None:
         assert status == 404 and _is_openai_error(out)
         status, _, out = await _raw(g, "POST", "/v1/completions", b'{"model": "m", "prompt": "ok", "max_tokens": 1}')
         assert status == 200, out
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("POST", "/v1/completions", b'{"model": "m", "prompt": "x", "junk": ' + _nested(5000) + b"}"),
+    ("POST", "/v1/chat/completions",
+     b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "junk": ' + _nested(5000) + b"}"),
+    ("POST", "/admin/workers", _nested(5000)),
+    ("POST", "/admin/index/clear", _nested(5000)),
+    ("PUT", "/admin/policy", b'{"x": ' + _nested(5000) + b', "name": "cache_aware"}'),
+])
+async def test_json_nested_too_deeply_is_a_400_json_error(method: str, path: str, body: bytes) -> None:
+    """msgspec gives up at the interpreter's recursion limit (about 1,000 levels; 10 KB of brackets here)."""
+    async with running(SimWorker("w0", with_events=False)) as ws, Gw(make_config(ws)) as g:
+        status, ctype, out = await _raw(g, method, path, body, {**AUTH, "Content-Type": "application/json"})
+        assert (status, ctype) == (400, "application/json") and _is_openai_error(out), out
+        assert out["error"] == {"message": "the request body is not valid JSON: it nests too deeply",
+                                "type": "invalid_request_error", "param": None, "code": None}
+        status, _, out = await _raw(g, "POST", "/v1/completions", b'{"model": "m", "prompt": "ok", "max_tokens": 1}')
+        assert status == 200, out
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", b"{}", "model"),
+    ("/v1/chat/completions", b"{}", "model"),
+    ("/v1/completions", b'{"model": "m"}', "prompt"),
+    ("/v1/chat/completions", b'{"model": "m"}', "messages"),
+])
+async def test_missing_field_is_named_in_param(path: str, body: bytes, param: str) -> None:
+    async with running(SimWorker("w0", with_events=False)) as ws, Gw(make_config(ws)) as g:
+        status, _, out = await _raw(g, "POST", path, body)
+        assert status == 400 and _is_openai_error(out), out
+        assert (out["error"]["param"], out["error"]["message"]) == (
+            param, f"Object missing required field `{param}`")
+
+
+async def _raw_http(port: int, head: bytes, body: bytes = b"") -> tuple[int, dict[str, str], Any]:
+    """One HTTP/1.1 exchange written byte for byte (header values no client library would send); the JSON answer.
+
+    ``head`` is the request line and headers without the blank line; ``Connection: close`` and the body's length
+    are added.
+    """
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head + b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            data = await reader.read()
+    finally:
+        writer.close()
+    response_head, _, response_body = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = response_head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in header_lines:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(status_line.split(" ")[1]), headers, json.loads(response_body)
+
+
+@pytest.mark.parametrize("authorization", [b"Bearer \xff", b"Bearer " + TOKEN.encode() + b"\xe9", b"\xff\xfe"])
+@pytest.mark.parametrize("path", [b"/admin/workers", b"/admin/policy", b"/admin/index", b"/admin/sessions"])
+async def test_non_utf8_authorization_is_a_401(path: bytes, authorization: bytes) -> None:
+    async with running(SimWorker("w0", with_events=False)) as ws, Gw(make_config(ws)) as g:
+        status, headers, out = await _raw_http(g.port, b"GET " + path + b" HTTP/1.1\r\nhost: gw\r\n"
+                                               + b"authorization: " + authorization)
+        assert (status, headers["content-type"]) == (401, "application/json")
+        assert out["error"] == {"message": "missing or wrong admin bearer token", "type": "authentication_error",
+                                "param": None, "code": None}
+        status, _, _ = await _raw_http(g.port, b"GET " + path + b" HTTP/1.1\r\nhost: gw\r\n"
+                                       + b"authorization: Bearer " + TOKEN.encode())
+        assert status == 200
+
+
+async def test_non_ascii_token_matches_its_utf8_bytes() -> None:
+    token = "t\u00f6ken"
+    async with running(SimWorker("w0", with_events=False)) as ws, Gw(make_config(ws, admin={"token": token})) as g:
+        head = b"GET /admin/workers HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer "
+        status, _, _ = await _raw_http(g.port, head + token.encode("utf-8"))
+        assert status == 200
+        status, _, out = await _raw_http(g.port, head + token.encode("latin-1"))  # t\xf6ken: not the token
+        assert status == 401 and out["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/admin/workers"), ("POST", "/admin/index/clear"),
+                                              ("PUT", "/admin/policy")])
+async def test_admin_body_that_does_not_inflate_is_a_400_json_error(method: str, path: str) -> None:
+    async with running(SimWorker("w0", with_events=False)) as ws, Gw(make_config(ws)) as g:
+        status, ctype, out = await _raw(g, method, path, b"not gzip",
+                                        {**AUTH, "Content-Type": "application/json", "Content-Encoding": "gzip"})
+        assert (status, ctype) == (400, "application/json") and _is_openai_error(out), out
+        assert out["error"]["type"] == "invalid_request_error"
+        assert out["error"]["message"] == "the request body could not be read: Can not decode content-encoding: gzip"
