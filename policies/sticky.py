@@ -52,10 +52,28 @@ MAX_SESSION_KEY_CHARS = 256
 _HEADER_PREFIX: Mapping[str, str] = {"x-session-id": "sid", "x-smg-routing-key": "smg"}
 
 
+def _is_utf8(value: str) -> bool:
+    """``value`` encodes as UTF-8: it holds no lone surrogate (aiohttp decodes a header's non-UTF-8 bytes to
+    ``U+DC80..U+DCFF`` with ``surrogateescape``)."""
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _bounded(prefix: str, value: str) -> str:
-    """``prefix:value``, or ``prefix#<xxh3_128 hex>`` when ``value`` exceeds ``MAX_SESSION_KEY_CHARS``."""
-    if len(value) > MAX_SESSION_KEY_CHARS:
-        return f"{prefix}#{xxhash.xxh3_128_hexdigest(value.encode('utf-8'))}"
+    """``prefix:value``; ``prefix#<xxh3_128 hex>`` when ``value`` exceeds ``MAX_SESSION_KEY_CHARS`` or is not
+    valid UTF-8.
+
+    The digest is of ``value.encode("utf-8", "surrogatepass")``: the UTF-8 bytes of a valid value, and an
+    injective encoding of any other ``str``, so the same header bytes always give the same key and every key
+    encodes as UTF-8 (the Redis store, ``/admin/sessions``).
+    """
+    if len(value) > MAX_SESSION_KEY_CHARS or not _is_utf8(value):
+        return f"{prefix}#{xxhash.xxh3_128_hexdigest(value.encode('utf-8', 'surrogatepass'))}"
     return f"{prefix}:{value}"
 
 
@@ -68,8 +86,9 @@ def derive_session_key(
     """The request's session key from the first source in ``key_sources`` that has a non-empty value.
 
     Keys are namespaced by source so two sources never collide: ``sid:<x-session-id>``,
-    ``smg:<X-SMG-Routing-Key>``, ``user:<body user>``, ``open:<hex>``. A value over 256 characters becomes
-    ``<prefix>#<xxh3-128 hex of its UTF-8 bytes>``.
+    ``smg:<X-SMG-Routing-Key>``, ``user:<body user>``, ``open:<hex>``. A value over 256 characters, or one that is
+    not valid UTF-8 (a header's non-UTF-8 bytes), becomes ``<prefix>#<xxh3-128 hex of its UTF-8 bytes>`` (lone
+    surrogates encoded with ``surrogatepass``), so every key is valid UTF-8.
 
     Args:
         key_sources: the configured order (``SessionStickyConfig.key_sources``).

@@ -30,6 +30,9 @@ Decisions:
     every worker in ``set_pool_members`` (a non-member reaches only what it published itself).
     ``AllBlocksCleared`` and ``Resync`` never clear a worker's pool holdings; ``clear_worker`` and
     ``remove_worker`` do.
+  * Cache groups come from configuration only (``IndexConfig.groups``, ``set_group_spec``); an event of an
+    undeclared group is refused and counted (``num_unknown_group_events``), so one worker's events can never
+    switch a model to the hybrid hit rule.
   * Time is injected (``now_s``); nothing reads a clock.
 
 Measured by ``python -m router.index.bench`` (figures and method in that module's docstring): 143 bytes per

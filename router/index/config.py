@@ -1,4 +1,15 @@
-"""Configuration of the prefix index and of cache groups (hybrid models)."""
+"""Configuration of the prefix index and of cache groups (hybrid models).
+
+Cache groups are declared here, never learned from events: a ``BlockStored`` or ``BlockRemoved`` whose
+``group_idx`` the index does not declare is refused and counted (``num_unknown_group_events``). A model without
+``groups`` has one full-attention group, 0. Example (YAML ``index`` section, a Gemma-style model whose engine
+publishes group 0 for full attention and group 1 for a 4,096-token sliding window)::
+
+    index:
+      groups:
+        - {kind: full}
+        - {kind: sliding_window, sliding-window-tokens: 4096}
+"""
 
 from __future__ import annotations
 
@@ -8,50 +19,6 @@ from typing import Annotated
 import msgspec
 
 from router.index.errors import IndexConfigError
-
-
-class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
-    """Settings of one ``PrefixIndex``.
-
-    Attributes:
-        block_size: tokens per block of the index (must equal the engines' GPU block size, or divide it).
-        max_blocks: cap on indexed blocks (entries, all workers together); above it the least recently stored
-            leaves are pruned.
-        prune_target_ratio: pruning stops at ``max_blocks * prune_target_ratio`` blocks (hysteresis).
-        approx_ttl_s: lifetime in seconds of a block inserted by a routing decision (approximate mode).
-        approx_max_blocks: cap on approximate (unconfirmed) blocks; the oldest go first above it.
-        max_parked_events_per_worker: ``BlockStored`` events whose parent is not yet known, kept per worker and
-            dp_rank until the parent arrives (oldest dropped beyond it; 0 disables parking).
-    """
-
-    block_size: Annotated[int, msgspec.Meta(gt=0)] = 16
-    """Tokens per block."""
-    max_blocks: Annotated[int, msgspec.Meta(gt=0)] = 4_194_304
-    """Cap on indexed blocks."""
-    prune_target_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.8
-    """Fraction of ``max_blocks`` pruning brings the index down to."""
-    approx_ttl_s: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
-    """Seconds an approximate block lives unless an event confirms it."""
-    approx_max_blocks: Annotated[int, msgspec.Meta(gt=0)] = 1_048_576
-    """Cap on approximate blocks."""
-    max_parked_events_per_worker: Annotated[int, msgspec.Meta(ge=0)] = 1024
-    """Events waiting for their parent, per worker and dp_rank."""
-
-    def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise IndexConfigError(f"block-size must be positive, got {self.block_size}")
-        if self.max_blocks <= 0:
-            raise IndexConfigError(f"max-blocks must be positive, got {self.max_blocks}")
-        if not 0.0 < self.prune_target_ratio <= 1.0:
-            raise IndexConfigError(f"prune-target-ratio must be in (0, 1], got {self.prune_target_ratio}")
-        if self.approx_ttl_s <= 0.0:
-            raise IndexConfigError(f"approx-ttl-s must be positive, got {self.approx_ttl_s}")
-        if self.approx_max_blocks <= 0:
-            raise IndexConfigError(f"approx-max-blocks must be positive, got {self.approx_max_blocks}")
-        if self.max_parked_events_per_worker < 0:
-            raise IndexConfigError(
-                f"max-parked-events-per-worker must be >= 0, got {self.max_parked_events_per_worker}"
-            )
 
 
 class GroupKind(StrEnum):
@@ -95,23 +62,49 @@ class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename=
         return -(-(self.sliding_window_tokens - 1) // block_size)
 
 
-def group_spec_from_event(kind: str | None, sliding_window_tokens: int | None) -> GroupSpec | None:
-    """Map vLLM's ``kv_cache_spec_kind`` string to a ``GroupSpec``.
+class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """Settings of one ``PrefixIndex``.
 
-    Args:
-        kind: e.g. ``"full_attention"``, ``"sliding_window"``, ``"mamba"``; ``None`` when unsent.
-        sliding_window_tokens: ``kv_cache_spec_sliding_window``.
-
-    Returns:
-        The spec, or ``None`` when ``kind`` is ``None`` or a sliding window arrives without its size.
+    Attributes:
+        block_size: tokens per block of the index (must equal the engines' GPU block size, or divide it).
+        max_blocks: cap on indexed blocks (entries, all workers together); above it the least recently stored
+            leaves are pruned.
+        prune_target_ratio: pruning stops at ``max_blocks * prune_target_ratio`` blocks (hysteresis).
+        approx_ttl_s: lifetime in seconds of a block inserted by a routing decision (approximate mode).
+        approx_max_blocks: cap on approximate (unconfirmed) blocks; the oldest go first above it.
+        max_parked_events_per_worker: ``BlockStored`` events whose parent is not yet known, kept per worker and
+            dp_rank until the parent arrives (oldest dropped beyond it; 0 disables parking).
+        groups: the model's KV-cache groups in the engine's order (``group_idx`` = position); empty for one
+            full-attention group 0. Events of any other group are refused.
     """
-    if kind is None:
-        return None
-    lowered = kind.lower()
-    if "sliding" in lowered or "chunked_local" in lowered:
-        if sliding_window_tokens is None or sliding_window_tokens <= 0:
-            return None
-        return GroupSpec(GroupKind.SLIDING_WINDOW, sliding_window_tokens)
-    if any(word in lowered for word in ("mamba", "recurrent", "linear", "compress", "state")):
-        return GroupSpec(GroupKind.RECURRENT)
-    return GroupSpec(GroupKind.FULL)
+
+    block_size: Annotated[int, msgspec.Meta(gt=0)] = 16
+    """Tokens per block."""
+    max_blocks: Annotated[int, msgspec.Meta(gt=0)] = 4_194_304
+    """Cap on indexed blocks."""
+    prune_target_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.8
+    """Fraction of ``max_blocks`` pruning brings the index down to."""
+    approx_ttl_s: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
+    """Seconds an approximate block lives unless an event confirms it."""
+    approx_max_blocks: Annotated[int, msgspec.Meta(gt=0)] = 1_048_576
+    """Cap on approximate blocks."""
+    max_parked_events_per_worker: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    """Events waiting for their parent, per worker and dp_rank."""
+    groups: tuple[GroupSpec, ...] = ()
+    """Cache groups by index (hybrid models); empty: group 0 only, full attention."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise IndexConfigError(f"block-size must be positive, got {self.block_size}")
+        if self.max_blocks <= 0:
+            raise IndexConfigError(f"max-blocks must be positive, got {self.max_blocks}")
+        if not 0.0 < self.prune_target_ratio <= 1.0:
+            raise IndexConfigError(f"prune-target-ratio must be in (0, 1], got {self.prune_target_ratio}")
+        if self.approx_ttl_s <= 0.0:
+            raise IndexConfigError(f"approx-ttl-s must be positive, got {self.approx_ttl_s}")
+        if self.approx_max_blocks <= 0:
+            raise IndexConfigError(f"approx-max-blocks must be positive, got {self.approx_max_blocks}")
+        if self.max_parked_events_per_worker < 0:
+            raise IndexConfigError(
+                f"max-parked-events-per-worker must be >= 0, got {self.max_parked_events_per_worker}"
+            )

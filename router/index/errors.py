@@ -6,8 +6,9 @@
     ├── IndexConfigError          a bad ``IndexConfig`` value or pool / group setting (also a ``ValueError``)
     └── UnknownWorkerError        an operation named a worker the index has never seen (also a ``KeyError``)
 
-Malformed or unresolvable events never raise: they are skipped, counted in ``PrefixIndex.stats().counters``
-and logged at debug level, so one bad block never costs the rest of its batch.
+Malformed or unresolvable events never raise: they are skipped and counted in ``PrefixIndex.stats().counters``,
+so one bad block never costs the rest of its batch. Refused events (malformed, or of an undeclared cache group)
+are logged at warning level the first time per worker, dp rank and counter, at debug level after.
 """
 
 from __future__ import annotations

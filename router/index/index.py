@@ -35,7 +35,8 @@ class PrefixIndex(IngestMixin, QueryMixin):
     Args:
         config: sizes, caps and TTLs.
         pool_members: pool medium -> ids of the workers attached to that pool.
-        groups: cache group index -> spec, for hybrid models (group 0 is full attention unless given).
+        groups: cache group index -> spec, for hybrid models, on top of ``config.groups`` (group 0 is full
+            attention unless given). Events of a group declared neither here nor there are refused.
 
     Raises:
         IndexConfigError: a non-pool medium in ``pool_members``.

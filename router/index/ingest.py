@@ -3,7 +3,9 @@
 Child before parent: a ``BlockStored`` whose ``parent_block_hash`` is not (yet) known for the same worker and
 dp_rank is never attached anywhere: our hash of its blocks depends on the parent's, which we do not have. It is
 parked per slot (bounded, oldest dropped and counted) and applied as soon as a store maps that engine hash;
-a clear of the slot drops it. Removals of blocks never stored are counted and skipped.
+a clear of the slot drops it. Removals of blocks never stored are counted and skipped. A store or removal in a
+cache group the index does not declare (``router.index.config``) is refused before anything is created or parked,
+counted as ``num_unknown_group_events`` and logged (a warning once per slot).
 
 Offload stores without tokens (vLLM's CPU connector) are resolved through ``slot.engine``; an offloaded block
 covering ``k`` index blocks (``block_size = k * index block_size``) is the engine hash of the last of them, and
@@ -33,7 +35,6 @@ from router.block_hash import (
     split_extra_keys,
     tokens_to_bytes,
 )
-from router.index.config import GroupKind, GroupSpec, group_spec_from_event
 from router.index.slots import LaneKey, Slot
 from router.index.upkeep import UpkeepMixin
 
@@ -49,19 +50,25 @@ class IngestMixin(UpkeepMixin):
         counters = self._counters
         counters["num_batches"] += 1
         counters["num_events"] += len(batch.events)
+        groups = self._groups
         for event in batch.events:
             try:
                 if type(event) is BlockStored:
-                    self._store_with_parked(slot, event)
+                    if event.group_idx in groups:
+                        self._store_with_parked(slot, event)
+                    else:
+                        self._refuse_group(slot, event.group_idx, len(event.block_hashes))
                 elif type(event) is BlockRemoved:
-                    self._remove(slot, event)
+                    if event.group_idx in groups:
+                        self._remove(slot, event)
+                    else:
+                        self._refuse_group(slot, event.group_idx, len(event.block_hashes))
                 elif type(event) is AllBlocksCleared:
                     self._clear_slot(slot, event.medium, include_pool=False)
                 else:
-                    counters["num_malformed_events"] += 1
+                    self._refuse(slot, "num_malformed_events", f"an event of type {type(event).__name__}")
             except (ValueError, TypeError, OverflowError) as exc:
-                counters["num_malformed_events"] += 1
-                logger.debug("skipped a malformed event of %s/%d: %s", batch.worker_id, batch.dp_rank, exc)
+                self._refuse(slot, "num_malformed_events", f"a malformed event ({exc})")
         if self._num_entries > self.config.max_blocks:
             self._prune()
         elif len(self._log) > 2 * self._num_entries + 65536:
@@ -77,6 +84,15 @@ class IngestMixin(UpkeepMixin):
         for slot in self._worker_slots(resync.worker_id):
             if rank is None or slot.dp_rank == rank:
                 self._clear_slot(slot, None, include_pool=False)
+
+    def _refuse_group(self, slot: Slot, group_idx: int, num_blocks: int) -> None:
+        """Count an event of a cache group the index does not declare; it creates nothing."""
+        self._refuse(
+            slot,
+            "num_unknown_group_events",
+            f"an event of {num_blocks} blocks in cache group {group_idx}, not declared for this model "
+            f"(groups {sorted(self._groups)}; declare hybrid groups in the index config)",
+        )
 
     def _store_with_parked(self, slot: Slot, event: BlockStored) -> None:
         mapped = self._store(slot, event)
@@ -100,11 +116,7 @@ class IngestMixin(UpkeepMixin):
         num_event_blocks = len(event.block_hashes)
         if num_event_blocks == 0:
             return ()
-        group = event.group_idx
-        if group not in self._groups:
-            spec = group_spec_from_event(event.kv_cache_spec_kind, event.sliding_window_tokens)
-            self._groups[group] = spec if spec is not None else GroupSpec(GroupKind.FULL)
-        lane_key: LaneKey = (group, event.medium)
+        lane_key: LaneKey = (event.group_idx, event.medium)
         event_block_size = event.block_size or self._block_size
         if event_block_size < 0 or event_block_size % self._block_size:
             counters["num_block_size_mismatch_blocks"] += num_event_blocks

@@ -41,6 +41,7 @@ class Slot:
         num_gaps: blocks held on the group 0 GPU lane whose parent the slot does not hold there
             (``router.index.state``); 0 lets ``match`` binary-search this slot's depth.
         is_live: false once the slot is removed (stale expiry records skip it).
+        warned: index counters this slot's refused events were already logged under at warning level.
     """
 
     __slots__ = (
@@ -58,6 +59,7 @@ class Slot:
         "parked_order",
         "num_gaps",
         "is_live",
+        "warned",
     )
 
     def __init__(self, worker_id: str, dp_rank: int, bit: int) -> None:
@@ -75,6 +77,7 @@ class Slot:
         self.parked_order: deque[tuple[int, BlockStored]] = deque()
         self.num_gaps = 0
         self.is_live = True
+        self.warned: set[str] = set()
 
     def num_parked(self) -> int:
         """Stores waiting for a parent."""

@@ -55,6 +55,7 @@ binary-searches where each such bit leaves instead of reading every position.
 
 from __future__ import annotations
 
+import logging
 import sys
 from array import array
 from collections import Counter
@@ -67,6 +68,8 @@ from events.types import Medium
 from router.index.config import GroupSpec, IndexConfig
 from router.index.errors import IndexConfigError
 from router.index.slots import LaneKey, Slot
+
+logger = logging.getLogger(__name__)
 
 POOL_MEDIA: frozenset[Medium] = frozenset({Medium.MOONCAKE})
 """Tiers shared by several workers; membership comes from ``set_pool_members``."""
@@ -107,6 +110,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "num_unsupported_extra_key_blocks",
     "num_unresolved_offload_blocks",
     "num_malformed_events",
+    "num_unknown_group_events",
     "num_pruned_blocks",
     "num_approx_blocks_inserted",
     "num_approx_blocks_expired",
@@ -123,7 +127,8 @@ class IndexState:
     Args:
         config: sizes, caps and TTLs.
         pool_members: pool medium -> ids of the workers attached to that pool.
-        groups: cache group index -> spec, for hybrid models (group 0 is full attention unless given).
+        groups: cache group index -> spec, for hybrid models, on top of ``config.groups`` (group 0 is full
+            attention unless given). Events of a group declared neither here nor there are refused.
 
     Raises:
         IndexConfigError: a non-pool medium in ``pool_members``.
@@ -146,6 +151,8 @@ class IndexState:
         self._pool_members: dict[Medium, frozenset[str]] = {}
         self._pool_masks: dict[Medium, int] = {}
         self._groups: dict[int, GroupSpec] = {0: GroupSpec()}
+        for group_idx, spec in enumerate(self.config.groups):
+            self.set_group_spec(group_idx, spec)
         self._approx_queue: list[tuple[float, int, Slot, tuple[int, ...]]] = []  # heap by expiry
         self._approx_seq = 0
         self._num_approx = 0
@@ -187,7 +194,7 @@ class IndexState:
         self._recompute_pool_masks()
 
     def set_group_spec(self, group_idx: int, spec: GroupSpec) -> None:
-        """Declare the kind of a cache group (hybrid models).
+        """Declare a cache group or change its kind (hybrid models); events of undeclared groups are refused.
 
         Raises:
             IndexConfigError: a negative group index.
@@ -195,6 +202,22 @@ class IndexState:
         if group_idx < 0:
             raise IndexConfigError(f"group index must be >= 0, got {group_idx}")
         self._groups[group_idx] = spec
+
+    def _refuse(self, slot: Slot, counter: str, detail: str) -> None:
+        """Count one refused event under ``counter`` and log it: a warning the first time per slot and counter,
+        debug after (a worker repeating a bad event cannot flood the log)."""
+        self._counters[counter] += 1
+        if counter in slot.warned:
+            logger.debug("kv events of worker %s rank %d: refused %s", slot.worker_id, slot.dp_rank, detail)
+            return
+        slot.warned.add(counter)
+        logger.warning(
+            "kv events of worker %s rank %d: refused %s (counted as %s; further ones are logged at debug)",
+            slot.worker_id,
+            slot.dp_rank,
+            detail,
+            counter,
+        )
 
     def _recompute_pool_masks(self) -> None:
         self._pool_masks = {

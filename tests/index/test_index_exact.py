@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Medium, Resync
@@ -370,23 +371,63 @@ def test_hybrid_groups_sliding_window_and_recurrent():
     assert depths(index) == {"w0": (4, 0, 0)}  # latest checkpoint at or before the end: block 3
 
 
-def test_group_kind_learned_from_events():
+def test_undeclared_group_refused_counted_and_creates_nothing(caplog):
     index = make_index()
     index.apply(batch("w0", stored(0, 4)))
-    index.apply(batch("w0", stored(0, 4, group_idx=1, kv_cache_spec_kind="mamba")))
+    with caplog.at_level("DEBUG", logger="router.index.state"):
+        for group_idx in (1, -1, 2**40):
+            index.apply(batch("evil", stored(0, 1, group_idx=group_idx, kv_cache_spec_kind="mamba")))
+        index.apply(batch("evil", BlockRemoved((1000,), group_idx=1)))
+        index.apply(batch("w0", BlockRemoved((1003,), group_idx=7)))
+    assert depths(index) == {"w0": (4, 0, 0)}  # still the plain full-attention match
+    counters = index.stats().counters
+    assert counters["num_unknown_group_events"] == 5
+    assert counters["num_malformed_events"] == 0
+    assert counters["num_blocks_stored"] == 4
+    assert index.stats().num_blocks_by_worker == {"w0": {"GPU": 4}, "evil": {}}
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2  # once per slot, debug after
+    assert warnings[0].startswith("kv events of worker evil rank 0: refused an event of 1 blocks in cache group 1,")
+    assert warnings[1].startswith("kv events of worker w0 rank 0: refused an event of 1 blocks in cache group 7,")
+    index.check_invariants()
+    index.remove_worker("evil")
+    index.clear()
+    index.apply(batch("w0", stored(0, 2)))
+    assert depths(index) == {"w0": (2, 0, 0)}
+    index.check_invariants()
+
+
+def test_groups_declared_in_config_survive_clear():
+    config = IndexConfig(block_size=BS, groups=(GroupSpec(GroupKind.FULL), GroupSpec(GroupKind.RECURRENT)))
+    index = PrefixIndex(config)
+    index.apply(batch("w0", stored(0, 4)))
+    assert depths(index) == {}  # the recurrent group holds no checkpoint yet
+    index.apply(batch("w0", stored(0, 4, group_idx=1)))
     index.apply(batch("w0", BlockRemoved((1001,), group_idx=1)))
     assert depths(index) == {"w0": (4, 0, 0)}
     index.apply(batch("w0", BlockRemoved((1003,), group_idx=1)))
-    assert depths(index) == {"w0": (3, 0, 0)}
+    assert depths(index) == {"w0": (3, 0, 0)}  # latest checkpoint: block 2
+    index.apply(batch("w0", stored(0, 4, group_idx=2)))
+    assert index.stats().counters["num_unknown_group_events"] == 1
+    index.clear()
+    index.apply(batch("w0", stored(0, 4)))
+    assert depths(index) == {}  # group 1 is still declared: the hybrid rule still applies
+    index.apply(batch("w0", stored(0, 2, group_idx=1)))
+    assert depths(index) == {"w0": (2, 0, 0)}
+    index.check_invariants()
 
 
-def test_malformed_event_counted_rest_applies():
+def test_malformed_event_counted_rest_applies(caplog):
     index = make_index()
     bad = BlockStored((1, 2), None, (1, 2, 3), BS)  # 3 tokens for 2 blocks
     negative = BlockStored((3,), None, (-1, 0, 0, 0), BS)
-    index.apply(batch("w0", bad, negative, stored(0, 2)))
+    too_large = BlockStored((4,), None, (2**32, 0, 0, 0), BS)
+    with caplog.at_level("DEBUG", logger="router.index.state"):
+        index.apply(batch("w0", bad, negative, too_large, stored(0, 2)))
     assert depths(index) == {"w0": (2, 0, 0)}
-    assert index.stats().counters["num_malformed_events"] == 2
+    assert index.stats().counters["num_malformed_events"] == 3
+    assert [r.levelname for r in caplog.records] == ["WARNING", "DEBUG", "DEBUG"]  # once per slot, then debug
+    assert caplog.records[0].getMessage().startswith("kv events of worker w0 rank 0: refused a malformed event (")
 
 
 def test_dump_worker_chains():
@@ -410,6 +451,15 @@ def test_config_validation():
         IndexConfig(prune_target_ratio=1.5)
     with pytest.raises(IndexConfigError):
         GroupSpec(GroupKind.SLIDING_WINDOW)
+
+
+def test_config_groups_from_yaml_mapping():
+    raw = {"block-size": 16, "groups": [{"kind": "full"}, {"kind": "sliding_window", "sliding-window-tokens": 4096}]}
+    config = msgspec.convert(raw, IndexConfig)
+    assert config.groups == (GroupSpec(GroupKind.FULL), GroupSpec(GroupKind.SLIDING_WINDOW, 4096))
+    assert PrefixIndex(config)._groups == {0: GroupSpec(GroupKind.FULL), 1: GroupSpec(GroupKind.SLIDING_WINDOW, 4096)}
+    with pytest.raises(msgspec.ValidationError, match=r"sliding-window-tokens > 0 - at `\$.groups\[0\]`"):
+        msgspec.convert({"groups": [{"kind": "sliding_window"}]}, IndexConfig)
 
 
 def test_a_chain_freed_leaf_first_is_reused_as_one_run_of_ids():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import xxhash
 from multidict import CIMultiDict
 
 from policies import (
@@ -172,6 +173,26 @@ def test_no_session_key_is_the_inner_decision_and_no_worker_passes_through():
 )
 def test_derive_session_key(sources, headers, user, opening, key):
     assert derive_session_key(sources, CIMultiDict(headers), user, opening) == key
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        (b"caf\xc3\xa9", "sid:caf\u00e9"),  # valid UTF-8 is kept as is
+        (b"caf\xe9", "sid#" + xxhash.xxh3_128_hexdigest("caf\udce9".encode("utf-8", "surrogatepass"))),
+        (b"\xff\xfe", "sid#" + xxhash.xxh3_128_hexdigest(b"\xed\xb3\xbf\xed\xb3\xbe")),
+        (b"\xff" * 300, "sid#" + xxhash.xxh3_128_hexdigest(b"\xed\xb3\xbf" * 300)),
+        (b"a" * 300, "sid#" + xxhash.xxh3_128_hexdigest(b"a" * 300)),  # long valid keys: digest of the UTF-8
+    ],
+)
+def test_derive_session_key_of_header_bytes(raw, key):
+    """A header value as aiohttp decodes it (UTF-8, non-UTF-8 bytes as surrogates): every key is valid UTF-8, and
+    the same bytes give the same key."""
+    headers = CIMultiDict({"x-session-id": raw.decode("utf-8", "surrogateescape")})
+    got = derive_session_key(("x-session-id",), headers)
+    assert got == key
+    assert got.encode("utf-8").decode("utf-8") == key
+    assert derive_session_key(("x-session-id",), CIMultiDict(headers)) == key
 
 
 async def test_one_round_trip_flow_with_the_memory_store():

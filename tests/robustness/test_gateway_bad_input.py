@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+import xxhash
 
 from tests.router.sim_fleet import MODEL, TOKEN, Gw, SimWorker, free_port, make_config, running
 
@@ -187,3 +188,51 @@ async def test_admin_body_that_does_not_inflate_is_a_400_json_error(method: str,
         assert (status, ctype) == (400, "application/json") and _is_openai_error(out), out
         assert out["error"]["type"] == "invalid_request_error"
         assert out["error"]["message"] == "the request body could not be read: Can not decode content-encoding: gzip"
+
+
+_COMPLETION = json.dumps({"model": MODEL, "prompt": "session key probe " * 3, "max_tokens": 1}).encode()
+
+
+def _hashed(prefix: str, raw: bytes) -> str:
+    """The key ``derive_session_key`` gives a header value that is not valid UTF-8 (see policies.sticky)."""
+    return prefix + "#" + xxhash.xxh3_128_hexdigest(raw.decode("utf-8", "surrogateescape").encode(
+        "utf-8", "surrogatepass"))
+
+
+@pytest.mark.parametrize(("header", "key"), [
+    (b"x-session-id: " + b"\xff" * 300, _hashed("sid", b"\xff" * 300)),
+    (b"x-session-id: \xff\xfe", _hashed("sid", b"\xff\xfe")),
+    (b"x-smg-routing-key: caf\xe9", _hashed("smg", b"caf\xe9")),
+    (b"x-smg-routing-key: caf\xc3\xa9", "smg:caf\u00e9"),
+])
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_non_utf8_session_header_is_a_stable_hashed_key(
+    header: bytes, key: str, store: str, request: pytest.FixtureRequest,
+) -> None:
+    """aiohttp carries a header's non-UTF-8 bytes as lone surrogates; the session key derived from them is hashed,
+    so it is valid UTF-8 for every store (redis-py encodes keys strictly) and for ``/admin/sessions``."""
+    sessions: dict[str, Any] = {"store": store}
+    if store == "redis":
+        sessions.update(url=request.getfixturevalue("redis_url"),
+                        key_prefix=request.getfixturevalue("redis_key_prefix"))
+    async with running(SimWorker("w0", with_events=False)) as ws, Gw(make_config(
+            ws, policy={"name": "session_sticky"}, sessions=sessions)) as g:
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n" + header
+        for _ in range(2):
+            status, headers, out = await _raw_http(g.port, head, _COMPLETION)
+            assert status == 200, out
+            assert headers["x-kvgate-worker"] == "w0"
+        entries = await g.gw.sessions.list_sessions(10)
+        assert [e.session_key for e in entries] == [key]
+        status, _, listed = await _raw(g, "GET", "/admin/sessions", b"", AUTH)
+        assert status == 200
+        assert [s["session_key"] for s in listed["sessions"]] == [key]
+        assert listed["num_sessions"] == 1
+
+
+async def test_non_utf8_long_session_header_with_a_stateless_policy() -> None:
+    async with running(SimWorker("w0", with_events=False)) as ws, Gw(make_config(ws)) as g:
+        head = (b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                b"x-session-id: " + b"\xff" * 300)
+        status, _, out = await _raw_http(g.port, head, _COMPLETION)
+        assert status == 200, out
