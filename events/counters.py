@@ -32,6 +32,9 @@ class DropKind(StrEnum):
     """A topic that does not name a worker as ``kv@<worker>@<model>`` (bound topology)."""
     UNKNOWN_WORKER = "unknown_worker"
     """A topic naming a worker that was never added (bound topology)."""
+    UNKNOWN_DP_RANK = "unknown_dp_rank"
+    """A batch whose dp rank is not one of the worker's added ranks (or, from replay, not the replayed stream's):
+    the whole batch is dropped and creates no stream."""
     MALFORMED_PAYLOAD = "malformed_payload"
     """Truncated or garbage msgpack, or an outer batch of the wrong shape: the whole batch is dropped."""
     MALFORMED_EVENT = "malformed_event"

@@ -11,7 +11,11 @@ Topologies (both wire-compatible with vLLM / SGLang publishers, see ``events.pub
 An engine's PUB connects to one address only, so the bound topology serves one gateway replica. With several
 replicas, each replica connects its own SUB to every worker's PUB (PUB/SUB fans out); use the connect topology.
 
-Sequencing, per (worker_id, dp_rank) stream (dp_rank from the batch, else ``WorkerSpec.dp_rank``):
+Sequencing, per (worker_id, dp_rank) stream (dp_rank from the batch, else ``WorkerSpec.dp_rank``). A stream is
+created on a rank's first batch, and only for the ranks added with ``add_worker`` (a worker accepted through
+``accept_unknown_workers`` has rank 0 only): a batch of any other rank is dropped whole, counted
+``unknown_dp_rank`` and logged (a warning once per worker), so a publisher cannot make streams or index slots
+without bound. A replayed batch must carry the rank of the stream that asked for it.
 
     first batch (or after a Resync)       accepted as the baseline
     seq == last + 1                       applied
@@ -444,6 +448,13 @@ class KVEventSubscriber:
             payload, worker_id=worker_id, seq=seq, block_size=block_size, default_dp_rank=spec.dp_rank
         )
         dp_rank = spec.dp_rank if batch is None else batch.dp_rank
+        if dp_rank not in by_rank:
+            self.counters.drop(
+                worker_id,
+                DropKind.UNKNOWN_DP_RANK,
+                f"batch {seq} of dp rank {dp_rank}; the worker's ranks are {sorted(by_rank)}",
+            )
+            return
         stream = self._stream_for(worker_id, dp_rank)
         stream.queue.put_nowait(_Item(seq=seq, digest=xxhash.xxh3_64_intdigest(payload), batch=batch))
         if stream.queue.qsize() >= self.config.max_pending_batches:
@@ -550,6 +561,13 @@ class KVEventSubscriber:
                 default_dp_rank=stream.dp_rank,
             )
             self.counters.num_replayed_batches[stream.worker_id] += 1
+            if batch is not None and batch.dp_rank != stream.dp_rank:
+                self.counters.drop(
+                    stream.worker_id,
+                    DropKind.UNKNOWN_DP_RANK,
+                    f"replayed batch {q} of dp rank {batch.dp_rank} on the stream of rank {stream.dp_rank}",
+                )
+                batch = None  # still consumes its seq
             await self._apply(stream, _Item(seq=q, digest=digest, batch=batch))
         await self._apply(stream, item)
 

@@ -368,6 +368,62 @@ async def test_bad_frames_counted_nothing_emitted(ctx, engine):
     await sub.aclose()
 
 
+async def test_batches_of_unconfigured_dp_ranks_dropped_and_create_no_stream(ctx, engine, caplog):
+    sub, records = await joined_sub(ctx, engine, replay=False)
+    with caplog.at_level("DEBUG", logger="events.counters"):
+        for rank in (*range(1, 51), 2**40):
+            await engine.send(rank, encode_batch([stored(rank)], 1.0, rank))
+        await engine.send(7, encode_batch([stored(7)], 1.0, 0))
+        await until(lambda: sub.last_seq("w") == 7)
+    assert hashes_of(records) == [(7, 7)]
+    assert sub.counters.drops == {("w", DropKind.UNKNOWN_DP_RANK): 51}
+    assert list(sub._streams) == [("w", 0)]
+    logged = [(r.levelname, r.getMessage()) for r in caplog.records if "unknown_dp_rank" in r.getMessage()]
+    assert [level for level, _ in logged] == ["WARNING"] + ["DEBUG"] * 50
+    assert logged[0][1] == (
+        "kv events from worker w: dropped (unknown_dp_rank): batch 1 of dp rank 1; the worker's ranks are [0] "
+        "(further drops of this kind are logged at debug)"
+    )
+    await sub.aclose()
+
+
+async def test_bound_topology_accepts_only_added_dp_ranks(ctx):
+    records: list = []
+    sub = make_sub(ctx, records, bind_endpoint="tcp://127.0.0.1:*")
+    await sub.start()
+    sub.add_worker(WorkerSpec(worker_id="pod-a", dp_rank=0))
+    sub.add_worker(WorkerSpec(worker_id="pod-a", dp_rank=1))
+    pub = ctx.socket(zmq.PUB)
+    pub.connect(sub.bound_endpoint)
+    topic = b"kv@pod-a@llama"
+    async with asyncio.timeout(5):  # past the ZMQ join: a message without a seq frame is counted
+        while not sub.counters.drops.get(("?", DropKind.FRAME_COUNT)):
+            await pub.send_multipart([topic, b""])
+            await asyncio.sleep(0.01)
+    sub.counters.drops.clear()
+    for tag, (rank, seq) in enumerate(((0, 0), (1, 0), (2, 0), (3, 0), (1, 1))):  # seqs count per rank
+        await pub.send_multipart([topic, seq.to_bytes(8, "big"), encode_batch([stored(10 + tag)], 1.0, rank)])
+    await until(lambda: sub.last_seq("pod-a", 1) == 1)
+    assert [(r.dp_rank, r.seq, r.events[0].block_hashes) for r in records] == [(0, 0, (10,)), (1, 0, (11,)),
+                                                                              (1, 1, (14,))]
+    assert sub.counters.drops == {("pod-a", DropKind.UNKNOWN_DP_RANK): 2}
+    assert sorted(sub._streams) == [("pod-a", 0), ("pod-a", 1)]
+    pub.close(linger=0)
+    await sub.aclose()
+
+
+async def test_replayed_batch_of_another_dp_rank_dropped(ctx, engine):
+    sub, records = await joined_sub(ctx, engine)
+    await engine.send(0, encode_batch([stored(100)], 1.0, 0))
+    await engine.send(1, encode_batch([stored(101)], 1.0, 5), deliver=False)
+    await engine.send(2, encode_batch([stored(102)], 1.0, 0))
+    await until(lambda: sub.last_seq("w") == 2)
+    assert hashes_of(records) == [(0, 100), (2, 102)]
+    assert sub.counters.drops == {("w", DropKind.UNKNOWN_DP_RANK): 1}
+    assert sub.counters.num_replayed_batches["w"] == 1 and sub.counters.resyncs == {}
+    await sub.aclose()
+
+
 async def test_add_remove_worker_at_runtime_and_slices(ctx, engine):
     sub, records = await joined_sub(ctx, engine, replay=False, max_blocks_per_slice=3)
     big = encode_batch([stored(1, 2), stored(3, 4), stored(5)], 1.0, 0)
