@@ -33,6 +33,8 @@ invalid is returned):
       multiple of the GPU block size; tokens, when present, must still match;
     * a BlockStored with a repeated hash (or one equal to its parent) is refused; a BlockRemoved with repeated
       hashes is counted and kept with each hash once;
+    * a token id outside ``[0, 2**32)`` (our block hash packs tokens as uint32) or a negative ``group_idx``
+      refuses the event (``MALFORMED_EVENT``); which groups a model has is the index's to check;
     * ``locality`` other than ``LOCAL`` drops the event.
 
 Speed: the common shapes (array batch with tagged-map events, or all arrays, int hashes, flat tokens) go through
@@ -47,12 +49,13 @@ Public API:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from events.counters import DropKind, EventCounters
 from events.types import (
+    MAX_TOKEN_ID,
     U64_MASK,
     AllBlocksCleared,
     BlockRemoved,
@@ -68,17 +71,22 @@ logger = logging.getLogger(__name__)
 
 # --- typed fast path --------------------------------------------------------------------------------------------
 
+# Range checks inside the typed decoders cost nothing on valid input; a violation makes the typed decode fail, and
+# the untyped fallback then refuses just the offending event (counted ``MALFORMED_EVENT``).
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+GroupIdx = Annotated[int, msgspec.Meta(ge=0)]
+
 
 class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", forbid_unknown_fields=True, gc=False):
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
-    token_ids: tuple[int, ...]
+    token_ids: tuple[TokenId, ...]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None
-    group_idx: int | None = None
+    group_idx: GroupIdx | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
@@ -89,7 +97,7 @@ class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", forbid_unk
 class _MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", forbid_unknown_fields=True, gc=False):
     block_hashes: tuple[int, ...]
     medium: str | None = None
-    group_idx: int | None = None
+    group_idx: GroupIdx | None = None
     locality: str | None = None
     ownership: Any = None
     session_id: Any = None
@@ -108,13 +116,13 @@ class _MapBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=
 class _ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True, forbid_unknown_fields=True, gc=False):
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
-    token_ids: tuple[int, ...]
+    token_ids: tuple[TokenId, ...]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None
-    group_idx: int | None = None
+    group_idx: GroupIdx | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
@@ -123,7 +131,7 @@ class _ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True, forbid_un
 class _ArrayRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, forbid_unknown_fields=True, gc=False):
     block_hashes: tuple[int, ...]
     medium: str | None = None
-    group_idx: int | None = None
+    group_idx: GroupIdx | None = None
     locality: str | None = None
 
 
@@ -219,10 +227,17 @@ def _raw_tokens(value: Any) -> tuple[int, ...]:
         # EAGLE bigram pairs [[t0, t1], [t1, t2], ...]: one pair per token position, first element is the token.
         if not all(isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and _is_int(p[1]) for p in value):
             raise _Refused(DropKind.MALFORMED_EVENT, "token_ids mixes bigram pairs and other values")
-        return tuple(p[0] for p in value)
-    if not all(_is_int(t) for t in value):
+        tokens = tuple(p[0] for p in value)
+    elif not all(_is_int(t) for t in value):
         raise _Refused(DropKind.MALFORMED_EVENT, "token_ids holds a non-integer")
-    return tuple(value)
+    else:
+        tokens = tuple(value)
+    if tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
+        raise _Refused(
+            DropKind.MALFORMED_EVENT,
+            f"token id out of range [0, 2**32): min {min(tokens)}, max {max(tokens)}",
+        )
+    return tokens
 
 
 def _opt_int(value: Any, name: str) -> int | None:
@@ -528,6 +543,8 @@ class EventDecoder:
         medium = self._medium(_opt_str(f.get("medium"), "medium"))
         hashes = _raw_hashes(f["block_hashes"])
         group_idx = _opt_int(f.get("group_idx"), "group_idx")
+        if group_idx is not None and group_idx < 0:
+            raise _Refused(DropKind.MALFORMED_EVENT, f"negative group_idx {group_idx}")
         if tag == "BlockRemoved":
             return self._removed(worker_id, hashes, medium, group_idx)
         parent_raw = f["parent_block_hash"]

@@ -30,6 +30,8 @@ EngineBlockHash = NewType("EngineBlockHash", int)
 """An engine's block hash folded to u64 (see module docstring). Opaque: never compared across workers."""
 
 U64_MASK = (1 << 64) - 1
+MAX_TOKEN_ID = (1 << 32) - 1
+"""Largest token id accepted: the prefix index hashes token ids as little-endian uint32 (``router.block_hash``)."""
 
 
 class Medium(StrEnum):
@@ -105,7 +107,8 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
         block_hashes: engine hashes of the blocks, u64, root-most first.
         parent_block_hash: engine hash of the block just before ``block_hashes[0]``; ``None`` at the root
             (or unknown, for offload stores).
-        token_ids: flat token ids, ``block_size`` per block; empty for token-less offload stores.
+        token_ids: flat token ids, ``block_size`` per block, each in ``[0, 2**32)``; empty for token-less offload
+            stores.
         block_size: tokens per block as published.
         medium: tier the blocks were stored on.
         lora_name: LoRA adapter name that feeds the engine's hash, or ``None``.

@@ -209,6 +209,17 @@ BAD_EVENTS = [
     ("offload_bad_multiple", stored_map(medium="CPU", block_size=6, token_ids=[]), DropKind.BLOCK_SIZE_MISMATCH),
     ("not_an_event", 17, DropKind.MALFORMED_EVENT),
     ("array_too_short", ["BlockStored", [1], None], DropKind.MALFORMED_EVENT),
+    ("token_negative", stored_map(token_ids=[0, 1, 2, -1, 4, 5, 6, 7]), DropKind.MALFORMED_EVENT),
+    ("token_2_32", stored_map(token_ids=[0, 1, 2, 2**32, 4, 5, 6, 7]), DropKind.MALFORMED_EVENT),
+    ("token_u64_max", stored_map(token_ids=[U64, 1, 2, 3, 4, 5, 6, 7]), DropKind.MALFORMED_EVENT),
+    ("token_bigram_2_32", stored_map(token_ids=[[2**32, 1]] + [[i, i + 1] for i in range(7)]),
+     DropKind.MALFORMED_EVENT),
+    ("token_array_negative", ["BlockStored", [1], None, [0, -5, 2, 3], 4, None, "GPU"], DropKind.MALFORMED_EVENT),
+    ("group_negative", stored_map(group_idx=-1), DropKind.MALFORMED_EVENT),
+    ("group_array_negative", ["BlockStored", [1], None, [0, 1, 2, 3], 4, None, "GPU", None, None, -1],
+     DropKind.MALFORMED_EVENT),
+    ("removed_group_negative", {"type": "BlockRemoved", "block_hashes": [1], "group_idx": -1},
+     DropKind.MALFORMED_EVENT),
 ]
 
 
@@ -268,3 +279,19 @@ def test_drop_logged_once_per_worker_and_kind(caplog):
         dec.decode(payload, worker_id="w2", seq=0, block_size=4)
     assert counters.drops == {("w1", DropKind.TOKEN_COUNT_MISMATCH): 3, ("w2", DropKind.TOKEN_COUNT_MISMATCH): 1}
     assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 2
+
+
+def test_token_id_range_edges_and_neighbours_kept():
+    dec, counters = make_decoder()
+    top = 2**32 - 1
+    good = stored_map(block_hashes=[7, 8], token_ids=[0, 1, 2, 3, 4, 5, 6, top])
+    bad = stored_map(block_hashes=[9], token_ids=[0, 1, 2, 2**32])
+    removed = {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU", "group_idx": 2**40}
+    batch = dec.decode(msgspec.msgpack.encode([1.0, [good, bad, removed], 0]), worker_id="w1", seq=0, block_size=4)
+    assert batch is not None
+    assert batch.events == (
+        BlockStored(block_hashes=(h(7), h(8)), parent_block_hash=None, token_ids=(0, 1, 2, 3, 4, 5, 6, top),
+                    block_size=4),
+        BlockRemoved(block_hashes=(h(3),), group_idx=2**40),  # which groups exist is the index's to check
+    )
+    assert counters.drops == {("w1", DropKind.MALFORMED_EVENT): 1}
