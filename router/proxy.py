@@ -104,14 +104,23 @@ AUTO_HEADER_BITS = {"user-agent": 1, "accept-encoding": 2, "content-type": 4}
 ALL_AUTO_HEADERS = 7
 ROUTING_HEADERS = ("x-session-id", "x-smg-routing-key", "x-kvgate-worker", "x-smg-target-worker")
 """Request headers routing reads (session keys, forced worker); forwarded like any other."""
+DECODED_BODY_HEADERS = ("content-encoding",)
+"""Request headers that describe the body as the client encoded it, dropped when forwarding: aiohttp's server
+inflates a ``gzip``/``deflate``/``br`` body before the gateway reads it (a body it does not inflate fails to parse
+as JSON and is refused), so the worker is sent the inflated body, which no longer has that encoding."""
 _HOP_BY_HOP = -1
 _ROUTING = 8
 _REQUEST_ID = 16
 _HEADER_ROLES: dict[str, int] = {
-    **{name: _HOP_BY_HOP for name in HOP_BY_HOP_HEADERS}, **AUTO_HEADER_BITS,
+    **{name: _HOP_BY_HOP for name in (*HOP_BY_HOP_HEADERS, *DECODED_BODY_HEADERS)}, **AUTO_HEADER_BITS,
     **{name: _ROUTING for name in ROUTING_HEADERS}, REQUEST_ID_HEADER: _REQUEST_ID,
 }
-"""Lower-cased header name -> its role: hop-by-hop (dropped), an auto header bit, routing, or the request id."""
+"""Lower-cased header name -> its role: dropped (hop-by-hop, or ``DECODED_BODY_HEADERS``), an auto header bit,
+routing, or the request id."""
+
+MAX_MEMO_BLOCK_CHARS = 4096
+"""``ClientHeaderReader`` memoizes a header block only below this many characters (names plus values): an SDK's
+usual block is a few hundred; a larger one is read on every request instead of being retained."""
 
 
 class ClientHeaders(msgspec.Struct, frozen=True, gc=False):
@@ -119,18 +128,21 @@ class ClientHeaders(msgspec.Struct, frozen=True, gc=False):
     read only).
 
     Attributes:
-        forward: the headers to send upstream: the client's without hop-by-hop ones (the proxy adds
-            ``x-request-id``).
+        forward: the headers to send upstream: the client's without the dropped ones (hop-by-hop,
+            ``DECODED_BODY_HEADERS``; the proxy adds ``x-request-id``).
         skip_auto_headers: names in ``AUTO_HEADER_BITS`` the client did not send (the HTTP client must not add
             them).
         routing: the first non-empty value of each of ``ROUTING_HEADERS`` the client sent, by lower-cased name.
         request_id: the client's ``x-request-id`` (first non-empty one), kept as the request's id, or ``None``.
+        num_chars: characters in the block's names and values, dropped headers included (the decoded text of
+            its bytes: one character per 1 to 4 bytes).
     """
 
     forward: tuple[tuple[str, str], ...]
     skip_auto_headers: tuple[str, ...]
     routing: dict[str, str]
     request_id: str | None = None
+    num_chars: int = 0
 
 
 def client_headers_of(headers: Mapping[str, str]) -> ClientHeaders:
@@ -140,8 +152,10 @@ def client_headers_of(headers: Mapping[str, str]) -> ClientHeaders:
     routing: dict[str, str] = {}
     request_id: str | None = None
     seen = 0
+    num_chars = 0
     roles = _HEADER_ROLES
     for name, value in headers.items():
+        num_chars += len(name) + len(value)
         lower = name.lower()
         role = roles.get(lower)
         if role is not None:
@@ -157,7 +171,7 @@ def client_headers_of(headers: Mapping[str, str]) -> ClientHeaders:
                 seen |= role
         out.append((name, value))
     skip = () if seen == ALL_AUTO_HEADERS else tuple(name for name, bit in AUTO_HEADER_BITS.items() if not seen & bit)
-    return ClientHeaders(tuple(out), skip, routing, request_id)
+    return ClientHeaders(tuple(out), skip, routing, request_id, num_chars)
 
 
 class ClientHeaderReader:
@@ -167,12 +181,15 @@ class ClientHeaderReader:
     conversation), so the pass over them runs once per distinct header block; the memo is cleared when it holds
     ``max_entries`` blocks. Keys are aiohttp's ``raw_headers`` (name and value bytes as received, in order), so
     two blocks share an entry only when they are byte-identical. A block with an ``x-request-id`` is unique to
-    its request: it is read every time and never memoized.
+    its request: it is read every time and never memoized; so is a block of ``MAX_MEMO_BLOCK_CHARS`` characters
+    or more (a client varying large headers would otherwise keep up to ``max_entries`` of them, raw and decoded,
+    alive). The memo therefore holds at most ``max_entries * MAX_MEMO_BLOCK_CHARS * 4`` raw header bytes
+    (16 MiB by default) plus their decoded copies.
     """
 
     __slots__ = ("_memo", "_max_entries")
 
-    def __init__(self, max_entries: int = 4096) -> None:
+    def __init__(self, max_entries: int = 1024) -> None:
         self._memo: dict[tuple[tuple[bytes, bytes], ...], ClientHeaders] = {}
         self._max_entries = max_entries
 
@@ -182,7 +199,7 @@ class ClientHeaderReader:
         got = self._memo.get(raw_headers)
         if got is None:
             got = client_headers_of(headers)
-            if got.request_id is None:
+            if got.request_id is None and got.num_chars < MAX_MEMO_BLOCK_CHARS:
                 if len(self._memo) >= self._max_entries:
                     self._memo.clear()
                 self._memo[raw_headers] = got

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.proxy import ClientHeaderReader, cached_tokens_of, client_headers_of, usage_from_sse_tail
+from router.proxy import (
+    MAX_MEMO_BLOCK_CHARS,
+    ClientHeaderReader,
+    cached_tokens_of,
+    client_headers_of,
+    usage_from_sse_tail,
+)
 
 
 def _usage_event(cached: int) -> bytes:
@@ -77,3 +83,44 @@ def test_client_header_reader_reads_each_distinct_block_once() -> None:
     reader.read(((b"Host", b"gw"),), CIMultiDictProxy(CIMultiDict([("Host", "gw")])))
     again = reader.read(block_a, headers_a)
     assert again is not first and again == first
+
+
+def test_client_headers_drop_the_request_content_encoding() -> None:
+    """aiohttp inflates a compressed request body before the gateway reads it, so the body forwarded is no longer
+    encoded: the client's Content-Encoding is not forwarded."""
+    headers = CIMultiDictProxy(CIMultiDict([("Content-Type", "application/json"), ("Content-Encoding", "gzip"),
+                                            ("Content-Length", "31")]))
+    got = client_headers_of(headers)
+    assert got.forward == (("Content-Type", "application/json"),)
+    assert got.num_chars == len("Content-Type") + len("application/json") + len("Content-Encoding") + len("gzip") \
+        + len("Content-Length") + len("31")
+
+
+def test_client_header_reader_memoizes_only_small_blocks() -> None:
+    reader = ClientHeaderReader()
+    # MAX_MEMO_BLOCK_CHARS - 1 characters (names plus values): memoized.
+    small_value = "v" * (MAX_MEMO_BLOCK_CHARS - 1 - len("X-Pad"))
+    small = ((b"X-Pad", small_value.encode()),)
+    small_headers = CIMultiDictProxy(CIMultiDict([("X-Pad", small_value)]))
+    first = reader.read(small, small_headers)
+    assert first.num_chars == MAX_MEMO_BLOCK_CHARS - 1
+    assert reader.read(tuple(small), small_headers) is first
+    # One character more: read on every request, never retained.
+    large_value = small_value + "v"
+    large = ((b"X-Pad", large_value.encode()),)
+    large_headers = CIMultiDictProxy(CIMultiDict([("X-Pad", large_value)]))
+    got = reader.read(large, large_headers)
+    assert got.num_chars == MAX_MEMO_BLOCK_CHARS
+    again = reader.read(tuple(large), large_headers)
+    assert again is not got and again == got
+    assert len(reader._memo) == 1
+
+
+def test_client_header_reader_holds_at_most_1024_blocks_by_default() -> None:
+    reader = ClientHeaderReader()
+    blocks = [((b"X-N", str(i).encode()),) for i in range(1025)]
+    for i, block in enumerate(blocks[:1024]):
+        reader.read(block, CIMultiDictProxy(CIMultiDict([("X-N", str(i))])))
+    assert len(reader._memo) == 1024
+    reader.read(blocks[1024], CIMultiDictProxy(CIMultiDict([("X-N", "1024")])))  # full: cleared, then stored
+    assert list(reader._memo) == [blocks[1024]]
