@@ -67,6 +67,7 @@ class _ChatBody(msgspec.Struct, frozen=True, gc=False):
     max_completion_tokens: int | None = None
     user: str | None = None
     cache_salt: str | None = None
+    add_generation_prompt: bool = True
 
 
 class _CompletionBody(msgspec.Struct, frozen=True, gc=False):
@@ -90,6 +91,8 @@ class ParsedRequest(msgspec.Struct, frozen=True, gc=False):
         cache_salt: vLLM's ``cache_salt``.
         messages: chat messages (content normalized to text), empty for completions.
         prompt: completions prompt: text or token ids; ``None`` for chat.
+        add_generation_prompt: chat: the template appends the assistant's generation prompt (the body's
+            ``add_generation_prompt``, true by default as in vLLM); always true for completions.
     """
 
     kind: RequestKind
@@ -100,6 +103,7 @@ class ParsedRequest(msgspec.Struct, frozen=True, gc=False):
     cache_salt: str | None
     messages: tuple[ChatMessage, ...] = ()
     prompt: str | tuple[int, ...] | None = None
+    add_generation_prompt: bool = True
 
 
 _chat_decoder = msgspec.json.Decoder(_ChatBody)
@@ -189,7 +193,8 @@ def _from_chat(chat: _ChatBody) -> ParsedRequest:
     _check_max_tokens(chat.max_tokens, "max_tokens")
     _check_max_tokens(chat.max_completion_tokens, "max_completion_tokens")
     return ParsedRequest(
-        "chat", chat.model, chat.stream, max_tokens, chat.user, chat.cache_salt, messages=tuple(messages)
+        "chat", chat.model, chat.stream, max_tokens, chat.user, chat.cache_salt, messages=tuple(messages),
+        add_generation_prompt=chat.add_generation_prompt,
     )
 
 
@@ -385,16 +390,21 @@ class ModelTokenizer:
         """Tokenize and hash ``parsed``'s prompt, reusing cached prefixes.
 
         Raises:
-            InvalidFieldError: the template or tokenizer refuses the input (e.g. token ids out of range).
+            InvalidFieldError: the template or tokenizer refuses the input (e.g. token ids out of range), or
+                ``cache_salt`` is ``""`` while ``honor_cache_salt`` is on (vLLM refuses an empty salt with a 400,
+                so no worker ever caches under it).
         """
         if parsed.cache_salt is None and parsed.model == self.config.name:
             ns = self._base_namespace
         else:
+            if parsed.cache_salt == "" and self.config.honor_cache_salt:
+                raise InvalidFieldError("Parameter 'cache_salt' must be a non-empty string if provided.",
+                                        param="cache_salt")
             ns = self.namespace(parsed.model, parsed.cache_salt)
         bs = self.block_size
         try:
             if parsed.kind == "chat":
-                return self._chat_view(parsed.messages, ns)
+                return self._chat_view(parsed.messages, ns, parsed.add_generation_prompt)
             prompt = parsed.prompt
             assert prompt is not None  # parse_request guarantees it for completions
             if isinstance(prompt, str):
@@ -412,8 +422,10 @@ class ModelTokenizer:
         except ValueError as exc:
             raise InvalidFieldError(str(exc), param="prompt") from exc
 
-    def _chat_view(self, messages: tuple[ChatMessage, ...], ns: Namespace) -> PromptView:
-        rendered = self.template.render_segments(messages, True)
+    def _chat_view(self, messages: tuple[ChatMessage, ...], ns: Namespace, add_generation_prompt: bool) -> PromptView:
+        # The message segments do not depend on add_generation_prompt (only the last segment does), so the
+        # prefix states cached under them serve both renderings.
+        rendered = self.template.render_segments(messages, add_generation_prompt)
         segments = rendered.segments
         bs = self.block_size
         if not rendered.is_incremental:

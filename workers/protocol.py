@@ -85,10 +85,13 @@ def validate_sampling(req: SamplingFields) -> None:
     """Range checks shared by both endpoints.
 
     Raises:
-        InvalidRequestError: ``n != 1``, a negative temperature, ``top_p`` outside (0, 1], a seed out of range.
+        InvalidRequestError: ``n != 1``, a negative temperature, ``top_p`` outside (0, 1], a seed out of range,
+            an empty ``cache_salt`` (refused as vLLM refuses it).
     """
     if req.n != 1:
         raise InvalidRequestError("only n=1 is supported", param="n")
+    if req.cache_salt == "":
+        raise InvalidRequestError("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
     if req.temperature is not None and req.temperature < 0:
         raise InvalidRequestError("temperature must be >= 0", param="temperature")
     if req.top_p is not None and not 0 < req.top_p <= 1:

@@ -355,3 +355,58 @@ async def test_honesty_over_a_workload_with_evictions():
             assert sum(w.core.kv.gpu.num_evicted_blocks for w in ws) > 0
             assert num_cached > 0
             assert g.gw.proxy.num_honesty_mismatches == 0
+
+
+async def test_honesty_with_add_generation_prompt_false():
+    """The chat is rendered with the generation prompt only when the request asks for it, as the worker does."""
+    async with running(SimWorker("w0")) as ws:
+        async with Gw(make_config(ws)) as g:
+            await connected(g, ws)
+            messages = [{"role": "system", "content": "S" * 40}, {"role": "user", "content": "U" * 45}]
+
+            async def turn(**fields: object) -> tuple[int, int, int]:
+                status, hdrs, body = await g.post("/v1/chat/completions",
+                                                  {"model": MODEL, "messages": messages, "max_tokens": 1, **fields})
+                assert status == 200, body
+                await in_sync(g.gw, ws)
+                return (body["usage"]["prompt_tokens"], int(hdrs["x-kvgate-predicted-cached-tokens"]),
+                        body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+            # 103 tokens without the generation prompt, 114 with it (<|im_start|>assistant\n); 16-token blocks.
+            assert await turn() == (114, 0, 0)
+            assert await turn() == (114, 112, 112)
+            assert await turn(add_generation_prompt=False) == (103, 96, 96)
+            assert await turn(add_generation_prompt=False) == (103, 96, 96)
+            assert await turn(add_generation_prompt=True) == (114, 112, 112)
+            assert g.gw.proxy.num_honesty_mismatches == 0
+
+
+async def test_empty_cache_salt_is_refused_by_gateway_and_worker_alike():
+    """vLLM refuses ``cache_salt: ""`` (400, param cache_salt); the gateway and the sim worker do the same, and a
+    non-empty salt is its own namespace on both sides."""
+    message = "Parameter 'cache_salt' must be a non-empty string if provided."
+    prompt = "salt probe " * 20  # 220 tokens: 13 full blocks cacheable
+    async with running(SimWorker("w0")) as ws:
+        async with Gw(make_config(ws)) as g:
+            await connected(g, ws)
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "cache_salt": ""}
+            status, _, out = await g.post("/v1/completions", body)
+            assert (status, out["error"]["param"], out["error"]["message"]) == (400, "cache_salt", message)
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1,
+                    "cache_salt": ""}
+            status, _, out = await g.post("/v1/chat/completions", chat)
+            assert (status, out["error"]["param"], out["error"]["message"]) == (400, "cache_salt", message)
+            assert ws[0].core.kv.gpu.num_cached_blocks == 0  # nothing reached the worker
+            async with aiohttp.ClientSession() as s:
+                for path, direct_body in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+                    async with s.post(ws[0].url + path, json=direct_body) as resp:
+                        out = await resp.json()
+                        assert (resp.status, out["error"]["param"], out["error"]["message"]) == (
+                            400, "cache_salt", message)
+            assert await g.complete(prompt) == ("w0", 0, 0)
+            await in_sync(g.gw, ws)
+            assert await g.complete(prompt, cache_salt="t") == ("w0", 0, 0)
+            await in_sync(g.gw, ws)
+            assert await g.complete(prompt, cache_salt="t") == ("w0", 208, 208)
+            assert await g.complete(prompt) == ("w0", 208, 208)
+            assert g.gw.proxy.num_honesty_mismatches == 0
