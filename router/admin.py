@@ -27,11 +27,10 @@ from contextlib import suppress
 
 import msgspec
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from policies import PolicyError, build_policy, decode_policy_config, encode_policy_config
 from router.config import decode_worker
-from router.errors import AuthError, ConfigError, GatewayError, InvalidJSONError, NotFoundError
+from router.errors import AuthError, ConfigError, GatewayError, InvalidJSONError, NotFoundError, unreadable_body_error
 from router.index import UnknownWorkerError
 
 logger = logging.getLogger(__name__)
@@ -64,9 +63,7 @@ async def _read(request: web.Request) -> bytes:
     try:
         return await request.read()
     except web.RequestPayloadError as exc:
-        cause = exc.__cause__
-        detail = cause.message if isinstance(cause, HttpProcessingError) else str(exc)
-        raise InvalidJSONError(f"the request body could not be read: {detail}") from exc
+        raise unreadable_body_error(exc) from exc
 
 
 async def _body(request: web.Request) -> object:

@@ -45,6 +45,7 @@ from router.errors import (
     NotFoundError,
     OverloadedError,
     UnknownModelError,
+    unreadable_body_error,
 )
 from router.fleet import Fleet, WorkerRuntime
 from router.index import PrefixIndex
@@ -361,6 +362,8 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
             body = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise BodyTooLargeError(f"request body exceeds the {limit}-byte limit") from exc
+        except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not decode with
+            raise unreadable_body_error(exc) from exc
         parsed = parse_request(kind, body)
         model = gw.config.model(parsed.model)
         if model is None:

@@ -28,7 +28,7 @@ Namespace rule (request and event must agree):
 
 * A request's namespace is ``make_namespace(lora, cache_salt)``: the LoRA adapter name the request selects
   (``None`` for the base model) and the request's ``cache_salt`` field (``None`` when absent; an empty
-  string is a salt distinct from ``None``).
+  string is refused at the request, as vLLM refuses it, though the hash itself would tell it from ``None``).
 * An event chain starting at the root (``parent_block_hash is None``) gets ``make_namespace(event.lora_name,
   salt)`` where ``salt`` is read from vLLM's per-block ``extra_keys`` of block 0 (see ``split_extra_keys``).
   vLLM builds a block's extra keys in the order: LoRA name (when a LoRA is active), multimodal entries, the

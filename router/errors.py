@@ -159,3 +159,11 @@ class TransportTimeoutError(TransportError):
     """Connect, first-byte or total timeout."""
 
     status = 504
+
+
+def unreadable_body_error(exc: Exception) -> InvalidJSONError:
+    """The 400 for a request body aiohttp could not read (``web.RequestPayloadError``: e.g. a ``gzip`` body that
+    is not gzip), naming the cause aiohttp gave (its ``HttpProcessingError`` message) rather than its status line."""
+    cause = exc.__cause__
+    detail = getattr(cause, "message", None) if cause is not None else None
+    return InvalidJSONError(f"the request body could not be read: {detail if isinstance(detail, str) else exc}")

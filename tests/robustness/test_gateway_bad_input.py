@@ -180,7 +180,8 @@ async def test_non_ascii_token_matches_its_utf8_bytes() -> None:
 
 
 @pytest.mark.parametrize(("method", "path"), [("POST", "/admin/workers"), ("POST", "/admin/index/clear"),
-                                              ("PUT", "/admin/policy")])
+                                              ("PUT", "/admin/policy"), ("POST", "/v1/completions"),
+                                              ("POST", "/v1/chat/completions")])
 async def test_admin_body_that_does_not_inflate_is_a_400_json_error(method: str, path: str) -> None:
     async with running(SimWorker("w0", with_events=False)) as ws, Gw(make_config(ws)) as g:
         status, ctype, out = await _raw(g, method, path, b"not gzip",

@@ -19,7 +19,7 @@ from router.config import GatewayConfig, parse_config
 pytestmark = pytest.mark.integration
 
 TOKEN = "test-admin-token"
-STICKY = {"name": "session_sticky", "idle_timeout_s": 60, "inner": {"name": "round_robin"}}
+STICKY = {"name": "session_sticky", "inner": {"name": "round_robin"}}
 
 
 class Worker:
