@@ -7,6 +7,10 @@ a clear of the slot drops it. Removals of blocks never stored are counted and sk
 cache group the index does not declare (``router.index.config``) is refused before anything is created or parked,
 counted as ``num_unknown_group_events`` and logged (a warning once per slot).
 
+Engine hashes are opaque but must each name one block of a slot: a store that maps an engine hash already naming
+another block the slot holds is cut before that block (``num_engine_hash_reuse_blocks``), so every held block
+stays reachable from ``slot.engine`` and a clear of the slot is complete.
+
 Offload stores without tokens (vLLM's CPU connector) are resolved through ``slot.engine``; an offloaded block
 covering ``k`` index blocks (``block_size = k * index block_size``) is the engine hash of the last of them, and
 marks that block and its ``k - 1`` ancestors that the slot knows.
@@ -163,15 +167,46 @@ class IngestMixin(UpkeepMixin):
                 BlockHash(parent_hash) if parent_hash is not None else None,
             ),
         )
+        engine = slot.engine
+        if not engine.keys().isdisjoint(engine_hashes):
+            num_kept = self._num_without_reuse(slot, engine_hashes, ours if factor == 1 else ours[factor - 1 :: factor])
+            if num_kept < len(engine_hashes):
+                num_refused = len(engine_hashes) - num_kept
+                self._refuse(
+                    slot,
+                    "num_engine_hash_reuse_blocks",
+                    f"{num_refused} blocks from engine hash {engine_hashes[num_kept]}, which already names another "
+                    "block the worker holds (an engine hash must identify one block)",
+                    num_refused,
+                )
+                if not num_kept:
+                    return ()
+                engine_hashes = engine_hashes[:num_kept]
+                ours = ours[: num_kept * factor]
         self._hold(slot, lane_key, ours, namespace if parent_hash is None else parent_hash, parent_hash is None)
         if factor == 1:
-            slot.engine.update(zip(engine_hashes, ours, strict=True))
+            engine.update(zip(engine_hashes, ours, strict=True))
         else:
-            slot.engine.update(zip(engine_hashes, ours[factor - 1 :: factor], strict=True))
+            engine.update(zip(engine_hashes, ours[factor - 1 :: factor], strict=True))
             slot.spans.update(zip(zip(repeat(event.medium), engine_hashes), repeat(factor)))
             slot.span_held.update((lane_key, h) for i, h in enumerate(ours) if i % factor != factor - 1)
         counters["num_blocks_stored"] += len(ours)
         return engine_hashes
+
+    def _num_without_reuse(self, slot: Slot, engine_hashes: Sequence[int], targets: Sequence[int]) -> int:
+        """How many leading blocks of a store keep every engine hash naming one block of the slot.
+
+        A block is reused when its engine hash already maps to another of our block hashes that the slot still
+        holds (SGLang's oldest publisher hashed each page alone, so equal pages shared a hash). Remapping it would
+        leave the held block without an engine hash, beyond the reach of removals and clears; the store is cut
+        before the first such block.
+        """
+        engine = slot.engine
+        for position, (engine_hash, block_hash) in enumerate(zip(engine_hashes, targets, strict=True)):
+            known = engine.get(engine_hash)
+            if known is not None and known != block_hash and self._slot_holds_hash(slot, known):
+                return position
+        return len(engine_hashes)
 
     def _store_by_engine_hash(self, slot: Slot, event: BlockStored, lane_key: LaneKey, factor: int) -> Sequence[int]:
         targets: list[int] = []

@@ -111,6 +111,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "num_unresolved_offload_blocks",
     "num_malformed_events",
     "num_unknown_group_events",
+    "num_engine_hash_reuse_blocks",
     "num_pruned_blocks",
     "num_approx_blocks_inserted",
     "num_approx_blocks_expired",
@@ -203,10 +204,10 @@ class IndexState:
             raise IndexConfigError(f"group index must be >= 0, got {group_idx}")
         self._groups[group_idx] = spec
 
-    def _refuse(self, slot: Slot, counter: str, detail: str) -> None:
-        """Count one refused event under ``counter`` and log it: a warning the first time per slot and counter,
-        debug after (a worker repeating a bad event cannot flood the log)."""
-        self._counters[counter] += 1
+    def _refuse(self, slot: Slot, counter: str, detail: str, num: int = 1) -> None:
+        """Add ``num`` to ``counter`` for one refused event (or part of one) and log it: a warning the first time
+        per slot and counter, debug after (a worker repeating a bad event cannot flood the log)."""
+        self._counters[counter] += num
         if counter in slot.warned:
             logger.debug("kv events of worker %s rank %d: refused %s", slot.worker_id, slot.dp_rank, detail)
             return

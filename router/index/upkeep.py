@@ -10,6 +10,7 @@ confirmed by an event or dropped since is skipped.
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -18,6 +19,8 @@ from router.index.errors import UnknownWorkerError
 from router.index.match import iter_bits
 from router.index.slots import Slot
 from router.index.state import GPU0, POOL_MEDIA, UNSTAMPED, IndexState
+
+logger = logging.getLogger(__name__)
 
 
 class ApproxInsert(NamedTuple):
@@ -62,14 +65,32 @@ class UpkeepMixin(IndexState):
                 continue
             lane = self._lanes[lane_key]
             num_emptied = 0
+            num_cleared = 0
             for entry_id in candidate_ids:
                 holders = lane[entry_id]
                 if holders & mask:
                     holders &= keep
                     lane[entry_id] = holders
+                    num_cleared += 1
                     if not holders:
                         freed.append(entry_id)
                         num_emptied += 1
+            if num_cleared < slot.num_held[lane_key]:
+                # A held block no engine hash names (a broken ``Slot`` invariant): a clear must still be complete.
+                logger.error(
+                    "index: %d blocks of %s/%d on %s were not reachable from its engine hashes; cleared by a scan",
+                    slot.num_held[lane_key] - num_cleared,
+                    slot.worker_id,
+                    slot.dp_rank,
+                    lane_key,
+                )
+                for entry_id, holders in enumerate(lane):
+                    if holders & mask:
+                        holders &= keep
+                        lane[entry_id] = holders
+                        if not holders:
+                            freed.append(entry_id)
+                            num_emptied += 1
             self._lane_sizes[lane_key] -= num_emptied
             slot.num_held[lane_key] = 0
         cleared = set(lane_keys)

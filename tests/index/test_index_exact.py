@@ -417,6 +417,55 @@ def test_groups_declared_in_config_survive_clear():
     index.check_invariants()
 
 
+def test_engine_hash_reused_for_another_block_refused_and_clear_complete(caplog):
+    index = make_index()
+    other = tuple(range(500, 508))  # 2 blocks unrelated to TOKENS
+    other_hashes = hash_token_blocks(list(other), BS)
+    index.apply(batch("w0", BlockStored((4, 5, 7), None, TOKENS[:12], BS)))
+    with caplog.at_level("WARNING", logger="router.index.state"):
+        index.apply(batch("w0", BlockStored((7,), None, other[:4], BS)))  # 7 already names block 2 of TOKENS
+        index.apply(batch("w0", BlockStored((8, 4), None, other, BS)))  # cut before 4: block 0 of TOKENS
+    assert depths(index) == {"w0": (3, 0, 0)}
+    assert depths(index, other_hashes) == {"w0": (1, 0, 0)}
+    assert index.stats().counters["num_engine_hash_reuse_blocks"] == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "kv events of worker w0 rank 0: refused 1 blocks from engine hash 7, which already names another block the "
+        "worker holds (an engine hash must identify one block) (counted as num_engine_hash_reuse_blocks; further "
+        "ones are logged at debug)"
+    ]
+    index.check_invariants()
+    index.apply(batch("w0", AllBlocksCleared()))
+    assert index.stats().num_blocks_by_worker == {"w0": {"GPU": 0}}
+    assert index.num_blocks() == 0
+    index.check_invariants()
+    index.apply(batch("w0", BlockStored((4,), None, TOKENS[:4], BS)))
+    assert depths(index) == {"w0": (1, 0, 0)}
+    # Once the block it named is gone, an engine hash may name another one (a new chain after an eviction).
+    index.apply(batch("w0", BlockRemoved((4,)), BlockStored((4,), None, other[:4], BS)))
+    assert depths(index) == {} and depths(index, other_hashes) == {"w0": (1, 0, 0)}
+    index.apply_resync(Resync("w0", "test"))
+    assert index.stats().num_blocks_by_worker == {"w0": {"GPU": 0}} and index.num_blocks() == 0
+    assert index.stats().counters["num_engine_hash_reuse_blocks"] == 2
+    index.check_invariants()
+
+
+def test_clear_is_complete_even_for_a_block_no_engine_hash_names(caplog):
+    index = make_index()
+    index.apply(batch("w0", stored(0, 3)))
+    index.apply(batch("w1", stored(0, 2)))
+    del index._slots[("w0", 0)].engine[1002]  # break the slot invariant by hand
+    with caplog.at_level("ERROR", logger="router.index.upkeep"):
+        index.apply(batch("w0", AllBlocksCleared()))
+    assert depths(index) == {"w1": (2, 0, 0)}
+    assert index.stats().num_blocks_by_worker == {"w0": {"GPU": 0}, "w1": {"GPU": 2}}
+    assert index.num_blocks() == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "index: 1 blocks of w0/0 on (0, <Medium.GPU: 'GPU'>) were not reachable from its engine hashes; cleared "
+        "by a scan"
+    ]
+    index.check_invariants()
+
+
 def test_malformed_event_counted_rest_applies(caplog):
     index = make_index()
     bad = BlockStored((1, 2), None, (1, 2, 3), BS)  # 3 tokens for 2 blocks
