@@ -89,6 +89,22 @@ class IngestMixin(UpkeepMixin):
             if rank is None or slot.dp_rank == rank:
                 self._clear_slot(slot, None, include_pool=False)
 
+    def _refuse(self, slot: Slot, counter: str, detail: str, num: int = 1) -> None:
+        """Add ``num`` to ``counter`` for one refused event (or part of one) and log it: a warning the first time
+        per slot and counter, debug after (a worker repeating a bad event cannot flood the log)."""
+        self._counters[counter] += num
+        if counter in slot.warned:
+            logger.debug("kv events of worker %s rank %d: refused %s", slot.worker_id, slot.dp_rank, detail)
+            return
+        slot.warned.add(counter)
+        logger.warning(
+            "kv events of worker %s rank %d: refused %s (counted as %s; further ones are logged at debug)",
+            slot.worker_id,
+            slot.dp_rank,
+            detail,
+            counter,
+        )
+
     def _refuse_group(self, slot: Slot, group_idx: int, num_blocks: int) -> None:
         """Count an event of a cache group the index does not declare; it creates nothing."""
         self._refuse(

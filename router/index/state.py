@@ -55,7 +55,6 @@ binary-searches where each such bit leaves instead of reading every position.
 
 from __future__ import annotations
 
-import logging
 import sys
 from array import array
 from collections import Counter
@@ -68,8 +67,6 @@ from events.types import Medium
 from router.index.config import GroupSpec, IndexConfig
 from router.index.errors import IndexConfigError
 from router.index.slots import LaneKey, Slot
-
-logger = logging.getLogger(__name__)
 
 POOL_MEDIA: frozenset[Medium] = frozenset({Medium.MOONCAKE})
 """Tiers shared by several workers; membership comes from ``set_pool_members``."""
@@ -203,22 +200,6 @@ class IndexState:
         if group_idx < 0:
             raise IndexConfigError(f"group index must be >= 0, got {group_idx}")
         self._groups[group_idx] = spec
-
-    def _refuse(self, slot: Slot, counter: str, detail: str, num: int = 1) -> None:
-        """Add ``num`` to ``counter`` for one refused event (or part of one) and log it: a warning the first time
-        per slot and counter, debug after (a worker repeating a bad event cannot flood the log)."""
-        self._counters[counter] += num
-        if counter in slot.warned:
-            logger.debug("kv events of worker %s rank %d: refused %s", slot.worker_id, slot.dp_rank, detail)
-            return
-        slot.warned.add(counter)
-        logger.warning(
-            "kv events of worker %s rank %d: refused %s (counted as %s; further ones are logged at debug)",
-            slot.worker_id,
-            slot.dp_rank,
-            detail,
-            counter,
-        )
 
     def _recompute_pool_masks(self) -> None:
         self._pool_masks = {

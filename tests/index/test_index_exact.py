@@ -374,7 +374,7 @@ def test_hybrid_groups_sliding_window_and_recurrent():
 def test_undeclared_group_refused_counted_and_creates_nothing(caplog):
     index = make_index()
     index.apply(batch("w0", stored(0, 4)))
-    with caplog.at_level("DEBUG", logger="router.index.state"):
+    with caplog.at_level("DEBUG", logger="router.index.ingest"):
         for group_idx in (1, -1, 2**40):
             index.apply(batch("evil", stored(0, 1, group_idx=group_idx, kv_cache_spec_kind="mamba")))
         index.apply(batch("evil", BlockRemoved((1000,), group_idx=1)))
@@ -422,7 +422,7 @@ def test_engine_hash_reused_for_another_block_refused_and_clear_complete(caplog)
     other = tuple(range(500, 508))  # 2 blocks unrelated to TOKENS
     other_hashes = hash_token_blocks(list(other), BS)
     index.apply(batch("w0", BlockStored((4, 5, 7), None, TOKENS[:12], BS)))
-    with caplog.at_level("WARNING", logger="router.index.state"):
+    with caplog.at_level("WARNING", logger="router.index.ingest"):
         index.apply(batch("w0", BlockStored((7,), None, other[:4], BS)))  # 7 already names block 2 of TOKENS
         index.apply(batch("w0", BlockStored((8, 4), None, other, BS)))  # cut before 4: block 0 of TOKENS
     assert depths(index) == {"w0": (3, 0, 0)}
@@ -471,7 +471,7 @@ def test_malformed_event_counted_rest_applies(caplog):
     bad = BlockStored((1, 2), None, (1, 2, 3), BS)  # 3 tokens for 2 blocks
     negative = BlockStored((3,), None, (-1, 0, 0, 0), BS)
     too_large = BlockStored((4,), None, (2**32, 0, 0, 0), BS)
-    with caplog.at_level("DEBUG", logger="router.index.state"):
+    with caplog.at_level("DEBUG", logger="router.index.ingest"):
         index.apply(batch("w0", bad, negative, too_large, stored(0, 2)))
     assert depths(index) == {"w0": (2, 0, 0)}
     assert index.stats().counters["num_malformed_events"] == 3
