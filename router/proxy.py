@@ -422,9 +422,11 @@ class Proxy:
             else:
                 self._workers_warned_mismatch.add(worker.worker_id)
                 logger.warning(
-                    "cached tokens: predicted %d, worker %s reported %d (first mismatch for this worker; if its "
-                    "predictions stay low, check that its KV events reach the gateway: a publisher endpoint without "
-                    "'*' connects instead of binding, and the tokenizer, chat template and block size must match)",
+                    "cached tokens: predicted %d, worker %s reported %d (first mismatch for this worker; an "
+                    "occasional one comes from requests sharing a prefix that the worker admitted in one step; if "
+                    "its predictions stay wrong, check that its KV events reach the gateway: a publisher endpoint "
+                    "without '*' connects instead of binding, and the tokenizer, chat template and block size must "
+                    "match)",
                     predicted,
                     worker.worker_id,
                     reported,
