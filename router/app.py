@@ -38,6 +38,7 @@ from policies import build_policy
 from router.admission import Admission
 from router.config import GatewayConfig, index_config, validate_policy, validate_sessions
 from router.errors import (
+    BodyTimeoutError,
     BodyTooLargeError,
     GatewayError,
     InvalidFieldError,
@@ -359,7 +360,14 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         if num_body_bytes is not None and num_body_bytes > limit:
             raise BodyTooLargeError(f"request body of {num_body_bytes} bytes exceeds the {limit}-byte limit")
         try:
-            body = await request.read()
+            if request.content.is_eof():  # the whole body came with the headers (most requests): no timer
+                body = await request.read()
+            else:
+                async with asyncio.timeout(gw.config.listen.body_timeout_s):
+                    body = await request.read()
+        except TimeoutError as exc:
+            raise BodyTimeoutError(
+                f"the request body did not arrive within {gw.config.listen.body_timeout_s} s") from exc
         except web.HTTPRequestEntityTooLarge as exc:
             raise BodyTooLargeError(f"request body exceeds the {limit}-byte limit") from exc
         except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not decode with

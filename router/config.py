@@ -49,16 +49,20 @@ class ListenConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
         host: bind address (loopback by default).
         port: TCP port; 0 picks a free one.
         max_body_bytes: request bodies over this get 413.
+        body_timeout_s: a request body not fully received this many seconds after its headers gets 408 (a
+            client sending slowly, or stalled, holds no connection and admission slot longer), seconds.
     """
 
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         _positive("max_body_bytes", self.max_body_bytes)
+        _positive("body_timeout_s", self.body_timeout_s)
 
 
 class ModelConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -65,6 +65,12 @@ class BodyTooLargeError(RequestError):
     status = 413
 
 
+class BodyTimeoutError(RequestError):
+    """The body did not arrive within the configured time."""
+
+    status = 408
+
+
 class UnknownModelError(RequestError):
     """No configured worker serves the model."""
 

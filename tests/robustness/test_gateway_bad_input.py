@@ -237,3 +237,25 @@ async def test_non_utf8_long_session_header_with_a_stateless_policy() -> None:
                 b"x-session-id: " + b"\xff" * 300)
         status, _, out = await _raw_http(g.port, head, _COMPLETION)
         assert status == 200, out
+
+
+async def test_a_body_that_stalls_gets_408_and_releases_its_slot() -> None:
+    async with running(SimWorker("w0", with_events=False)) as ws, Gw(make_config(
+            ws, listen={"host": "127.0.0.1", "port": 0, "body_timeout_s": 0.3})) as g:
+        reader, writer = await asyncio.open_connection("127.0.0.1", g.port)
+        try:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                         b"content-length: 100\r\n\r\n{\"model\": ")  # 10 of the 100 bytes, then nothing
+            await writer.drain()
+            async with asyncio.timeout(10):
+                data = await reader.read(65536)
+        finally:
+            writer.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ")
+        error = json.loads(body)["error"]
+        assert (error["type"], error["message"]) == ("invalid_request_error",
+                                                     "the request body did not arrive within 0.3 s")
+        assert g.gw.admission.num_inflight == 0
+        status, _, _ = await g.post("/v1/completions", {"model": MODEL, "prompt": "still serving"})
+        assert status == 200
