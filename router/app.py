@@ -275,6 +275,10 @@ class _Hooks:
             if batch is None or index is None:
                 logger.warning("worker %s: snapshot not decodable", worker.worker_id)
                 return None
+            if not 0 <= batch.dp_rank < worker.config.dp_ranks:  # as the subscriber drops such live batches
+                logger.warning("worker %s: snapshot of dp rank %d refused (the worker has %d)", worker.worker_id,
+                               batch.dp_rank, worker.config.dp_ranks)
+                return None
             index.apply(batch)
             logger.info("worker %s warmed from its snapshot (%d events, last seq %d)", worker.worker_id,
                         len(batch.events), last_seq)
