@@ -133,6 +133,9 @@ class SubscriberConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     """Bound topology: accept batches from workers never added (with default settings) instead of dropping them."""
     replay_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
     """Longest wait for the next replay reply, in seconds."""
+    replay_total_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    """Longest whole replay, in seconds: a replay endpoint that keeps answering without ending (replies out of
+    the asked range, say) cannot hold the stream; past it the gap is given up like a timed-out replay."""
     max_replay_batches: Annotated[int, msgspec.Meta(ge=1)] = 10_000
     """A gap longer than this many batches is not replayed (resync instead)."""
     reconnect_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.1
@@ -578,7 +581,8 @@ class KVEventSubscriber:
 
         Returns:
             ({seq: (xxh3-64 digest, payload)} for ``start_seq <= seq < stop_before``, first copy of each seq),
-            and whether the end marker arrived before ``replay_timeout_s`` of silence.
+            and whether the end marker arrived before ``replay_timeout_s`` of silence and within
+            ``replay_total_timeout_s`` in all.
         """
         assert stream.replay_endpoint is not None
         self.counters.num_replay_requests[stream.worker_id] += 1
@@ -588,9 +592,14 @@ class KVEventSubscriber:
         try:
             dealer.connect(stream.replay_endpoint)
             await dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
+            loop = asyncio.get_running_loop()
+            end_s = loop.time() + self.config.replay_total_timeout_s
             while True:
+                wait_s = min(self.config.replay_timeout_s, end_s - loop.time())
                 try:
-                    frames = await asyncio.wait_for(dealer.recv_multipart(), self.config.replay_timeout_s)
+                    if wait_s <= 0.0:
+                        raise TimeoutError
+                    frames = await asyncio.wait_for(dealer.recv_multipart(), wait_s)
                 except TimeoutError:
                     logger.warning(
                         "kv events: replay from %s timed out after %d batches", stream.replay_endpoint, len(replies)

@@ -62,6 +62,11 @@ class FakeEngine:
             start_seq = int.from_bytes(start, "big")
             self.requests.append(start_seq)
             seqs = sorted(q for q in self.buffer if q >= start_seq)
+            if self.replay_order == "never_ending":  # replies outside the asked range, and no end marker
+                for _ in range(1000):
+                    await self.router.send_multipart([ident, b"", (0).to_bytes(8, "big"), b"stale"])
+                    await asyncio.sleep(0.02)
+                continue
             if self.replay_order != "in_order":
                 seqs = list(reversed(seqs)) + seqs
             for q in seqs:
@@ -230,6 +235,16 @@ async def test_unclosable_gap_resyncs_before_newer_batch(ctx, engine):
     assert hashes_of(records) == [(0, 1), ("resync", "gap_unrecoverable"), (3, 4)]
     assert [r for r in records if isinstance(r, Resync)] == [Resync("w", "gap_unrecoverable", dp_rank=0)]
     assert sub.counters.resyncs == {("w", "gap_unrecoverable"): 1}
+    await sub.aclose()
+
+
+async def test_replay_that_never_ends_is_given_up_at_the_total_timeout(ctx, engine):
+    sub, records = await joined_sub(ctx, engine, replay_timeout_s=1.0, replay_total_timeout_s=0.3)
+    await engine.send(1, payload(1))
+    engine.replay_order = "never_ending"
+    await engine.send(3, payload(3))  # seq 2 is missing: the replay asked for it answers stale seqs forever
+    await until(lambda: sub.last_seq("w") == 3, timeout_s=3.0)  # given up at 0.3 s, not held by the replies
+    assert hashes_of(records) == [(1, 1), ("resync", "gap_unrecoverable"), (3, 3)]
     await sub.aclose()
 
 
