@@ -21,7 +21,10 @@
    A chain already held by the chosen worker and inserted for it less than ``REFRESH_FRACTION`` of its TTL ago
    is not re-inserted (a repeated prompt would otherwise re-touch every block and queue one expiry record per
    request): its entries may then expire up to that fraction of the TTL before a per-request refresh would have;
-6. the decision (every candidate's score) goes to a bounded ring for ``/admin/decisions``.
+6. the decision (every candidate's score) goes to a bounded ring for ``/admin/decisions``;
+7. after the answer, ``settle``: when the chosen worker did not serve the request (it refused it, failed before
+   the first byte, or every attempt failed), the pending entries of step 5 are withdrawn, and the worker that
+   served it after a retry gets them, so a refused or rerouted request never inflates a prediction.
 """
 
 from __future__ import annotations
