@@ -213,13 +213,21 @@ async def get_policy(request: web.Request) -> web.StreamResponse:
 
 
 async def put_policy(request: web.Request) -> web.StreamResponse:
-    """Validate, build and install a new policy; on any error the old one keeps serving."""
+    """Validate, build and install a new policy; on any error the old one keeps serving. The body is a policy
+    object, or ``GET /admin/policy``'s answer (the policy under ``"policy"``)."""
     from router.app import GATEWAY
 
     gw = request.app[GATEWAY]
     raw = await _read(request)
+    payload: object = raw
     try:
-        config = decode_policy_config(raw)
+        obj = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        obj = None  # decode_policy_config reports it
+    if isinstance(obj, dict) and "name" not in obj and isinstance(obj.get("policy"), dict):
+        payload = obj["policy"]
+    try:
+        config = decode_policy_config(payload)
         policy = build_policy(config, previous=gw.holder.policy)
     except PolicyError as exc:
         raise ConfigError(f"policy: {exc}", param=getattr(exc, "key", None)) from exc
@@ -236,7 +244,13 @@ async def recent_decisions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     records = list(gw.router.recent)[-_limit(request):]
     records.reverse()
-    return _json({"decisions": [msgspec.to_builtins(r) for r in records]})
+    now_s = gw.clock()
+    decisions = []
+    for record in records:  # ``at_s`` is the gateway's monotonic clock; ``age_s`` reads without it
+        item = msgspec.to_builtins(record)
+        item["age_s"] = round(max(0.0, now_s - record.at_s), 3)
+        decisions.append(item)
+    return _json({"decisions": decisions})
 
 
 def add_admin_routes(app: web.Application, token: str | None) -> None:

@@ -188,6 +188,13 @@ async def test_admin_auth_and_policy_hot_reload(workers):
         status, body = await h.admin("GET", "/admin/decisions?limit=2")
         assert status == 200 and len(body["decisions"]) == 2
         assert set(body["decisions"][0]["cached_tokens"]) == {"w0", "w1"}
+        assert all(0.0 <= d["age_s"] < 60.0 for d in body["decisions"])
+        # GET's answer goes back to PUT as is (the policy under "policy").
+        status, body = await h.admin("PUT", "/admin/policy", raw=b'{"policy": {"name": "least_loaded"}}')
+        assert status == 200 and h.gw.holder.policy.name == "least_loaded"
+        status, got = await h.admin("GET", "/admin/policy")
+        status, body = await h.admin("PUT", "/admin/policy", got)
+        assert status == 200 and body["policy"] == got["policy"] and h.gw.holder.policy.name == "least_loaded"
         status, body = await h.admin("POST", "/admin/workers",
                                      {"id": "w9", "url": "http://127.0.0.1:1", "model": "m"})
         assert status == 201 and body["id"] == "w9"
