@@ -132,32 +132,39 @@ class CacheAwarePolicy:
             k_gpu = w.num_gpu_cached_tokens
             k_cpu = w.num_cpu_cached_tokens
             k_pool = w.num_pool_cached_tokens
-            if k_gpu > n:
-                k_gpu = n
-            if k_cpu or k_pool:
+            has_lower = k_cpu or k_pool
+            if has_lower:
+                if k_gpu > n:
+                    k_gpu = n
                 if k_cpu > n - k_gpu:
                     k_cpu = n - k_gpu
                 if k_pool > n - k_gpu - k_cpu:
                     k_pool = n - k_gpu - k_cpu
-            k = k_gpu + k_cpu + k_pool
-            prefill = (n - k) * s_per_token + (n_sq - k * k) * s_per_token_sq if k else prefill_uncached
+                k = k_gpu + k_cpu + k_pool
+                prefill = (n - k) * s_per_token + (n_sq - k * k) * s_per_token_sq if k else prefill_uncached
+            elif k_gpu:
+                k = n if k_gpu > n else k_gpu
+                prefill = (n - k) * s_per_token + (n_sq - k * k) * s_per_token_sq if k else prefill_uncached
+            else:
+                prefill = prefill_uncached
             pending, waiting, running = w.num_pending_prefill_tokens, w.num_waiting_requests, w.num_running_requests
             if pending or waiting or running:
                 work = pending * s_per_token + waiting * per_waiting_s + running * per_running_s + prefill
             else:
                 work = prefill
-            if k_cpu or k_pool:
+            if has_lower:
                 work = work + k_cpu * host_s_per_token + k_pool * pool_s_per_token
+            worker_id = w.worker_id
             if factors:
-                log_factor = factors.get(w.worker_id)
+                log_factor = factors.get(worker_id)
                 if log_factor is not None:
                     factor = math.exp(log_factor)
                     work *= factor
                     prefill *= factor
             score = overhead_s + work
-            scores[w.worker_id] = score
+            scores[worker_id] = score
             cost = score + recompute_penalty * prefill
-            key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, running, index, cost, w.worker_id)
+            key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, running, index, cost, worker_id)
             if has_thresholds and (
                 (max_running is not None and running >= max_running)
                 or (max_kv_usage is not None and w.kv_usage >= max_kv_usage)
