@@ -58,6 +58,8 @@ MAX_RECENT_INSERTS = 8192
 """Bound on the memo of recent chain insertions (cleared when full)."""
 DEFAULT_KEY_SOURCES: tuple[KeySource, ...] = ("x-session-id", "x-smg-routing-key", "user")
 _CLOSED = CircuitState.CLOSED
+_NO_LIMIT = 1 << 62
+"""In-flight limit standing for "none" (``max_inflight`` 0)."""
 
 
 class IndexLike(Protocol):
@@ -191,13 +193,16 @@ class Router:
         cap = (view.num_tokens - 1) // bs  # PromptView.num_cacheable_blocks
         if cap < 0:
             cap = 0
+        limit = max_inflight if max_inflight > 0 else _NO_LIMIT
         states: list[WorkerState] = []
         predicted: dict[str, int] = {}
         for worker in candidates:
             worker_id = worker.worker_id
-            gpu = cpu = pool = 0
             m = matched.get(worker_id) if matched else None
-            if m is not None:
+            if m is None:
+                gpu_tokens = cpu_tokens = pool_tokens = 0
+                predicted[worker_id] = 0
+            else:
                 gpu = m.num_gpu_blocks
                 cpu = gpu + m.num_cpu_blocks
                 pool = cpu + m.num_pool_blocks
@@ -207,21 +212,18 @@ class Router:
                         cpu = pool
                         if gpu > pool:
                             gpu = pool
-            predicted[worker_id] = pool * bs
+                gpu_tokens, cpu_tokens, pool_tokens = gpu * bs, (cpu - gpu) * bs, (pool - cpu) * bs
+                predicted[worker_id] = pool * bs
             running = worker.num_inflight_requests
             breaker = worker.breaker
-            is_healthy = (
-                worker.is_healthy
-                and not (max_inflight > 0 and running >= max_inflight)
-                and (breaker.state is _CLOSED or breaker.allows(now_s))
-            )
+            is_healthy = worker.is_healthy and running < limit and (breaker.state is _CLOSED or breaker.allows(now_s))
             load = worker.load
             if load is None:
-                states.append(WorkerState(worker_id, is_healthy, worker.is_draining, gpu * bs, (cpu - gpu) * bs,
-                                          (pool - cpu) * bs, running, 0, worker.num_pending_prefill_tokens, 0.0))
+                states.append(WorkerState(worker_id, is_healthy, worker.is_draining, gpu_tokens, cpu_tokens,
+                                          pool_tokens, running, 0, worker.num_pending_prefill_tokens, 0.0))
             else:
                 states.append(WorkerState(
-                    worker_id, is_healthy, worker.is_draining, gpu * bs, (cpu - gpu) * bs, (pool - cpu) * bs,
+                    worker_id, is_healthy, worker.is_draining, gpu_tokens, cpu_tokens, pool_tokens,
                     max(running, load.num_running_requests), load.num_waiting_requests,
                     worker.num_pending_prefill_tokens, load.kv_usage,
                 ))
