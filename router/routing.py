@@ -318,12 +318,13 @@ class Router:
     ) -> Decision | None:
         """The decision for a forced worker (``FORCE_WORKER_HEADERS``), or ``None`` without one.
 
-        A forced worker is still subject to the operator's controls: one that is draining, unhealthy, behind an
-        open circuit or at its in-flight limit is refused, never sent the request.
+        A forced worker is still subject to the operator's drain: a draining worker is refused, never sent the
+        request. Health and the circuit breaker do not stop it: forcing is how one probes a worker that is
+        recovering (a request it cannot take fails as any request to it would, without a retry elsewhere).
 
         Raises:
             InvalidFieldError: the forced worker does not exist or does not serve the model.
-            NoWorkerError: the forced worker cannot take requests now (503, reason ``forced_worker_unavailable``).
+            NoWorkerError: the forced worker is draining (503, reason ``forced_worker_unavailable``).
         """
         forced = None
         for name in FORCE_WORKER_HEADERS:
@@ -336,9 +337,8 @@ class Router:
             raise InvalidFieldError(f"forced worker {forced!r} does not serve model {parsed.model!r}",
                                     param="x-kvgate-worker")
         state = next(s for s in snapshot.workers if s.worker_id == forced)
-        if state.is_draining or not state.is_healthy:
-            why = "draining" if state.is_draining else "unhealthy, behind an open circuit, or at its in-flight limit"
-            raise NoWorkerError(f"forced worker {forced!r} cannot take requests now: {why}",
+        if state.is_draining:
+            raise NoWorkerError(f"forced worker {forced!r} cannot take requests now: draining",
                                 reason="forced_worker_unavailable")
         return Decision(forced, "forced", {}, state.num_cached_tokens, (forced,))
 

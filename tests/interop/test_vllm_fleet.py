@@ -218,8 +218,9 @@ def test_worker_killed_mid_stream_then_restarted(fleet: Fleet) -> None:
     assert process is not None and process.popen is not None
     family = process_family(process.popen.pid)
     # The tiny model generates a whole stream in well under a second, faster than a client reads it on a loaded
-    # machine: throttle every process of vllm-a (API server and engine core; run 2 ms, stop 98 ms), and freeze
-    # them for good once the first chunk is here, so the stream is certainly unfinished when they die.
+    # machine: throttle every process of vllm-a (API server and engine core; run 1 ms, stop 199 ms: 0.5% of a
+    # core, so even a client that reads its first chunk seconds late finds the stream unfinished), and freeze them
+    # for good once the first chunk is here, so the stream is certainly unfinished when they die.
     stop_throttle = threading.Event()
 
     def signal_family(signum: int) -> None:
@@ -230,9 +231,9 @@ def test_worker_killed_mid_stream_then_restarted(fleet: Fleet) -> None:
     def throttle() -> None:
         while not stop_throttle.is_set():
             signal_family(signal.SIGCONT)
-            time.sleep(0.002)
+            time.sleep(0.001)
             signal_family(signal.SIGSTOP)
-            time.sleep(0.098)
+            time.sleep(0.199)
 
     throttler = threading.Thread(target=throttle, daemon=True)
     throttler.start()
