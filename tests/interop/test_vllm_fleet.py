@@ -216,7 +216,8 @@ def test_worker_killed_mid_stream_then_restarted(fleet: Fleet) -> None:
     max_tokens = MAX_MODEL_LEN - first.num_prompt_tokens - 1
     process = fleet.workers["vllm-a"].process
     assert process is not None and process.popen is not None
-    family = process_family(process.popen.pid)
+    group = process.popen.pid  # vllm-a was started in a process group of its own
+    family = process_family(group)
     # The tiny model generates a whole stream in well under a second, faster than a client reads it on a loaded
     # machine: throttle every process of vllm-a (API server and engine core; run 1 ms, stop 199 ms: 0.5% of a
     # core, so even a client that reads its first chunk seconds late finds the stream unfinished), and freeze them
@@ -224,7 +225,9 @@ def test_worker_killed_mid_stream_then_restarted(fleet: Fleet) -> None:
     stop_throttle = threading.Event()
 
     def signal_family(signum: int) -> None:
-        for pid in family:
+        with contextlib.suppress(ProcessLookupError):  # the whole process group vllm-a was started in
+            os.killpg(group, signum)
+        for pid in family:  # and any descendant that left the group
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
