@@ -395,24 +395,20 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
         return error_response(exc, request_id)
     try:
-        if gw.holder.sticky is None:  # no session store to await: decide in place
+        is_sticky = gw.holder.sticky is not None
+        if is_sticky:
+            plan = await gw.router.route(request_id, parsed, model, view, client_headers.routing,
+                                         max_inflight_per_worker=per_worker)
+        else:  # no session store to await: decide in place
             plan = gw.router.decide(request_id, parsed, model, view, client_headers.routing,
                                     max_inflight_per_worker=per_worker)
-            gw.metrics.decision_s.observe(time.perf_counter() - t0)
-            response = await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream,
-                                              request_id=request_id, policy_name=policy_name, received_at=t0,
-                                              client_headers=client_headers)
-            if plan.served_by is not plan.chosen or response.status >= 400:
-                gw.router.settle(plan, model, view, response.status)
-            return response
-        plan = await gw.router.route(request_id, parsed, model, view, client_headers.routing,
-                                     max_inflight_per_worker=per_worker)
         gw.metrics.decision_s.observe(time.perf_counter() - t0)
         response = await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream, request_id=request_id,
                                           policy_name=policy_name, received_at=t0, client_headers=client_headers)
         if plan.served_by is not plan.chosen or response.status >= 400:
             gw.router.settle(plan, model, view, response.status)
-        await _follow_retry(gw, plan, response)
+            if is_sticky:
+                await _follow_retry(gw, plan, response)
         return response
     except GatewayError as exc:
         if plan is not None:  # every attempt failed

@@ -233,16 +233,6 @@ class GatewayMetrics:
         """Register a scrape-time source of samples (index, events, sessions, fleet)."""
         self._callbacks.add(callback)
 
-    def record_honesty(self, worker_id: str, predicted: int, reported: int) -> None:
-        """Record one predicted-vs-reported pair of cached prompt tokens."""
-        wm = self.worker(worker_id)
-        wm.num_predicted_cached_tokens += predicted
-        wm.num_reported_cached_tokens += reported
-        if predicted == reported:
-            wm.num_checks_match += 1
-        else:
-            wm.num_checks_mismatch += 1
-
     def render(self) -> bytes:
         """The text exposition format of every series."""
         return generate_latest(self.registry)
