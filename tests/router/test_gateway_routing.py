@@ -193,47 +193,42 @@ async def test_a_refused_request_leaves_no_pending_blocks(workers):
         assert status == 200 and _honesty(headers, body) == ("w0", 0, 0)
 
 
-async def test_a_retried_request_moves_its_pending_blocks_to_the_worker_that_served_it():
-    w0 = FakeWorker("w0", with_events=False)
-    w1 = FakeWorker("w1", with_events=False)
-    await w0.start()
-    await w1.start()
-    try:
-        async with GatewayHarness(make_config([w0, w1]), workers=[w0, w1]) as h:
-            _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "B" * 8})
-            chosen = headers["x-kvgate-worker"]
-            first, second = (w0, w1) if chosen == "w0" else (w1, w0)
-            first.fail_statuses = [500]  # the chosen worker fails before the first byte: retried on the other
-            status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX},
-                                              headers={"x-session-id": "t"})
-            assert (status, headers["x-kvgate-decision"]) == (200, "retry")
-            assert headers["x-kvgate-worker"] == second.worker_id
-            # The next identical prompt goes where the blocks are, and the prediction is what that worker reports.
-            status, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX})
-            assert status == 200 and _honesty(headers, body) == (second.worker_id, 36, 36)
-    finally:
-        await w0.stop()
-        await w1.stop()
-
-
-async def test_approximate_mode_worker_without_events():
-    w = FakeWorker("a0", with_events=False)
-    w2 = FakeWorker("a1", with_events=False)
-    await w.start()
-    await w2.start()
-    try:
-        async with GatewayHarness(make_config([w, w2])) as h:
-            assert h.gw.fleet.workers["a0"].is_approximate
-            _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX})
-            first = headers["x-kvgate-worker"]
-            # the decision inserted the prompt's blocks for the chosen worker: the same prompt follows it
-            _, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX})
-            assert headers["x-kvgate-worker"] == first
-            assert int(headers["x-kvgate-predicted-cached-tokens"]) == 36
-            assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == 36
-    finally:
+@pytest.fixture
+async def approx_workers():
+    """Two fake workers that publish no events (the gateway routes them in approximate mode)."""
+    ws = [FakeWorker("a0", with_events=False), FakeWorker("a1", with_events=False)]
+    for w in ws:
+        await w.start()
+    yield ws
+    for w in ws:
         await w.stop()
-        await w2.stop()
+
+
+async def test_a_retried_request_moves_its_pending_blocks_to_the_worker_that_served_it(approx_workers):
+    w0, w1 = approx_workers
+    async with GatewayHarness(make_config([w0, w1]), workers=[w0, w1]) as h:
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "B" * 8})
+        first, second = (w0, w1) if headers["x-kvgate-worker"] == w0.worker_id else (w1, w0)
+        first.fail_statuses = [500]  # the chosen worker fails before the first byte: retried on the other
+        status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX},
+                                          headers={"x-session-id": "t"})
+        assert (status, headers["x-kvgate-decision"]) == (200, "retry")
+        assert headers["x-kvgate-worker"] == second.worker_id
+        # The next identical prompt goes where the blocks are, and the prediction is what that worker reports.
+        status, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX})
+        assert status == 200 and _honesty(headers, body) == (second.worker_id, 36, 36)
+
+
+async def test_approximate_mode_worker_without_events(approx_workers):
+    async with GatewayHarness(make_config(approx_workers)) as h:
+        assert h.gw.fleet.workers["a0"].is_approximate
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX})
+        first = headers["x-kvgate-worker"]
+        # the decision inserted the prompt's blocks for the chosen worker: the same prompt follows it
+        _, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX})
+        assert headers["x-kvgate-worker"] == first
+        assert int(headers["x-kvgate-predicted-cached-tokens"]) == 36
+        assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == 36
 
 
 async def test_remove_worker_clears_index_and_sessions(workers):

@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,16 +25,6 @@ BYTE_LEVEL_WARNING = (
     "worker (kvgate worker); for a real engine (vLLM, SGLang) set models[].tokenizer_path (and chat_template if "
     "the engine uses a custom one) and block_size to the engine's, or cached-token predictions will not match"
 )
-
-
-@pytest.fixture
-def held_port() -> Iterator[int]:
-    """A port on 127.0.0.1 that another socket is listening on."""
-    port = free_port()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, port))
-        sock.listen()
-        yield port
 
 
 def write_config(tmp_path: Path, *, listen_port: int, events_bind_port: int | None = None) -> Path:

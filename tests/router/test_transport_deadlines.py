@@ -13,6 +13,14 @@ from router.errors import TransportError, TransportTimeoutError
 from router.transport import AiohttpTransport, Deadlines, UpstreamRequest
 
 
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on a free loopback port: ``(runner, base URL)``."""
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
 async def _slow_server(delays_s: dict[str, float]) -> tuple[web.AppRunner, str]:
     async def handle(request: web.Request) -> web.Response:
         await asyncio.sleep(delays_s[request.match_info["name"]])
@@ -20,10 +28,7 @@ async def _slow_server(delays_s: dict[str, float]) -> tuple[web.AppRunner, str]:
 
     app = web.Application()
     app.router.add_post("/{name}", handle)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    return await _serve(app)
 
 
 async def test_first_byte_timeout_cancels_only_the_late_request() -> None:
@@ -103,10 +108,7 @@ async def _stalling_server(stall_s: float) -> tuple[web.AppRunner, str]:
     app.router.add_post("/stream", stream)
     app.router.add_post("/body", body)
     app.router.add_post("/quick", quick)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    return await _serve(app)
 
 
 async def test_total_timeout_ends_a_stalled_body_after_the_first_byte() -> None:

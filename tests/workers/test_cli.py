@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,16 +22,6 @@ from workers.listen import bind_tcp, listen_address, zmq_bind_message
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
-
-
-@pytest.fixture
-def held_port() -> Iterator[int]:
-    """A port on 127.0.0.1 that another socket is listening on."""
-    port = free_port()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, port))
-        sock.listen()
-        yield port
 
 
 def assert_free(port: int) -> None:
