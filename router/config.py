@@ -186,6 +186,14 @@ class EventsConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
     warmup_from_snapshot: bool = True
     subscriber: dict[str, Any] = msgspec.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        from events.subscriber import SubscriberConfig  # the subscriber's own struct checks the keys and ranges
+
+        try:
+            msgspec.convert(self.subscriber, SubscriberConfig)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"subscriber: {exc}") from exc
+
 
 class TimeoutsConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Upstream timeouts, in seconds (separate, explicit, as in httpx ``Timeout`` / aiohttp ``ClientTimeout``).

@@ -25,6 +25,10 @@ def test_example_config_loads(monkeypatch):
     [
         ({"listen": {"port": "x"}}, "Expected `int`, got `str` - at `$.listen.port`"),
         ({"timeouts": {"connect_s": 0}}, "connect_s must be > 0"),
+        ({"listen": {"body_timeout_s": 0}}, "body_timeout_s must be > 0"),
+        ({"events": {"subscriber": {"replay-total-timeout-s": 0}}},
+         "subscriber: Expected `float` > 0.0 - at `$.replay-total-timeout-s`"),
+        ({"events": {"subscriber": {"replay-timeout": 2}}}, "subscriber: Object contains unknown field"),
         ({"bogus": 1}, "unknown field `bogus`"),
         ({"policy": {"name": "nope"}}, "policy:"),
         ({"admin": {}}, "admin: no token"),
