@@ -311,7 +311,7 @@ async def bench_proxy(
             os.sched_setaffinity(0, own_cores)
 
 
-async def bench_instructions(num_requests: int, concurrency: int) -> None:
+async def bench_instructions(num_requests: int, concurrency: int, num_workers: int = 2) -> None:
     """Benchmark (c): user-space instructions per proxied request, bare proxy and kvgate, each run alone under
     valgrind's callgrind with counting switched on (``callgrind_control``) only around ``num_requests`` requests
     after a warm-up. Deterministic to about 1 % run to run, so it resolves changes the CPU-time table cannot on a
@@ -319,17 +319,20 @@ async def bench_instructions(num_requests: int, concurrency: int) -> None:
     py = sys.executable
     tmp = tempfile.mkdtemp(prefix="kvgate-bench-")
     print(f"\nuser-space instructions per request (callgrind), 2 KB prompt, {num_requests} requests, "
-          f"concurrency {concurrency}")
+          f"concurrency {concurrency}, {num_workers} workers")
     print(f"{'kind':14} {'bare':>9} {'kvgate':>9} {'/bare':>6}")
     for kind, stream in (("non-streaming", False), ("streaming", True)):
         body = msgspec.json.encode({"model": "m", "prompt": "x" * 2000, "max_tokens": 4, "stream": stream})
         counts: dict[str, float] = {}
         for name in ("bare", "kvgate"):
-            b1, b2, port = _free_ports(3)
+            port, *worker_ports = _free_ports(1 + num_workers)
+            b1 = worker_ports[0]
             out = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp))
-            backend = _spawn([py, "-m", "router.bench", "--role", "backend", "--ports", f"{b1},{b2}"])
+            backend = _spawn([py, "-m", "router.bench", "--role", "backend", "--ports",
+                              ",".join(map(str, worker_ports))])
             args = ([py, "-m", "router.bench", "--role", "bare", "--ports", str(port), "--upstream",
-                     f"http://127.0.0.1:{b1}"] if name == "bare" else _gateway_args(py, str(out), port, (b1, b2)))
+                     f"http://127.0.0.1:{b1}"] if name == "bare"
+                    else _gateway_args(py, str(out), port, tuple(worker_ports)))
             target = _spawn(["valgrind", "--tool=callgrind", "--instr-atstart=no",
                              f"--callgrind-out-file={out}/callgrind.out", *args])
             try:
@@ -423,7 +426,7 @@ def main() -> None:
     elif args.role == "bare":
         uvloop.run(_bare_proxy(int(args.ports), args.upstream))
     elif args.instructions:
-        uvloop.run(bench_instructions(min(args.requests, 1000), args.concurrency))
+        uvloop.run(bench_instructions(min(args.requests, 1000), args.concurrency, args.num_workers))
     else:
         if not args.skip_decision:
             bench_decision()

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.config import RetryConfig
 from router.errors import TransportError, TransportTimeoutError, UpstreamError, UpstreamTimeoutError
@@ -208,10 +209,17 @@ class ClientHeaderReader:
 
 def response_headers_of(
     upstream: Mapping[str, str], worker_id: str, predicted_cached_tokens: int, reason: str, request_id: str,
-) -> dict[str, str]:
+) -> CIMultiDict[str]:
     """The worker's response headers without hop-by-hop ones, plus kvgate's four (worker, predicted cached tokens,
-    decision reason, request id), built in one dict."""
-    headers = {k: v for k, v in upstream.items() if k.lower() not in HOP_BY_HOP_HEADERS}
+    decision reason, request id). Repeated headers (``Set-Cookie``) stay repeated, in order. aiohttp's headers
+    (``CIMultiDictProxy``) are copied and their hop-by-hop names found in C (case-insensitive key views); any
+    other mapping is filtered name by name."""
+    if isinstance(upstream, CIMultiDictProxy):
+        headers = CIMultiDict(upstream)
+        for name in upstream.keys() & HOP_BY_HOP_HEADERS:
+            headers.popall(name)
+    else:
+        headers = CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in HOP_BY_HOP_HEADERS)
     headers[WORKER_HEADER] = worker_id
     headers[PREDICTED_HEADER] = str(predicted_cached_tokens)
     headers[DECISION_HEADER] = reason
@@ -356,7 +364,7 @@ class Proxy:
         raise UpstreamError(f"every attempt failed: {message}", worker_id=worker_id) from last_exc
 
     async def _relay_stream(
-        self, request: web.Request, resp: UpstreamResponse, headers: dict[str, str], worker: WorkerRuntime,
+        self, request: web.Request, resp: UpstreamResponse, headers: CIMultiDict[str], worker: WorkerRuntime,
         wm: WorkerMetrics, plan: RoutePlan, sent_at: float, uncached: int, predicted: int,
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status, headers=headers)

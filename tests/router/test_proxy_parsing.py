@@ -9,6 +9,7 @@ from router.proxy import (
     ClientHeaderReader,
     cached_tokens_of,
     client_headers_of,
+    response_headers_of,
     usage_from_sse_tail,
 )
 
@@ -39,6 +40,19 @@ def test_sse_usage_of_a_cut_first_line_or_no_usage_is_none() -> None:
     assert usage_from_sse_tail(b'data: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\n') is None
     assert usage_from_sse_tail(b"") is None
     assert cached_tokens_of(usage_from_sse_tail(_usage_event(0).rstrip(b"\n"))) == 0  # no final newline
+
+
+def test_response_headers_drop_hop_by_hop_in_any_case_and_keep_repeats() -> None:
+    upstream = [("Content-Type", "application/json"), ("CONNECTION", "keep-alive"), ("Set-Cookie", "a=1"),
+                ("transfer-Encoding", "chunked"), ("Set-Cookie", "b=2"), ("Content-Length", "9"), ("Server", "w")]
+    expected = [("Content-Type", "application/json"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"),
+                ("Server", "w"), ("x-kvgate-worker", "w1"), ("x-kvgate-predicted-cached-tokens", "32"),
+                ("x-kvgate-decision", "min_ttft"), ("x-request-id", "r-9")]
+    for given in (CIMultiDictProxy(CIMultiDict(upstream)), dict(upstream)):  # aiohttp's headers, any mapping
+        got = response_headers_of(given, "w1", 32, "min_ttft", "r-9")
+        if isinstance(given, dict):  # a plain dict keeps one value per name
+            expected = [item for item in expected if item != ("Set-Cookie", "a=1")]
+        assert list(got.items()) == expected
 
 
 def test_client_headers_one_pass() -> None:
