@@ -433,8 +433,9 @@ class IndexState:
             is_rooted: the chain starts at a namespace seed.
 
         Returns:
-            ``(ids, is_all_new, is_consistent)``: the ``[n]`` entry ids; no block was an entry before; every
-            entry ``ids[i]`` for ``i >= 1`` has ``parent == ids[i - 1]`` (true unless two chains collide).
+            ``(ids, is_all_new, is_consistent)``: the ``[n]`` entry ids; no block was an entry or a dangling key
+            before (none is held, none has children); every entry ``ids[i]`` for ``i >= 1`` has
+            ``parent == ids[i - 1]`` (true unless two chains collide).
         """
         id_of = self._id_of
         olds: list[int | None] = list(map(id_of.get, hashes))
@@ -460,6 +461,7 @@ class IndexState:
                 entry_id = self._take_id(block_hash) if known is None else known
                 if kind[entry_id] == DANGLING:
                     self._num_dangling -= 1
+                    is_all_new = False  # its children stay: a holder of one may lose a gap
                 if not kind[entry_id] & 1:
                     if is_rooted and not position:
                         kind[entry_id] = ROOTED
@@ -621,7 +623,7 @@ class IndexState:
                 if entry_id == candidate:  # undo; the general path below creates the entries
                     del id_of[block_hash]
         ids, is_all_new, is_consistent = self._link(hashes, first_parent, is_rooted)
-        if is_all_new:  # new entries are held nowhere yet
+        if is_all_new:  # new entries are held nowhere yet and have no children
             for entry_id in ids:
                 lane[entry_id] = mask
             slot.num_held[lane_key] = slot.num_held.get(lane_key, 0) + num_blocks

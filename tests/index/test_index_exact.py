@@ -323,6 +323,21 @@ def test_block_cap_restore_of_a_chain_makes_it_recent():
     index.check_invariants()
 
 
+def test_storing_a_dangling_parent_ends_the_gap_of_its_held_child():
+    index = make_index(max_blocks=4, prune_target_ratio=0.2)
+    index.apply(batch("w0", stored(0, 3)))
+    index.apply(batch("w1", BlockStored((1, 2), None, tuple(range(500, 508)), BS)))  # 5 > 4: prune to 0
+    assert index.num_blocks() == 0
+    index.apply(batch("w0", stored(3, 4)))  # w0 still maps 1002 to block 2: block 3 hangs under a dangling key
+    assert index.num_blocks() == 1 and depths(index) == {}
+    assert index._slots[("w0", 0)].num_gaps == 1
+    index.apply(batch("w0", stored(0, 3)))  # blocks 0 and 1 are new, block 2 was the dangling key
+    assert index._slots[("w0", 0)].num_gaps == 0 and index._dirty_mask == 0
+    assert index.num_blocks() == 4
+    assert depths(index) == {"w0": (4, 0, 0)}
+    index.check_invariants()
+
+
 def test_pruned_ids_are_reused_and_stale_engine_hashes_never_reach_the_new_blocks():
     index = make_index(max_blocks=7, prune_target_ratio=0.5)
     other = tuple(range(500, 516))
