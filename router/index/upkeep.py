@@ -2,7 +2,8 @@
 
 Eviction order for the block cap: oldest entry first (``log`` order: creation, or the last store that ended at
 the block, ``router.index.state``), leaves only; a parent becomes a leaf when its last child goes
-and is pruned next if it was older than that child.
+and is pruned next if it was older than that child. A parent no worker holds goes with its last child even once
+the target is reached: an entry without holders or children is never kept.
 Approximate blocks expire in expiry order (a heap of insert records); a record whose block was refreshed,
 confirmed by an event or dropped since is skipped.
 """
@@ -162,7 +163,11 @@ class UpkeepMixin(IndexState):
     # ------------------------------------------------------------------ the block cap
 
     def _prune(self) -> None:
-        """Evict least recently stored leaves (``log`` order) down to the target size, then compact ``log``."""
+        """Evict least recently stored leaves (``log`` order) down to the target size, then compact ``log``.
+
+        An evicted leaf's ancestors that are left without holders and children go with it (possibly below the
+        target), so pruning never leaves an entry that nothing would delete again.
+        """
         kind = self._kind
         stamp = self._stamp
         log = self._log
@@ -181,7 +186,12 @@ class UpkeepMixin(IndexState):
             while True:
                 up = self._evict_entry(current, touched)
                 excess -= 1
-                if excess <= 0 or up not in skipped or not kind[up] & 1 or self._has_children(up):
+                if not kind[up] & 1 or self._has_children(up):
+                    break
+                # The parent is a leaf now. Without holders it goes too, past the target if need be (an entry is
+                # kept only while held or while it has children); a held one goes only above the target, and only
+                # if it is older than the child (skipped).
+                if self._is_held(up) and (excess <= 0 or up not in skipped):
                     break
                 current = up
         self._compact_log()
