@@ -48,6 +48,8 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
         num_waiting_requests: requests queued at the worker (polled).
         num_pending_prefill_tokens: prompt tokens still to be prefilled ahead of this request.
         kv_usage: fraction of GPU KV blocks in use, 0..1 (polled).
+        num_inflight_prompt_tokens: prompt tokens of the requests in flight on the worker through this gateway
+            (the context its decode steps read, up to the tokens generated since).
     """
 
     worker_id: str
@@ -60,6 +62,7 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
     num_waiting_requests: int = 0
     num_pending_prefill_tokens: int = 0
     kv_usage: float = 0.0
+    num_inflight_prompt_tokens: int = 0
 
     @property
     def num_cached_tokens(self) -> int:

@@ -10,12 +10,17 @@ Per request:
    compete and the reason says so).
 4. Order the rest by the tie-break rule below; temperature 0 takes the first, otherwise a seeded softmax draw.
 
-Ranking cost: ``ttft + recompute_penalty * prefill`` where ``prefill`` is the (speed-scaled) prefill time of the
-tokens the worker lacks. With the penalty at 0 the policy is greedy on this request's TTFT; above 0 it also charges
-the work a recompute adds to the fleet: every request queued behind this one on that worker waits for the
-recomputed tokens, and a conversation moved off the worker holding its prefix loses that prefix's hit. The
-penalty applies equally to every worker for a prompt nobody holds, so it only matters when some worker has a hit.
-``Decision.scores`` stay the estimated TTFT (the calibrator compares them with observed TTFTs).
+Ranking cost: ``ttft + recompute_penalty * prefill + decode_penalty * decode_load`` where ``prefill`` is the
+(speed-scaled) prefill time of the tokens the worker lacks and ``decode_load`` the (speed-scaled) decode time that
+sharing the worker's batch adds to this request and to those already running there
+(``TTFTCostModel.decode_load_s``). With both penalties at 0 the policy is greedy on this request's TTFT; the
+recompute penalty also charges the work a recompute adds to the fleet: every request queued behind this one on
+that worker waits for the recomputed tokens, and a conversation moved off the worker holding its prefix loses that
+prefix's hit. It applies equally to every worker for a prompt nobody holds, so it only matters when some worker
+has a hit. The decode penalty keeps requests that share a prefix (one system prompt for every session) from all
+landing on the worker that holds it while others idle: past a few running requests there, the decode time they
+would share outweighs the prefill the hit saves. ``Decision.scores`` stay the estimated TTFT (the calibrator
+compares them with observed TTFTs; ``session_sticky``'s margins compare them).
 
 Tie-break rule (deterministic): scores are compared at microsecond resolution (``round(score * 1e6)``); equal
 scores prefer more GPU-cached tokens, then fewer running requests, then configuration order.
@@ -84,6 +89,8 @@ class CacheAwarePolicy:
             model.per_waiting_request_s, model.per_running_request_s, model.overhead_s, config.recompute_penalty,
             max_running, max_kv_usage, max_pending,
             max_running is not None or max_kv_usage is not None or max_pending is not None,
+            config.decode_penalty * model.kv_read_s_per_token,
+            config.decode_penalty * 2.0 * model.decode_s_per_sequence, config.decode_horizon_tokens,
         )
         """``select``'s constants in one tuple (config and cost model are fixed for the policy's life)."""
 
@@ -106,7 +113,8 @@ class CacheAwarePolicy:
     def explain(self, view: RequestView, snapshot: Snapshot) -> dict[str, TTFTBreakdown]:
         """Every candidate's estimate term by term (for the admin's decision list; not on the hot path)."""
         return {
-            w.worker_id: self.cost_model.breakdown(w, view.num_prompt_tokens, self.speed_factor(w.worker_id))
+            w.worker_id: self.cost_model.breakdown(w, view.num_prompt_tokens, self.speed_factor(w.worker_id),
+                                                   view.num_max_output_tokens)
             for w in eligible_workers(snapshot)
         }
 
@@ -114,9 +122,16 @@ class CacheAwarePolicy:
         """Choose the candidate with the lowest estimated TTFT (see the module docstring)."""
         # The cost model's formula (TTFTCostModel.work_s) and is_saturated, inlined: this loop is the request path.
         (s_per_token, s_per_token_sq, host_s_per_token, pool_s_per_token, per_waiting_s, per_running_s, overhead_s,
-         recompute_penalty, max_running, max_kv_usage, max_pending, has_thresholds) = self._constants
+         recompute_penalty, max_running, max_kv_usage, max_pending, has_thresholds, decode_s_per_token,
+         decode_s_per_two_sequences, decode_horizon_tokens) = self._constants
         n = view.num_prompt_tokens
         n_sq = n * n
+        # TTFTCostModel.decode_load_s times decode_penalty, per running request and per context token in flight.
+        steps = view.num_max_output_tokens
+        if steps > decode_horizon_tokens:
+            steps = decode_horizon_tokens
+        decode_s_per_inflight_token = steps * decode_s_per_token
+        decode_s_per_running = steps * decode_s_per_two_sequences + n * decode_s_per_inflight_token
         factors = self._log_factors
         workers = snapshot.workers
         scores: dict[str, float] = {}
@@ -155,15 +170,19 @@ class CacheAwarePolicy:
             if has_lower:
                 work = work + k_cpu * host_s_per_token + k_pool * pool_s_per_token
             worker_id = w.worker_id
+            inflight_tokens = w.num_inflight_prompt_tokens
+            decode = (running * decode_s_per_running + inflight_tokens * decode_s_per_inflight_token
+                      if running or inflight_tokens else 0.0)
             if factors:
                 log_factor = factors.get(worker_id)
                 if log_factor is not None:
                     factor = math.exp(log_factor)
                     work *= factor
                     prefill *= factor
+                    decode *= factor
             score = overhead_s + work
             scores[worker_id] = score
-            cost = score + recompute_penalty * prefill
+            cost = score + recompute_penalty * prefill + decode
             key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, running, index, cost, worker_id)
             if has_thresholds and (
                 (max_running is not None and running >= max_running)

@@ -118,6 +118,16 @@ class CacheAwareConfig(_PolicyConfigBase, frozen=True, tag="cache_aware"):
             for ranking (``policies/cache_aware.py``): 0 ranks by this request's TTFT alone; 1 also charges, once,
             the delay a recompute imposes on the requests queued behind it and the hit a moved conversation loses;
             the default 2 charges it twice (measured on the demo: greedy TTFT kept 0.75 of the reachable hits).
+        decode_penalty: weight of the decode load term added to the ranking cost (``policies/cost_model.py``,
+            ``decode_load_s``): the decode time that sharing the worker's batch adds, to this request and to the
+            requests already running there, over ``decode_horizon_tokens`` steps. 0 turns it off (then requests
+            sharing a long prefix, such as one system prompt, all go to the worker holding it however many
+            sequences it already decodes).
+        decode_horizon_tokens: decode steps the decode load is charged over: the request's ``max_tokens`` (or the
+            model's default) when smaller.
+        decode_s_per_sequence: time one more sequence adds to every decode step (sampling, scheduling), seconds.
+        kv_read_bytes_per_s: GPU memory bandwidth at which a decode step reads each sequence's KV cache, bytes/s
+            (H200: 4.8e12 nominal).
         temperature: 0 takes the minimum; above 0, scores are min-max normalized to [0, 1] and a worker is
             drawn with probability softmax(-normalized / temperature) from the seeded RNG.
         seed: seed of the softmax RNG.
@@ -142,6 +152,10 @@ class CacheAwareConfig(_PolicyConfigBase, frozen=True, tag="cache_aware"):
     host_bandwidth_bytes_per_s: PositiveRate = 55e9
     pool_bandwidth_bytes_per_s: PositiveRate = 12.5e9
     recompute_penalty: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 2.0
+    decode_penalty: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 1.0
+    decode_horizon_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 256
+    decode_s_per_sequence: NonNegativeSeconds = 2.0e-5
+    kv_read_bytes_per_s: PositiveRate = 4.0e12
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
     seed: Seed = 0
     max_running_requests: Annotated[int, msgspec.Meta(ge=1)] | None = None

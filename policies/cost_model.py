@@ -24,6 +24,21 @@ Restore: 131,072 B/token over 55 GB/s host-to-device is 78 ms for 32K tokens (me
 
 The speed factor scales everything but the fixed overhead: a worker twice slower than its profile computes,
 drains its queue and (usually, sharing the same host) restores twice slower.
+
+Decode load (ranking only, not part of the TTFT estimate; seconds). Every sequence in a decode batch adds
+``decode_s_per_sequence`` to each step and makes it read its KV cache (``kv_bytes_per_token`` per context token
+at ``kv_read_bytes_per_s``), the step model of vLLM-style continuous batching (memory-bound decode). Placing a
+request of ``n`` prompt tokens beside ``R`` running requests holding ``C`` context tokens makes each of its steps
+slower by ``R * d + C * b`` and each of theirs by ``d + n * b`` (``d = decode_s_per_sequence``, ``b =
+kv_bytes_per_token / kv_read_bytes_per_s``); over ``T = min(max_tokens, decode_horizon_tokens)`` steps::
+
+    decode_load_s(w) = f_w * T * (R * (2 * d + n * b) + C * b)
+
+``R`` is ``num_running_requests`` and ``C`` the prompt tokens of the requests in flight through the gateway
+(``num_inflight_prompt_tokens``: a lower bound of their context, which grows by the tokens they generate). It is
+the same quantity Dynamo's KV router charges as a worker's active decode blocks, here in seconds so that it adds
+to the TTFT terms. Without it, requests sharing a long prefix all go to the worker holding it however many
+sequences it already decodes.
 """
 
 from __future__ import annotations
@@ -54,6 +69,7 @@ class TTFTBreakdown(msgspec.Struct, frozen=True, gc=False):
         speed_factor: the worker's online speed factor applied to the three terms above.
         ttft_s: ``overhead_s + speed_factor * (queue_s + prefill_s + restore_s)``.
         num_computed_tokens: prompt tokens the worker would compute.
+        decode_load_s: the decode load of placing the request there, unscaled (ranking only; module docstring).
     """
 
     queue_s: float
@@ -63,6 +79,7 @@ class TTFTBreakdown(msgspec.Struct, frozen=True, gc=False):
     speed_factor: float
     ttft_s: float
     num_computed_tokens: int
+    decode_load_s: float = 0.0
 
 
 class TTFTCostModel:
@@ -81,6 +98,23 @@ class TTFTCostModel:
         self.overhead_s = config.overhead_s
         self.per_waiting_request_s = config.per_waiting_request_s
         self.per_running_request_s = config.per_running_request_s
+        self.kv_read_s_per_token = config.kv_bytes_per_token / config.kv_read_bytes_per_s
+        self.decode_s_per_sequence = config.decode_s_per_sequence
+
+    def decode_load_s(self, worker: WorkerState, num_prompt_tokens: int, num_max_output_tokens: int) -> float:
+        """The decode load of placing the request on ``worker``, unscaled (seconds; module docstring).
+
+        Args:
+            worker: the candidate (running requests, prompt tokens in flight).
+            num_prompt_tokens: the request's prompt length ``n`` in tokens.
+            num_max_output_tokens: the request's ``max_tokens``; at most ``decode_horizon_tokens`` are charged.
+        """
+        steps = min(num_max_output_tokens, self.config.decode_horizon_tokens)
+        b = self.kv_read_s_per_token
+        return steps * (
+            worker.num_running_requests * (2.0 * self.decode_s_per_sequence + num_prompt_tokens * b)
+            + worker.num_inflight_prompt_tokens * b
+        )
 
     def work_s(self, worker: WorkerState, num_prompt_tokens: int) -> float:
         """The scalable part of the estimate, ``queue_s + prefill_s + restore_s``, unscaled (seconds).
@@ -108,8 +142,11 @@ class TTFTCostModel:
         """Estimated TTFT in seconds: ``overhead_s + speed_factor * work_s(worker, num_prompt_tokens)``."""
         return self.overhead_s + speed_factor * self.work_s(worker, num_prompt_tokens)
 
-    def breakdown(self, worker: WorkerState, num_prompt_tokens: int, speed_factor: float = 1.0) -> TTFTBreakdown:
-        """The estimate term by term (same numbers as ``estimate_s``)."""
+    def breakdown(
+        self, worker: WorkerState, num_prompt_tokens: int, speed_factor: float = 1.0, num_max_output_tokens: int = 0,
+    ) -> TTFTBreakdown:
+        """The estimate term by term (same numbers as ``estimate_s``), with the decode load for a request of
+        ``num_max_output_tokens`` (0: none)."""
         n = num_prompt_tokens
         k_gpu = min(worker.num_gpu_cached_tokens, n)
         k_cpu = min(worker.num_cpu_cached_tokens, n - k_gpu)
@@ -130,6 +167,7 @@ class TTFTCostModel:
             speed_factor=speed_factor,
             ttft_s=self.overhead_s + speed_factor * (queue_s + prefill_s + restore_s),
             num_computed_tokens=n - k,
+            decode_load_s=self.decode_load_s(worker, n, num_max_output_tokens) if num_max_output_tokens else 0.0,
         )
 
 

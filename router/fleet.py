@@ -139,6 +139,7 @@ class WorkerRuntime:
         is_approximate: decisions insert approximate index entries (no events, or rebuilding after resync).
         breaker: circuit breaker.
         num_inflight_requests: requests in flight through this gateway.
+        num_inflight_prompt_tokens: prompt tokens of those requests.
         num_pending_prefill_tokens: prompt tokens sent but not yet prefilled (until the first byte).
         num_decoding_requests: requests past their first byte and not finished.
         load: last polled load, or ``None``.
@@ -159,6 +160,7 @@ class WorkerRuntime:
         self.is_approximate = not config.has_events
         self.breaker = CircuitBreaker(breaker)
         self.num_inflight_requests = 0
+        self.num_inflight_prompt_tokens = 0
         self.num_pending_prefill_tokens = 0
         self.num_decoding_requests = 0
         self.load: WorkerLoad | None = None
@@ -203,6 +205,7 @@ class WorkerRuntime:
             "is_approximate": self.is_approximate,
             "circuit": self.breaker.state.name.lower(),
             "num_inflight_requests": self.num_inflight_requests,
+            "num_inflight_prompt_tokens": self.num_inflight_prompt_tokens,
             "num_pending_prefill_tokens": self.num_pending_prefill_tokens,
             "num_decoding_requests": self.num_decoding_requests,
             "load": msgspec.to_builtins(self.load) if self.load is not None else None,

@@ -10,6 +10,7 @@ Accounting per worker (released on every exit path, including client disconnect,
 closes the upstream request)::
 
     num_inflight_requests        +1 at send         -1 at the end
+    num_inflight_prompt_tokens   +prompt at send    -prompt at the end
     num_pending_prefill_tokens   +uncached at send  -uncached at the first byte (or the end)
     num_decoding_requests        +1 at first byte   -1 at the end
 
@@ -273,6 +274,7 @@ class Proxy:
             else [*client_headers.forward, (REQUEST_ID_HEADER, request_id)]
         )
         skip_auto_headers = client_headers.skip_auto_headers
+        num_prompt_tokens = plan.num_prompt_tokens
         # The chosen worker; when its attempt fails, the rest of the ranking is appended (iteration sees it).
         attempts = [plan.chosen]
         max_retries = self._retry.max_retries
@@ -288,9 +290,10 @@ class Proxy:
                 skip_auto_headers,
             )
             predicted = plan.predicted_cached_tokens.get(worker.worker_id, 0)
-            uncached = max(0, plan.num_prompt_tokens - predicted)
+            uncached = max(0, num_prompt_tokens - predicted)
             wm = self._metrics.worker(worker.worker_id)
             worker.num_inflight_requests += 1
+            worker.num_inflight_prompt_tokens += num_prompt_tokens
             worker.num_pending_prefill_tokens += uncached
             wm.num_inflight += 1
             is_relayed = False
@@ -352,6 +355,7 @@ class Proxy:
                 if resp is not None:
                     resp.release()
                 worker.num_inflight_requests -= 1
+                worker.num_inflight_prompt_tokens -= num_prompt_tokens
                 wm.num_inflight -= 1
                 if not is_relayed:
                     # Abandoned before the relay (failure, retry, or cancellation): undo the pending prefill.

@@ -220,12 +220,13 @@ class Router:
             load = worker.load
             if load is None:
                 states.append(WorkerState(worker_id, is_healthy, worker.is_draining, gpu_tokens, cpu_tokens,
-                                          pool_tokens, running, 0, worker.num_pending_prefill_tokens, 0.0))
+                                          pool_tokens, running, 0, worker.num_pending_prefill_tokens, 0.0,
+                                          worker.num_inflight_prompt_tokens))
             else:
                 states.append(WorkerState(
                     worker_id, is_healthy, worker.is_draining, gpu_tokens, cpu_tokens, pool_tokens,
                     max(running, load.num_running_requests), load.num_waiting_requests,
-                    worker.num_pending_prefill_tokens, load.kv_usage,
+                    worker.num_pending_prefill_tokens, load.kv_usage, worker.num_inflight_prompt_tokens,
                 ))
         return tuple(states), predicted
 

@@ -305,3 +305,55 @@ def test_recompute_penalty_keeps_a_busy_holder_that_greedy_ttft_would_leave(reco
     assert decision.scores["w0"] == pytest.approx(expected_ttft_s(16_384, k_gpu=12_288, pending=20_000))
     assert decision.scores["w1"] == pytest.approx(expected_ttft_s(16_384))
     assert decision.scores["w0"] > decision.scores["w1"]
+
+
+def expected_decode_load_s(n: int, running: int, inflight_tokens: int, steps: int) -> float:
+    """``TTFTCostModel.decode_load_s`` written out (default constants: 2e-5 s per sequence, 131,072 B per token
+    read at 4e12 B/s)."""
+    b = 131_072 / 4e12
+    return steps * (running * (2 * 2e-5 + n * b) + inflight_tokens * b)
+
+
+def _view(n: int, max_tokens: int) -> Any:
+    from policies.base import RequestView
+
+    return RequestView("req-0", "llama-3-8b", n, max_tokens, BLOCK_SIZE)
+
+
+@pytest.mark.parametrize(
+    ("running", "decode_penalty", "expected"),
+    [
+        (0, 1.0, "w0"),  # the shared prefix wins on an idle worker
+        (1, 1.0, "w0"),  # one decoding neighbour costs less than the 2,048 tokens the hit saves
+        (4, 1.0, "w1"),  # four cost more: the idle worker takes the request
+        (4, 0.0, "w0"),  # without the term the holder takes everything
+    ],
+)
+def test_decode_load_moves_a_shared_prefix_off_a_busy_worker(running: int, decode_penalty: float,
+                                                             expected: str) -> None:
+    n, max_tokens = 4096, 1024  # charged over decode_horizon_tokens = 256 steps
+    busy = make_worker("w0", num_gpu_cached_tokens=2048, num_running_requests=running,
+                       num_inflight_prompt_tokens=running * n)
+    idle = make_worker("w1")
+    p = policy(decode_penalty=decode_penalty)
+    decision = p.select(_view(n, max_tokens), make_snapshot(busy, idle))
+    assert decision.worker_id == expected
+    # Scores stay the TTFT estimate: the decode load ranks, it is not part of the TTFT.
+    assert decision.scores["w0"] == pytest.approx(expected_ttft_s(n, k_gpu=2048, running=running), rel=1e-12)
+    load_s = p.cost_model.decode_load_s(busy, n, max_tokens)
+    assert load_s == pytest.approx(expected_decode_load_s(n, running, running * n, 256), rel=1e-12)
+    assert p.explain(_view(n, max_tokens), make_snapshot(busy, idle))["w0"].decode_load_s == load_s
+    # The exact crossing: the ranking costs of the two workers as the module docstring defines them.
+    prefill_w0 = (n - 2048) / R_LIN + (n * n - 2048 * 2048) / R_QUAD
+    prefill_w1 = n / R_LIN + n * n / R_QUAD
+    cost_w0 = expected_ttft_s(n, k_gpu=2048, running=running) + 2.0 * prefill_w0 + decode_penalty * load_s
+    cost_w1 = expected_ttft_s(n) + 2.0 * prefill_w1
+    assert (cost_w0 < cost_w1) == (expected == "w0")
+
+
+def test_decode_load_is_charged_over_max_tokens_when_shorter() -> None:
+    worker = make_worker("w0", num_running_requests=3, num_inflight_prompt_tokens=5000)
+    model = policy().cost_model
+    assert model.decode_load_s(worker, 1000, 16) == pytest.approx(expected_decode_load_s(1000, 3, 5000, 16))
+    assert model.decode_load_s(worker, 1000, 10_000) == pytest.approx(expected_decode_load_s(1000, 3, 5000, 256))
+    assert model.decode_load_s(make_worker("w1"), 1000, 256) == 0.0

@@ -98,10 +98,12 @@ async def test_client_disconnect_releases_load_and_cancels_upstream(workers):
                              headers={"x-kvgate-worker": "w0"})
             await r.content.readline()
             assert w0.num_inflight_requests == 1 and w0.num_decoding_requests == 1
+            assert w0.num_inflight_prompt_tokens == 2  # "hi", byte-level tokens
             r.close()
         await wait_until(lambda: w0.num_inflight_requests == 0 and h.gw.admission.num_inflight == 0)
         await wait_until(lambda: workers[0].num_cancelled == 1)
         assert w0.num_decoding_requests == 0 and w0.num_pending_prefill_tokens == 0
+        assert w0.num_inflight_prompt_tokens == 0
 
 
 @pytest.mark.parametrize(
