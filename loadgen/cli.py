@@ -5,6 +5,10 @@ Examples::
     kvgate loadgen --trace traces/conversation_trace.jsonl --url http://127.0.0.1:8000 --max-requests 300
     kvgate loadgen --trace traces/kv-cache-tester --url http://127.0.0.1:8000 --mode closed --concurrency 4
     kvgate loadgen --synthetic --syn-num-sessions 8 --url http://127.0.0.1:8000 --mode closed
+
+Every run puts a prefix in front of its session ids (``--session-prefix``; by default a fresh random
+``lg-<8 hex>-``), so a gateway's sticky sessions from an earlier run, or another client's sessions, do not apply
+to this run's sessions; it is printed at the start and recorded in ``results.json`` (``session_prefix``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from loadgen.ceiling import ceiling
 from loadgen.client import DEFAULT_PREDICTED_CACHED_HEADER, DEFAULT_WORKER_HEADER
 from loadgen.errors import LoadgenError
 from loadgen.prompts import PromptBuilder
-from loadgen.replay import ReplayConfig
+from loadgen.replay import ReplayConfig, check_session_prefix, new_session_prefix
 from loadgen.report import markdown_table
 from loadgen.runner import replay_with_progress, write_results
 from loadgen.sessions import derive_sessions
@@ -102,6 +106,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value
+
+
+def _session_prefix(text: str) -> str:
+    try:
+        return check_session_prefix(text)
+    except LoadgenError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def add_slice_arguments(parser: argparse._ActionsContainer) -> None:
@@ -184,6 +195,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--url", required=True, help="base URL of the OpenAI-compatible endpoint (gateway or worker)")
     target.add_argument("--model", default="sim", help="model name sent in each request")
     target.add_argument("--session-header", default="x-session-id", help="request header carrying the session id")
+    target.add_argument(
+        "--session-prefix",
+        type=_session_prefix,
+        default=None,
+        metavar="TEXT",
+        help="put TEXT in front of every session id sent and recorded; None: a fresh random 'lg-<8 hex>-' per run "
+        "(so a gateway's sticky sessions from an earlier run do not carry over); '' sends the trace's bare ids",
+    )
     target.add_argument("--worker-header", default=DEFAULT_WORKER_HEADER, help="response header: serving worker")
     target.add_argument(
         "--predicted-cached-header",
@@ -235,6 +254,7 @@ def _trace_source(args: argparse.Namespace) -> TraceSource:
 
 
 def _replay_config(args: argparse.Namespace) -> ReplayConfig:
+    session_prefix = new_session_prefix() if args.session_prefix is None else args.session_prefix
     return ReplayConfig(
         url=args.url,
         model=args.model,
@@ -248,6 +268,7 @@ def _replay_config(args: argparse.Namespace) -> ReplayConfig:
         session_header=args.session_header,
         worker_header=args.worker_header,
         predicted_cached_header=args.predicted_cached_header,
+        session_prefix=session_prefix,
     )
 
 
@@ -255,7 +276,9 @@ def main(args: argparse.Namespace) -> int:
     """Run ``kvgate loadgen``; returns 0 when every request succeeded, 1 when some failed, 2 on bad input.
 
     ``results.json`` holds ``slice_ceiling`` (the infinite-cache bound of the whole slice, printed before the run)
-    and the run's summary, whose ``ceiling_hit_ratio`` is over the requests that succeeded (``served_ceiling``).
+    and the run's summary, whose ``ceiling_hit_ratio`` is over the requests that succeeded (``served_ceiling``),
+    whose ``session_prefix`` is the run's, and whose ``num_skipped`` (``skip_reason``) counts the requests never
+    sent, shown as ``not sent`` in the printed table.
     """
     console = Console()
     try:
@@ -271,9 +294,18 @@ def main(args: argparse.Namespace) -> int:
         return 2
     bound = ceiling(requests)
     console.print(
-        f"{len(requests)} requests, {len({r.session_id for r in requests})} sessions, "
-        f"{bound.num_prompt_tokens} prompt tokens; ceiling hit ratio of the slice {bound.hit_ratio:.3f}"
+        f"slice: {len(requests)} requests, {len({r.session_id for r in requests})} sessions, "
+        f"{bound.num_prompt_tokens} prompt tokens; ceiling hit ratio of the slice {bound.hit_ratio:.3f}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
     )
+    if config.session_prefix:
+        console.print(
+            f"session ids prefixed with {config.session_prefix!r}", markup=False, highlight=False, soft_wrap=True
+        )
+    else:
+        console.print("session ids sent without a prefix (--session-prefix '')", markup=False, highlight=False)
     workers = [w for w in args.workers.split(",") if w]
     try:
         outcome = asyncio.run(

@@ -33,7 +33,7 @@ class RequestRecord(msgspec.Struct):
 
     Attributes:
         index: position of the request in the replayed trace.
-        session_id: its session.
+        session_id: its session id as sent (with the replay's ``session_prefix``; empty when it has none).
         start_s: send time, seconds after the replay started.
         num_prompt_tokens: prompt tokens per the trace.
         num_reported_prompt_tokens: ``usage.prompt_tokens``, or ``None``.

@@ -10,9 +10,13 @@
   the deadline, and no request is sent after it; requests already in flight run to completion (or to their
   ``request_timeout_s``), so the replay ends when the last of them does.
 
-Every request of a session carries the session header (``x-session-id`` by default). Times in the records are
-wall-clock; the report multiplies them by ``time_scale`` so that, against sim workers running ``time_scale``
-times faster than real time, results read in simulated seconds.
+Every request of a session carries the session header (``x-session-id`` by default), its value the session id
+with the run's ``session_prefix`` in front (``lg-3f9a0c1e-trace_0003/agent_001``); the records keep the same
+prefixed id. A fresh prefix per run keeps a gateway's session ownership (sticky sessions outlive a run by their
+idle timeout) from carrying over from an earlier run, or from another client's sessions of the same name.
+
+Times in the records are wall-clock; the report multiplies them by ``time_scale`` so that, against sim workers
+running ``time_scale`` times faster than real time, results read in simulated seconds.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
@@ -39,6 +45,30 @@ from loadgen.prompts import PromptBuilder
 from loadgen.traces import TraceRequest
 
 logger = logging.getLogger(__name__)
+
+SESSION_PREFIX_PATTERN = r"^[!-~]{0,64}$"
+"""A session prefix: at most 64 visible ASCII characters (no space, no control character), so that the prefixed
+id is a valid header value."""
+
+SkipReason = Literal["max_duration_s"]
+"""Why requests of a replay were not sent: ``"max_duration_s"``, the replay's wall-clock limit was reached."""
+
+
+def new_session_prefix() -> str:
+    """A fresh per-run session prefix: ``"lg-"``, 8 random hex digits (32 bits from ``secrets``) and ``"-"``,
+    e.g. ``"lg-3f9a0c1e-"``."""
+    return f"lg-{secrets.token_hex(4)}-"
+
+
+def check_session_prefix(prefix: str) -> str:
+    """Return ``prefix`` when it matches ``SESSION_PREFIX_PATTERN``.
+
+    Raises:
+        ReplayError: longer than 64 characters, or holding a space, a control or a non-ASCII character.
+    """
+    if re.fullmatch(SESSION_PREFIX_PATTERN, prefix) is None:
+        raise ReplayError(f"session prefix must be at most 64 visible ASCII characters (no spaces), got {prefix!r}")
+    return prefix
 
 
 class ReplayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
@@ -70,6 +100,13 @@ class ReplayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rena
     """Response header naming the serving worker."""
     predicted_cached_header: str = DEFAULT_PREDICTED_CACHED_HEADER
     """Response header with the gateway's predicted cached tokens."""
+    session_prefix: Annotated[str, msgspec.Meta(pattern=SESSION_PREFIX_PATTERN)] = ""
+    """Put in front of every session id sent (the session header) and recorded (``RequestRecord.session_id``);
+    empty: the trace's bare ids. ``kvgate loadgen`` sets a fresh one per run (``new_session_prefix``)."""
+
+    def session_id(self, request: TraceRequest) -> str:
+        """The session id sent for ``request``: ``session_prefix`` + its id (empty when it has none)."""
+        return self.session_prefix + request.session_id if request.session_id else ""
 
     @property
     def completions_url(self) -> str:
@@ -88,12 +125,14 @@ class ReplayResult(msgspec.Struct):
     Attributes:
         records: one per request sent, in trace order.
         duration_s: wall-clock seconds from the first send to the last completion.
-        num_skipped: requests not sent (duration limit reached or interrupted).
+        num_skipped: requests of the slice not sent.
+        skip_reason: why they were not sent (``None`` when every request was sent).
     """
 
     records: list[RequestRecord]
     duration_s: float
     num_skipped: int = 0
+    skip_reason: SkipReason | None = None
 
 
 ProgressCallback = Callable[[RequestRecord], None]
@@ -109,7 +148,8 @@ class Replayer:
         on_complete: called after each request finishes (progress bars).
 
     Raises:
-        ReplayError: nothing to replay, or a URL that is not http(s).
+        ReplayError: nothing to replay, a URL that is not http(s), or a session prefix that is not a valid header
+            value (``check_session_prefix``).
     """
 
     def __init__(
@@ -123,6 +163,7 @@ class Replayer:
             raise ReplayError("the trace slice is empty")
         if not config.url.startswith(("http://", "https://")):
             raise ReplayError(f"url must start with http:// or https://, got {config.url!r}")
+        check_session_prefix(config.session_prefix)
         self._requests = list(requests)
         self._config = config
         self._prompts = prompts
@@ -159,10 +200,11 @@ class Replayer:
         max_tokens = max(1, r.num_output_tokens)
         if cfg.max_output_tokens is not None:
             max_tokens = min(max_tokens, cfg.max_output_tokens)
-        headers = {cfg.session_header: r.session_id} if r.session_id else {}
+        session_id = cfg.session_id(r)
+        headers = {cfg.session_header: session_id} if session_id else {}
         record = RequestRecord(
             index=index,
-            session_id=r.session_id,
+            session_id=session_id,
             start_s=time.perf_counter() - self._t0,
             num_prompt_tokens=r.num_prompt_tokens,
         )
@@ -233,7 +275,12 @@ class Replayer:
             await asyncio.gather(*runners, return_exceptions=True)
 
     async def run(self) -> ReplayResult:
-        """Replay the slice; returns the records of every request sent (cancellation keeps those finished)."""
+        """Replay the slice; returns the records of every request sent and the number not sent.
+
+        Raises:
+            RuntimeError: requests were left unsent without a ``max_duration_s`` (a broken invariant: only the
+                deadline stops a replay that is not cancelled).
+        """
         cfg = self._config
         limit = cfg.max_in_flight if cfg.mode == "open" else cfg.concurrency
         connector = aiohttp.TCPConnector(limit=limit, force_close=False)
@@ -251,4 +298,10 @@ class Replayer:
             if rec.e2e_s == 0.0 and rec.error_kind is None:
                 rec.error_kind = "cancelled"
                 rec.error_message = "the replay stopped before the request finished"
-        return ReplayResult(records=records, duration_s=duration_s, num_skipped=len(self._requests) - len(records))
+        num_skipped = len(self._requests) - len(records)
+        skip_reason: SkipReason | None = None
+        if num_skipped:
+            if cfg.max_duration_s is None:
+                raise RuntimeError(f"{num_skipped} requests were not sent, yet the replay has no max_duration_s")
+            skip_reason = "max_duration_s"
+        return ReplayResult(records=records, duration_s=duration_s, num_skipped=num_skipped, skip_reason=skip_reason)

@@ -13,6 +13,9 @@ scale 1 they are wall seconds):
 * ``output_tokens_per_s`` = Σ output tokens ÷ run duration (first send to last completion).
 * ``load_imbalance`` = max ÷ mean prompt tokens per worker (``request_imbalance``: the same over requests); the
   worker set is the fleet when known, else the workers named by the gateway's header.
+* ``num_skipped``: requests of the slice never sent (``skip_reason`` says why: ``"max_duration_s"``, the replay's
+  wall-clock limit came first); ``requests_ok + requests_failed + num_skipped`` is the slice's size. The table
+  shows them as ``not sent``, and a caption line gives the reason.
 * ``cached_tokens_mismatch_ratio``: share of successful requests with both a predicted and a reported cached
   token count whose two numbers differ (requests without a prediction are counted in
   ``num_unpredicted``).
@@ -28,13 +31,14 @@ import msgspec
 import numpy as np
 
 from loadgen.client import RequestRecord
+from loadgen.replay import SkipReason
 
 logger = logging.getLogger(__name__)
 
 
 class RunSummary(msgspec.Struct):
     """The numbers of one replay. Times in simulated seconds (see module docstring); ``policy`` is the run's label
-    (the routing policy in the demo)."""
+    (the routing policy in the demo); ``session_prefix`` is what the run put in front of every session id."""
 
     policy: str
     requests_ok: int
@@ -63,6 +67,8 @@ class RunSummary(msgspec.Struct):
     time_scale: float
     fraction_of_ceiling: float | None = None
     num_skipped: int = 0
+    skip_reason: SkipReason | None = None
+    session_prefix: str = ""
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -89,6 +95,8 @@ def summarize(
     time_scale: float = 1.0,
     workers: Sequence[str] = (),
     num_skipped: int = 0,
+    skip_reason: SkipReason | None = None,
+    session_prefix: str = "",
 ) -> RunSummary:
     """Summarize one replay.
 
@@ -100,14 +108,21 @@ def summarize(
         time_scale: wall seconds are multiplied by this to give simulated seconds.
         workers: the fleet's worker ids (workers that served nothing count as 0); empty to use the ones seen.
         num_skipped: requests of the slice that were never sent.
+        skip_reason: why (``None`` when every request was sent).
+        session_prefix: the prefix of the run's session ids.
 
     Raises:
-        ValueError: ``time_scale`` <= 0 or ``duration_s`` < 0.
+        ValueError: ``time_scale`` <= 0, ``duration_s`` < 0, ``num_skipped`` < 0, or ``num_skipped`` > 0 without
+            a ``skip_reason``.
     """
     if time_scale <= 0:
         raise ValueError(f"time_scale must be > 0, got {time_scale}")
     if duration_s < 0:
         raise ValueError(f"duration_s must be >= 0, got {duration_s}")
+    if num_skipped < 0:
+        raise ValueError(f"num_skipped must be >= 0, got {num_skipped}")
+    if num_skipped and skip_reason is None:
+        raise ValueError(f"{num_skipped} requests not sent need a skip_reason")
     ok = [r for r in records if r.is_ok]
     failed = [r for r in records if not r.is_ok]
     prompt_tokens = sum(r.num_reported_prompt_tokens or r.num_prompt_tokens for r in ok)
@@ -154,6 +169,8 @@ def summarize(
         duration_s=sim_duration_s,
         time_scale=time_scale,
         num_skipped=num_skipped,
+        skip_reason=skip_reason if num_skipped else None,
+        session_prefix=session_prefix,
     )
 
 
@@ -165,6 +182,7 @@ MARKDOWN_COLUMNS: tuple[str, ...] = (
     "run",
     "ok",
     "failed",
+    "not sent",
     "hit ratio",
     "of ceiling",
     "TTFT p50 (s)",
@@ -188,6 +206,7 @@ def table_rows(summaries: Sequence[RunSummary]) -> list[list[str]]:
                 s.policy,
                 str(s.requests_ok),
                 str(s.requests_failed),
+                str(s.num_skipped),
                 f"{s.hit_ratio:.3f}",
                 _fmt(s.fraction_of_ceiling, ".2f"),
                 _fmt(s.ttft_p50_s, ".3f"),
@@ -218,6 +237,22 @@ def ceiling_caption(summaries: Sequence[RunSummary]) -> str:
     )
 
 
+SKIP_REASON_TEXT: dict[SkipReason, str] = {"max_duration_s": "max-duration-s reached"}
+"""How each ``skip_reason`` reads in the reports."""
+
+
+def not_sent_line(summary: RunSummary) -> str:
+    """What became of the run's requests: ``"300 requests, 136 ok, 5 failed, 159 not sent (max-duration-s
+    reached)"`` (the reason only when some were not sent); the numbers are ``results.json``'s ``requests_ok``,
+    ``requests_failed`` and ``num_skipped``."""
+    s = summary
+    total = s.requests_ok + s.requests_failed + s.num_skipped
+    line = f"{total} requests, {s.requests_ok} ok, {s.requests_failed} failed, {s.num_skipped} not sent"
+    if s.num_skipped and s.skip_reason is not None:
+        line += f" ({SKIP_REASON_TEXT[s.skip_reason]})"
+    return line
+
+
 def times_caption(time_scale: float) -> str:
     """The sentence saying which seconds the times are in."""
     if time_scale == 1.0:
@@ -227,7 +262,8 @@ def times_caption(time_scale: float) -> str:
 
 def markdown_table(summaries: Sequence[RunSummary]) -> str:
     """The comparison table in Markdown (one row per run, labelled by the run's name), with the ceiling and the
-    time unit in a caption line."""
+    time unit in a caption line, then a line per run that left requests unsent (``not_sent_line``) and the
+    errors by kind."""
     lines = [
         "| " + " | ".join(MARKDOWN_COLUMNS) + " |",
         "|" + "|".join("---" for _ in MARKDOWN_COLUMNS) + "|",
@@ -236,6 +272,7 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
     if summaries:
         lines.append("")
         lines.append(f"{ceiling_caption(summaries)} {times_caption(summaries[0].time_scale)}")
+        lines.extend(f"{s.policy}: {not_sent_line(s)}." for s in summaries if s.num_skipped)
         errors = {s.policy: s.errors_by_kind for s in summaries if s.errors_by_kind}
         if errors:
             lines.append("Errors by kind: " + "; ".join(f"{p}: {e}" for p, e in errors.items()) + ".")

@@ -85,6 +85,8 @@ async def replay_with_progress(
         time_scale=config.time_scale,
         workers=workers,
         num_skipped=result.num_skipped,
+        skip_reason=result.skip_reason,
+        session_prefix=config.session_prefix,
     )
     return RunOutcome(summary=summary, records=result.records)
 

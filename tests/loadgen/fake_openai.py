@@ -20,7 +20,8 @@ BLOCK_SIZE = 16
 
 
 class FakeOpenAI:
-    """State of the fake server: prompts seen and request headers received."""
+    """State of the fake server: prompts seen and request headers received (``session_ids``: the ``x-session-id``
+    of each answered request; ``headers``: every request's headers, lower-cased names, refused ones included)."""
 
     def __init__(
         self,
@@ -38,6 +39,7 @@ class FakeOpenAI:
         self.prompts: list[bytes] = []
         self.session_ids: list[str | None] = []
         self.bodies: list[dict] = []
+        self.headers: list[dict[str, str]] = []
 
     def cached_tokens(self, prompt: bytes) -> int:
         best = 0
@@ -52,6 +54,7 @@ class FakeOpenAI:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append({name.lower(): value for name, value in request.headers.items()})
         prompt = body["prompt"].encode()
         if self.response_delay_s > 0:
             await asyncio.sleep(self.response_delay_s)

@@ -25,7 +25,7 @@ async def test_loadgen_synthetic_closed_loop_writes_results(tmp_path):
             "loadgen", "--synthetic", "--syn-num-sessions", "3", "--syn-num-turns", "3", "--syn-think-time-s", "0.1",
             "--syn-system-prompt-tokens", "128", "--syn-tool-output-tokens", "64", "--syn-output-tokens", "4",
             "--url", url, "--mode", "closed", "--concurrency", "2", "--time-scale", "50", "--no-progress",
-            "--out", str(tmp_path), "--label", "syn",
+            "--out", str(tmp_path), "--label", "syn", "--session-prefix", "",
         ]  # fmt: skip
         rc = await asyncio.to_thread(kvgate, argv)
     assert rc == 0

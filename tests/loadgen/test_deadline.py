@@ -24,6 +24,10 @@ DEADLINE_S = 1.0
 """The replays' ``max_duration_s``: wide enough that a loaded machine still sends the first request before it."""
 MAX_WALL_S = 5.0
 """A replay bounded by ``DEADLINE_S`` ends well within this; an unbounded 60 s wait would not."""
+TABLE_HEADER = (
+    "| run | ok | failed | not sent | hit ratio | of ceiling | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | "
+    "ITL p50 (ms) | ITL p99 (ms) | out tok/s | imbalance (tokens) | imbalance (requests) | cached mismatch |"
+)
 
 
 def two_sessions_with_long_think_times():
@@ -90,7 +94,7 @@ async def test_loadgen_cli_stops_a_145_s_think_time_at_the_deadline(tmp_path):
         argv = [
             "loadgen", "--trace", AGENTIC_TRACE, "--url", url, "--mode", "closed", "--concurrency", "1",
             "--max-requests-per-session", "2", "--max-duration-s", str(DEADLINE_S), "--max-output-tokens", "2",
-            "--no-progress", "--no-plots", "--out", str(tmp_path),
+            "--no-progress", "--no-plots", "--out", str(tmp_path), "--session-prefix", "d-",
         ]  # fmt: skip
         t0 = time.perf_counter()
         rc = await asyncio.to_thread(kvgate, argv)
@@ -99,5 +103,38 @@ async def test_loadgen_cli_stops_a_145_s_think_time_at_the_deadline(tmp_path):
     run = json.loads((tmp_path / "results.json").read_text())["runs"][0]
     # 6 requests (3 sessions × 2 turns); the one runner sends trace_0003's first turn, then the deadline ends it
     assert (run["requests_ok"], run["requests_failed"], run["num_skipped"]) == (1, 0, 5)
-    assert fake.session_ids == ["trace_0003"]
+    assert fake.session_ids == ["d-trace_0003"]
     assert wall_s < MAX_WALL_S
+
+
+async def test_loadgen_console_shows_the_requests_not_sent(tmp_path, capsys):
+    # 4 requests in 2 sessions with 60 s think times: the 1 s deadline leaves both second turns unsent
+    trace = tmp_path / "two_sessions.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": t_ms, "input_length": 512 * len(ids), "output_length": 2, "hash_ids": ids}) + "\n"
+            for t_ms, ids in [(0, [0, 1]), (0, [2, 3]), (60_000, [0, 1, 4]), (60_000, [2, 3, 5])]
+        )
+    )
+    fake = FakeOpenAI()
+    async with serve_fake(fake) as url:
+        argv = [
+            "loadgen", "--trace", str(trace), "--url", url, "--max-duration-s", str(DEADLINE_S), "--no-progress",
+            "--no-plots", "--out", str(tmp_path / "out"), "--label", "cut",
+        ]  # fmt: skip
+        t0 = time.perf_counter()
+        rc = await asyncio.to_thread(kvgate, argv)
+        wall_s = time.perf_counter() - t0
+    assert rc == 0
+    assert wall_s < MAX_WALL_S
+    run = json.loads((tmp_path / "out" / "results.json").read_text())["runs"][0]
+    outcome = (run["requests_ok"], run["requests_failed"], run["num_skipped"], run["skip_reason"])
+    assert outcome == (2, 0, 2, "max_duration_s")
+    # the console, like results.json, accounts for all 4: the table's "not sent" column and the line with the reason
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("slice: 4 requests, 2 sessions, ")
+    header = lines.index(TABLE_HEADER)
+    assert lines[header + 2].startswith("| cut | 2 | 0 | 2 | ")
+    not_sent = "cut: 4 requests, 2 ok, 0 failed, 2 not sent (max-duration-s reached)."
+    assert not_sent in lines[header + 3 :]
+    assert not_sent in (tmp_path / "out" / "results.md").read_text().splitlines()

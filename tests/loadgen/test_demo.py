@@ -97,7 +97,7 @@ def test_checks_print_each_value_in_the_table_unit():
     mismatch = checks["cache_aware cached-tokens mismatch <= 1%"]
     assert (mismatch.value, mismatch.unit, mismatch.passed) == (1 / 60, "percent", False)
     lines = printed_results(summaries, is_quick=False)
-    assert lines[3].startswith("| cache_aware | 60 | 0 | 0.500 | 1.00 |") and lines[3].endswith("| 1.67% |")
+    assert lines[3].startswith("| cache_aware | 60 | 0 | 0 | 0.500 | 1.00 |") and lines[3].endswith("| 1.67% |")
     assert lines[-6:] == [
         "PASS cache_aware hit ratio ÷ ceiling >= 0.9: 1.000",
         "PASS cache_aware ÷ round_robin hit ratio >= 1.5: 2.500",

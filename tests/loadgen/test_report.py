@@ -58,9 +58,9 @@ def test_markdown_table_rows():
     b = summarize([make_record(0, error="timeout")], policy="round_robin", ceiling_hit_ratio=0.5, duration_s=1)
     text = markdown_table([a, b])
     lines = text.splitlines()
-    assert lines[0].startswith("| run | ok | failed | hit ratio | of ceiling |")
-    assert lines[2].startswith("| cache_aware | 1 | 0 | 0.500 | 1.00 | 0.100 |")
-    assert lines[3].startswith("| round_robin | 0 | 1 | 0.000 | 0.00 | – |")
+    assert lines[0].startswith("| run | ok | failed | not sent | hit ratio | of ceiling |")
+    assert lines[2].startswith("| cache_aware | 1 | 0 | 0 | 0.500 | 1.00 | 0.100 |")
+    assert lines[3].startswith("| round_robin | 0 | 1 | 0 | 0.000 | 0.00 | – |")
     assert lines[5] == (
         "Ceiling hit ratio (infinite cache) over the requests that succeeded, as `hit ratio`: 0.500 (failed and "
         "unsent requests neither read nor fill that cache). Times in wall seconds (time scale 1)."
@@ -91,3 +91,24 @@ def test_plot_time_axes_say_wall_seconds_at_time_scale_1():
 
     assert _seconds_label([RunRecords("a", []), RunRecords("b", [])]) == "s"
     assert _seconds_label([RunRecords("a", []), RunRecords("b", [], time_scale=5.0)]) == "simulated s"
+
+
+def test_markdown_table_names_the_requests_not_sent():
+    records = [make_record(0), make_record(1), make_record(2, error="timeout")]
+    cut = summarize(
+        records, policy="cut", ceiling_hit_ratio=0.5, duration_s=1, num_skipped=7, skip_reason="max_duration_s"
+    )
+    whole = summarize(records, policy="whole", ceiling_hit_ratio=0.5, duration_s=1)
+    assert (cut.num_skipped, cut.skip_reason, whole.num_skipped, whole.skip_reason) == (7, "max_duration_s", 0, None)
+    lines = markdown_table([cut, whole]).splitlines()
+    assert lines[2].startswith("| cut | 2 | 1 | 7 | ")
+    assert lines[3].startswith("| whole | 2 | 1 | 0 | ")
+    # one line for the run that left requests unsent, none for the other; its numbers are the summary's
+    assert lines[6:] == [
+        "cut: 10 requests, 2 ok, 1 failed, 7 not sent (max-duration-s reached).",
+        "Errors by kind: cut: {'timeout': 1}; whole: {'timeout': 1}.",
+    ]
+    with pytest.raises(ValueError, match="skip_reason"):
+        summarize(records, policy="x", ceiling_hit_ratio=0.5, duration_s=1, num_skipped=1)
+    with pytest.raises(ValueError, match="num_skipped"):
+        summarize(records, policy="x", ceiling_hit_ratio=0.5, duration_s=1, num_skipped=-1)
