@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from router.config import parse_config, validate_sessions
-from router.discovery import decode_discovery_config
+from router.discovery import decode_discovery_config, pod_to_worker
 from router.serve import warn_byte_level_tokenizers
 from router.sessions.config import resolve_redis_target
 
@@ -255,6 +255,27 @@ def test_service_monitor_only_when_the_crd_api_is_served(tmp_path):
 ])
 def test_events_port_override(tmp_path, sets, expected):
     assert gateway_yaml(render(tmp_path, sets=sets))["discovery"]["events_port"] == expected
+
+
+def test_replay_port_defaults_to_none_like_vllm(tmp_path):
+    """vLLM serves replay only when its --kv-events-config names a replay_endpoint (none by default)."""
+    discovery = decode_discovery_config(gateway_yaml(render(tmp_path))["discovery"])
+    assert (discovery.events_port, discovery.replay_port) == (5557, None)
+
+
+def test_vllm_discovery_settings_from_the_readme(tmp_path, monkeypatch):
+    objs = render(tmp_path, sets=("discovery.replayPort=5558", "discovery.worker.load_path=null",
+                                  "discovery.worker.snapshot_path=null",
+                                  "gateway.extraConfig.events.warmup_from_snapshot=false"))
+    monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "t")
+    config = parse_config(gateway_yaml(objs))
+    assert config.events.warmup_from_snapshot is False
+    pod = {"metadata": {"name": "vllm-0"},
+           "status": {"phase": "Running", "podIP": "10.0.0.5", "conditions": [{"type": "Ready", "status": "True"}]}}
+    worker = pod_to_worker(decode_discovery_config(config.discovery), pod)
+    assert worker is not None
+    assert (worker.events_endpoint, worker.replay_endpoint, worker.load_path, worker.snapshot_path) == (
+        "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", None, None)
 
 
 SCHEMA = "don't meet the specifications of the schema"
