@@ -36,10 +36,18 @@ not show we already follow the new publisher). A ``Resync`` always reaches the s
 worker and means: clear everything known about the worker (all its dp ranks, all its own tiers). A worker with
 several dp ranks gets one ``Resync`` per rank stream that detected the restart.
 
-A publisher that restarts and publishes past the last seq we saw looks like a forward gap: replay shows the
-batch at ``last`` is not the one we applied (or is gone), so it is caught. ZMQ reconnects by itself
-(``reconnect_interval_s``); the socket monitor's disconnects mark the worker's streams suspect (bound topology:
-every stream, since a peer cannot be attributed).
+What replay can prove: the replayed batch at ``last`` (the anchor) decides alone. The same bytes (payloads carry
+the publish time) show that the publisher answering is the one whose batches we applied, so a live seq at or
+below ``last`` is a re-delivered old batch: it is dropped, never applied, and nothing is cleared (an index cleared
+there could not be rebuilt: vLLM and SGLang serve no snapshot, and the next stores would name parents that are
+gone). For such a seq only the anchor is kept from the replay, and the old batch's content is not compared with
+anything: neither could change the verdict. A restarted publisher answers no batch at ``last`` yet, or one with
+other bytes, and a replay that times out proves nothing: each resyncs (``seq_backwards``, or ``reconnect`` for
+seq == last after a disconnect). A publisher that restarts and publishes past the last seq we saw looks like a
+forward gap and is caught the same way.
+
+ZMQ reconnects by itself (``reconnect_interval_s``); the socket monitor's disconnects mark the worker's streams
+suspect (bound topology: every stream, since a peer cannot be attributed).
 
 A malformed message never raises: it is counted by kind in ``counters`` (``events.counters.EventCounters``) and
 logged once per worker and kind. A batch whose payload is unusable still consumes its seq (nothing to replay it
@@ -538,7 +546,9 @@ class KVEventSubscriber:
             self._resync(stream, "gap_unrecoverable")
             await self._apply(stream, item)
             return
-        replies, _ = await self._replay(stream, last, stop_before=seq)
+        # Keep the anchor ``last`` whatever the live seq: for an old or repeated seq (``seq <= last``) it is the
+        # only reply needed, and without it such a batch could never be told from a restart.
+        replies, _ = await self._replay(stream, last, stop_before=max(seq, last + 1))
         anchor = replies.get(last)
         if anchor is None or anchor[0] != stream.last_digest:
             reason = "seq_backwards" if seq < last else "reconnect" if stream.is_suspect else "gap_unrecoverable"
@@ -579,11 +589,22 @@ class KVEventSubscriber:
     ) -> tuple[dict[int, tuple[int, bytes]], bool]:
         """Ask the stream's replay ROUTER for every batch from ``start_seq``.
 
+        Args:
+            stream: the stream to replay (it must have a replay endpoint).
+            start_seq: first seq asked for; the callers pass the last applied seq (the anchor).
+            stop_before: replies at this seq or later are not kept; ``None`` keeps every one. Greater than
+                ``start_seq``, so that the anchor is always kept.
+
         Returns:
             ({seq: (xxh3-64 digest, payload)} for ``start_seq <= seq < stop_before``, first copy of each seq),
             and whether the end marker arrived before ``replay_timeout_s`` of silence and within
             ``replay_total_timeout_s`` in all.
+
+        Raises:
+            ValueError: ``stop_before <= start_seq``.
         """
+        if stop_before is not None and stop_before <= start_seq:
+            raise ValueError(f"stop_before ({stop_before}) must be greater than start_seq ({start_seq})")
         assert stream.replay_endpoint is not None
         self.counters.num_replay_requests[stream.worker_id] += 1
         replies: dict[int, tuple[int, bytes]] = {}

@@ -16,6 +16,8 @@ from events.errors import PublisherClosedError
 from events.publisher import KVEventPublisher, PublisherConfig, bind_or_connect, offset_endpoint
 from events.subscriber import KVEventSubscriber, SubscriberConfig, WorkerSpec
 from events.types import AllBlocksCleared, BlockRemoved, BlockStored, EngineBlockHash, EventBatch, Resync
+from router.block_hash import hash_token_blocks
+from router.index import IndexConfig, PrefixIndex
 
 pytestmark = pytest.mark.integration
 
@@ -62,6 +64,8 @@ class FakeEngine:
             start_seq = int.from_bytes(start, "big")
             self.requests.append(start_seq)
             seqs = sorted(q for q in self.buffer if q >= start_seq)
+            if self.replay_order == "silent":  # a replay endpoint that never answers
+                continue
             if self.replay_order == "never_ending":  # replies outside the asked range, and no end marker
                 for _ in range(1000):
                     await self.router.send_multipart([ident, b"", (0).to_bytes(8, "big"), b"stale"])
@@ -77,6 +81,19 @@ class FakeEngine:
         self.buffer[seq] = body
         if deliver:
             await self.pub.send_multipart([topic, seq.to_bytes(8, "big"), body])
+
+    async def restart_pub(self, ctx: zmq.asyncio.Context) -> None:
+        """Close the PUB socket and bind a new one at the same address; the replay ROUTER and its buffer stay
+        (the same publisher, seen by a subscriber as a disconnect and a reconnect)."""
+        self.pub.close(linger=0)
+        self.pub = ctx.socket(zmq.PUB)
+        async with asyncio.timeout(5):
+            while True:  # the closed socket may hold the port for a moment
+                try:
+                    self.pub.bind(self.endpoint)
+                    return
+                except zmq.ZMQError:
+                    await asyncio.sleep(0.01)
 
     async def ping(self, sub: KVEventSubscriber, worker_id: str) -> None:
         """Send one-frame messages until the subscriber counts one: the subscription is then live."""
@@ -223,6 +240,106 @@ async def test_reordered_and_duplicated_replay_applied_once(ctx, engine):
     await engine.send(14, payload(14))
     await until(lambda: sub.last_seq("w") == 14)
     assert hashes_of(records) == [(10, 10), (11, 11), (12, 12), (13, 13), (14, 14)]
+    await sub.aclose()
+
+
+CHAIN_BLOCK_SIZE = 16
+
+
+def chain_payload(i: int) -> bytes:
+    """Batch of block ``i`` of one chain: engine hash 1000 + i, parent 1000 + i - 1, tokens 16 i .. 16 i + 15."""
+    block = BlockStored(
+        block_hashes=(EngineBlockHash(1000 + i),),
+        parent_block_hash=EngineBlockHash(999 + i) if i else None,
+        token_ids=tuple(range(CHAIN_BLOCK_SIZE * i, CHAIN_BLOCK_SIZE * (i + 1))),
+        block_size=CHAIN_BLOCK_SIZE,
+    )
+    return encode_batch([block], 1.0 + i, 0)
+
+
+def indexed_sub(
+    ctx: zmq.asyncio.Context, records: list[EventBatch | Resync]
+) -> tuple[KVEventSubscriber, PrefixIndex]:
+    """A subscriber whose sink feeds a prefix index (as the gateway wires it) and appends to ``records``."""
+    index = PrefixIndex(IndexConfig(block_size=CHAIN_BLOCK_SIZE))
+
+    def sink(record: EventBatch | Resync) -> None:
+        records.append(record)
+        if isinstance(record, Resync):
+            index.apply_resync(record)
+        else:
+            index.apply(record)
+
+    config = SubscriberConfig(replay_timeout_s=1.0, default_block_size=CHAIN_BLOCK_SIZE)
+    return KVEventSubscriber(config, sink, context=ctx), index
+
+
+def num_cached_tokens(index: PrefixIndex, num_blocks: int) -> int:
+    """Tokens of the first ``num_blocks`` chain blocks that the index says worker ``w`` holds on GPU."""
+    hashes = hash_token_blocks(list(range(CHAIN_BLOCK_SIZE * num_blocks)), CHAIN_BLOCK_SIZE)
+    match = index.match(hashes).get("w")
+    return 0 if match is None else CHAIN_BLOCK_SIZE * match.num_gpu_blocks
+
+
+async def test_old_batch_redelivered_is_dropped_and_keeps_the_index(ctx, engine):
+    records: list = []
+    sub, index = indexed_sub(ctx, records)
+    await sub.start()
+    sub.add_worker(WorkerSpec(worker_id="w", endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint))
+    await engine.ping(sub, "w")
+    for i in range(6):
+        await engine.send(i, chain_payload(i))
+    await until(lambda: sub.last_seq("w") == 5)
+    assert num_cached_tokens(index, 7) == 96
+    await engine.send(3, chain_payload(3))  # the seq-3 batch again (re-delivered); replay still holds seq 5
+    await engine.send(6, chain_payload(6))
+    await until(lambda: sub.last_seq("w") == 6)
+    assert hashes_of(records) == [(i, 1000 + i) for i in range(7)]
+    assert engine.requests == [5]  # the anchor asked for is the last applied seq
+    assert sub.counters.resyncs == {}
+    assert sub.counters.drops == {("w", DropKind.NON_MONOTONIC_SEQ): 1}
+    assert sub.counters.num_replayed_batches == {}
+    assert num_cached_tokens(index, 7) == 112
+    assert index.stats().counters["num_resyncs"] == 0
+    await sub.aclose()
+
+
+async def test_last_batch_redelivered_after_reconnect_is_a_duplicate(ctx, engine):
+    sub, records = await joined_sub(ctx, engine)
+    for q in range(3):
+        await engine.send(q, payload(q))
+    await until(lambda: sub.last_seq("w") == 2)
+    await engine.restart_pub(ctx)  # same publisher (replay buffer kept), new PUB connection
+    await until(lambda: sub.counters.num_reconnects[engine.endpoint] >= 1)
+    await engine.ping(sub, "w")
+    await engine.send(2, payload(2))  # the last applied batch again, first after the reconnect
+    await engine.send(3, payload(3))
+    await until(lambda: sub.last_seq("w") == 3)
+    assert hashes_of(records) == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert engine.requests == [2]
+    assert sub.counters.resyncs == {}
+    assert sub.counters.drops == {("w", DropKind.DUPLICATE_SEQ): 1}
+    await sub.aclose()
+
+
+@pytest.mark.parametrize("replay", ["new_stream_short", "new_stream_past_last", "silent"])
+async def test_restart_with_seq_back_resyncs_whatever_the_replay_answers(ctx, engine, replay):
+    sub, records = await joined_sub(ctx, engine, replay_timeout_s=0.3)
+    for q in range(6):
+        await engine.send(q, payload(q))
+    await until(lambda: sub.last_seq("w") == 5)
+    engine.buffer = {}  # the restarted publisher's buffer
+    if replay == "new_stream_past_last":  # it published 0..7 before our replay request reached it
+        for q in range(8):
+            engine.buffer[q] = payload(700 + q)
+    elif replay == "silent":
+        engine.replay_order = "silent"
+    await engine.send(3, payload(703))
+    await until(lambda: sub.last_seq("w") == 3)
+    assert hashes_of(records) == [(q, q) for q in range(6)] + [("resync", "seq_backwards"), (3, 703)]
+    assert engine.requests == [5]
+    assert sub.counters.resyncs == {("w", "seq_backwards"): 1}
+    assert sub.counters.drops == {}
     await sub.aclose()
 
 
