@@ -17,7 +17,8 @@ Series (all prefixed ``kvgate_``)::
     retries_total{worker,reason}                    attempts abandoned before the first byte
     predicted_cached_tokens_total{worker}           honesty check: what the gateway predicted
     reported_cached_tokens_total{worker}            ... and what the worker reported in usage
-    cached_tokens_checks_total{worker,result}       result = match | mismatch
+    cached_tokens_checks_total{worker,result}       result = match | mismatch | unchecked (a 200 whose answer
+                                                    carries no usage: a stream without include_usage)
     inflight_requests{worker}                       requests in flight through this gateway
     index_blocks{worker,medium}                     (scrape time) index entries
     event_*{...}                                    (scrape time) event counters from the subscriber
@@ -117,12 +118,13 @@ class WorkerMetrics:
         num_reported_cached_tokens: ``reported_cached_tokens_total{worker}``.
         num_checks_match: ``cached_tokens_checks_total{worker,result="match"}``.
         num_checks_mismatch: ``cached_tokens_checks_total{worker,result="mismatch"}``.
+        num_checks_unchecked: ``cached_tokens_checks_total{worker,result="unchecked"}``.
         num_requests: ``requests_total{worker,policy,status}`` keyed by ``(policy, status)``.
         duration_s: ``request_duration_seconds{worker,policy}`` keyed by policy.
     """
 
     __slots__ = ("worker_id", "num_inflight", "ttft_s", "num_predicted_cached_tokens", "num_reported_cached_tokens",
-                 "num_checks_match", "num_checks_mismatch", "num_requests", "duration_s")
+                 "num_checks_match", "num_checks_mismatch", "num_checks_unchecked", "num_requests", "duration_s")
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
@@ -132,6 +134,7 @@ class WorkerMetrics:
         self.num_reported_cached_tokens = 0
         self.num_checks_match = 0
         self.num_checks_mismatch = 0
+        self.num_checks_unchecked = 0
         self.num_requests: dict[tuple[str, int], int] = {}
         self.duration_s: dict[str, HistogramCounts] = {}
 
@@ -182,6 +185,7 @@ class _RequestPathCollector(Collector):
             reported.add_metric([wid], float(w.num_reported_cached_tokens))
             checks.add_metric([wid, "match"], float(w.num_checks_match))
             checks.add_metric([wid, "mismatch"], float(w.num_checks_mismatch))
+            checks.add_metric([wid, "unchecked"], float(w.num_checks_unchecked))
             inflight.add_metric([wid], float(w.num_inflight))
         decision = HistogramMetricFamily("kvgate_decision_seconds",
                                          "Routing decision time (view, sessions, policy), seconds.")

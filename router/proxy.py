@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -47,6 +48,8 @@ WORKER_HEADER = "x-kvgate-worker"
 PREDICTED_HEADER = "x-kvgate-predicted-cached-tokens"
 DECISION_HEADER = "x-kvgate-decision"
 REQUEST_ID_HEADER = "x-request-id"
+_FORBIDDEN_HEADER_CHAR = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
+"""A character a header value may not carry (RFC 9110 §5.5; aiohttp refuses to send it)."""
 
 
 class _PromptTokensDetails(msgspec.Struct, gc=False):
@@ -212,7 +215,8 @@ def response_headers_of(
     upstream: Mapping[str, str], worker_id: str, predicted_cached_tokens: int, reason: str, request_id: str,
 ) -> CIMultiDict[str]:
     """The worker's response headers without hop-by-hop ones, plus kvgate's four (worker, predicted cached tokens,
-    decision reason, request id). Repeated headers (``Set-Cookie``) stay repeated, in order. aiohttp's headers
+    decision reason, request id). Repeated headers (``Set-Cookie``) stay repeated, in order. A header whose value
+    holds a control character (RFC 9110 §5.5: none but tab) is dropped and logged. aiohttp's headers
     (``CIMultiDictProxy``) are copied and their hop-by-hop names found in C (case-insensitive key views); any
     other mapping is filtered name by name."""
     if isinstance(upstream, CIMultiDictProxy):
@@ -221,6 +225,10 @@ def response_headers_of(
             headers.popall(name)
     else:
         headers = CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in HOP_BY_HOP_HEADERS)
+    if _FORBIDDEN_HEADER_CHAR.search("".join(headers.values())):  # aiohttp would refuse to send them
+        bad = [k for k, v in headers.items() if _FORBIDDEN_HEADER_CHAR.search(v)]
+        logger.warning("worker %s sent header(s) %s with control characters; dropped", worker_id, ", ".join(bad))
+        headers = CIMultiDict((k, v) for k, v in headers.items() if not _FORBIDDEN_HEADER_CHAR.search(v))
     headers[WORKER_HEADER] = worker_id
     headers[PREDICTED_HEADER] = str(predicted_cached_tokens)
     headers[DECISION_HEADER] = reason
@@ -311,15 +319,17 @@ class Proxy:
                     logger.warning("request %s: worker %s failed before the first byte: %s",
                                    request_id, worker.worker_id, exc.message)
                     continue
-                if resp.status >= 500 and attempt == 0:
-                    attempts += plan.fallbacks(max_retries)
-                if resp.status >= 500 and attempt + 1 < len(attempts):
-                    worker.breaker.record_failure(self._clock())
-                    last_exc = UpstreamError(f"worker answered {resp.status}", worker_id=worker.worker_id)
-                    logger.warning("request %s: worker %s answered %d before the first byte; retrying",
-                                   request_id, worker.worker_id, resp.status)
-                    continue
-                if resp.status >= 500:
+                status = resp.status
+                if status >= 500 or status < 200:
+                    if attempt == 0:
+                        attempts += plan.fallbacks(max_retries)
+                    if status < 200 or attempt + 1 < len(attempts):  # a 1xx final answer is never relayed
+                        worker.breaker.record_failure(self._clock())
+                        last_exc = UpstreamError(f"worker answered {status}", worker_id=worker.worker_id)
+                        logger.warning("request %s: worker %s answered %d before the first byte%s", request_id,
+                                       worker.worker_id, status, "; retrying" if attempt + 1 < len(attempts) else "")
+                        continue
+                if status >= 500:
                     worker.breaker.record_failure(self._clock())
                 else:
                     worker.breaker.record_success()
@@ -376,7 +386,7 @@ class Proxy:
         recent: list[bytes] = []  # the stream's last chunks, at most 2 * SSE_TAIL_BYTES (joined when over)
         num_recent_bytes = 0
         max_recent_bytes = 2 * SSE_TAIL_BYTES
-        calibrator = self._holder.calibrator
+        calibrator = plan.calibrator  # the policy that made the prediction, even if another is live now
         try:
             await out.prepare(request)
             async for chunk in resp.iter_chunks():
@@ -416,8 +426,10 @@ class Proxy:
         return out
 
     def _check_honesty(self, worker: WorkerRuntime, wm: WorkerMetrics, predicted: int, reported: int | None) -> None:
-        """Count one predicted-vs-reported pair in the proxy's totals and the worker's series; log a mismatch."""
+        """Count one predicted-vs-reported pair in the proxy's totals and the worker's series; log a mismatch. An
+        answer without usage (``reported`` ``None``) is counted as unchecked."""
         if reported is None:
+            wm.num_checks_unchecked += 1
             return
         self.num_honesty_checks += 1
         wm.num_predicted_cached_tokens += predicted

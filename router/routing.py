@@ -40,6 +40,7 @@ import msgspec
 from policies import SessionStickyPolicy, derive_session_key, find_calibrator
 from policies.base import Decision, Policy, RequestView, Snapshot, WorkerState
 from policies.config import KeySource, PolicyConfig
+from policies.cost_model import TTFTCalibrator
 from router.config import ModelConfig
 from router.errors import InvalidFieldError, NoWorkerError
 from router.fleet import CircuitState, Fleet, WorkerRuntime
@@ -112,6 +113,8 @@ class RoutePlan(msgspec.Struct, gc=False):
         pending: the chosen worker's pending index entries this request inserted (``Router.settle`` withdraws them
             when it does not serve the request), or ``None``.
         served_by: the worker whose answer was relayed (set by the proxy), or ``None`` before one was.
+        calibrator: the TTFT calibrator of the policy that decided (observed TTFTs go to it, not to a policy
+            installed since), or ``None``.
     """
 
     decision: Decision
@@ -124,6 +127,7 @@ class RoutePlan(msgspec.Struct, gc=False):
     workers_by_id: Mapping[str, WorkerRuntime] = msgspec.field(default_factory=dict)
     pending: ApproxInsert | None = None
     served_by: WorkerRuntime | None = None
+    calibrator: TTFTCalibrator | None = None
 
     def fallbacks(self, max_workers: int) -> list[WorkerRuntime]:
         """Up to ``max_workers`` workers to try after the chosen one: the rest of the decision's ranking, best
@@ -431,4 +435,4 @@ class Router:
             view.num_tokens, predicted[chosen_id], decision.scores, predicted, decision_s, now_s,
         ))
         return RoutePlan(decision, chosen, predicted, view.num_tokens, req.session_key, factor, decision_s, workers,
-                         pending)
+                         pending, None, calibrator)

@@ -351,11 +351,15 @@ class AiohttpTransport:
         expiry = deadlines.add(task)
         try:
             try:
+                # A worker's redirect is its answer, relayed as is: following it would resend (or, for 301-303,
+                # drop) the completion's body.
                 if request.skip_auto_headers:  # per request: a session-wide list costs a header copy every time
                     resp = await session.request(request.method, parsed_url, data=request.body,
-                                                 headers=request.headers, skip_auto_headers=request.skip_auto_headers)
+                                                 headers=request.headers, skip_auto_headers=request.skip_auto_headers,
+                                                 allow_redirects=False)
                 else:
-                    resp = await session.request(request.method, parsed_url, data=request.body, headers=request.headers)
+                    resp = await session.request(request.method, parsed_url, data=request.body, headers=request.headers,
+                                                 allow_redirects=False)
             except asyncio.CancelledError:
                 num_fired = expiry.has_fired + total.has_fired  # the cancellations the deadlines made
                 if num_fired:

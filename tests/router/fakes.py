@@ -34,6 +34,7 @@ class FakeWorker:
         self.requests: list[dict] = []
         self.fail_statuses: list[int] = []
         self.stream_release: asyncio.Event | None = None
+        self.answer_release: asyncio.Event | None = None
         self.num_active = 0
         self.num_cancelled = 0
         self.on_request: Callable[[dict], None] | None = None
@@ -121,9 +122,11 @@ class FakeWorker:
                                       "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
                                       "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
         self.num_active += 1
         try:
+            if self.answer_release is not None:
+                await self.answer_release.wait()
+            await resp.prepare(request)
             for i in range(2):
                 chunk = {"id": "x", "object": obj + ".chunk", "choices": [{"index": 0, "text": f"t{i}"}]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())

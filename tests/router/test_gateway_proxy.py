@@ -282,3 +282,26 @@ async def test_removing_a_worker_lets_its_streams_finish(workers):
         # The fleet goes on without it.
         status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "y"})
         assert (status, headers["x-kvgate-worker"]) == (200, "w1")
+
+
+async def test_a_ttft_decided_by_a_replaced_policy_never_calibrates_the_new_one(workers):
+    """The TTFT of a request decided by ``least_loaded`` (scores: request counts) arrives after ``cache_aware``
+    replaced it: the new policy's calibrator learns nothing from it; a request it decided itself calibrates it."""
+    async with GatewayHarness(make_config(workers, policy={"name": "least_loaded"}), workers=workers) as h:
+        release = asyncio.Event()
+        for w in workers:
+            w.answer_release = release  # streams answer (headers, then chunks) once released
+        body = {"model": "m", "prompt": "x" * 400, "stream": True}
+        pending = []
+        for i in range(4):  # least_loaded's scores are request counts: the last two are decided with 1.0
+            pending.append(asyncio.create_task(h.post("/v1/completions", body)))
+            await wait_until(lambda i=i: workers[0].num_active + workers[1].num_active == i + 1)
+        status, _ = await h.admin("PUT", "/admin/policy", {"name": "cache_aware", "min_calibration_work_s": 0.0})
+        assert status == 200
+        calibrator = h.gw.router.holder.calibrator
+        assert calibrator is not None
+        release.set()
+        assert [(await p)[0] for p in pending] == [200] * 4
+        assert calibrator.num_observations == 0 and calibrator.speed_factors() == {}
+        status, _, _ = await h.post("/v1/completions", body)
+        assert status == 200 and calibrator.num_observations == 1
