@@ -257,6 +257,21 @@ def test_events_port_override(tmp_path, sets, expected):
     assert gateway_yaml(render(tmp_path, sets=sets))["discovery"]["events_port"] == expected
 
 
+def test_small_floats_reach_the_gateway_as_numbers(tmp_path, monkeypatch):
+    """toYaml would write 2e-05, a string to the gateway's YAML 1.1 loader (it then exits 2); the chart writes JSON."""
+    values = tmp_path / "small.yaml"
+    values.write_text("gateway:\n  policy:\n    inner: {decode_s_per_sequence: 2.0e-5}\n"
+                      "  extraConfig:\n    retry: {backoff_initial_s: 0.00005}\n", encoding="utf-8")
+    result = run_helm(["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(values)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    raw = gateway_yaml({(d["kind"], d["metadata"]["name"]): d for d in docs})
+    monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "t")
+    config = parse_config(raw)
+    assert config.retry.backoff_initial_s == 5e-5
+    assert config.policy["inner"]["decode_s_per_sequence"] == 2e-5
+
+
 def test_replay_port_defaults_to_none_like_vllm(tmp_path):
     """vLLM serves replay only when its --kv-events-config names a replay_endpoint (none by default)."""
     discovery = decode_discovery_config(gateway_yaml(render(tmp_path))["discovery"])

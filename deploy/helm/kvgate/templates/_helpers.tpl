@@ -85,7 +85,9 @@ app.kubernetes.io/component: redis
 {{- end }}
 {{- end }}
 
-{{/* The gateway YAML (router/config.py), as a dict rendered by the ConfigMap. */}}
+{{/* The gateway YAML (router/config.py), as a dict rendered by the ConfigMap. Written as JSON (which is YAML):
+toYaml writes a float under 1e-4 as 2e-05, which the gateway's YAML 1.1 loader reads as a string and refuses,
+while JSON writes 0.00002 (exponents only below 1e-6). */}}
 {{- define "kvgate.gatewayConfig" -}}
 {{- $cfg := dict
   "listen" (dict "host" "0.0.0.0" "port" (int .Values.gateway.port))
@@ -126,5 +128,5 @@ app.kubernetes.io/component: redis
   "worker" $d.worker
   "watch_timeout_s" $d.watchTimeoutS) }}
 {{- end }}
-{{- toYaml (mergeOverwrite $cfg (deepCopy .Values.gateway.extraConfig)) }}
+{{- toPrettyJson (mergeOverwrite $cfg (deepCopy .Values.gateway.extraConfig)) }}
 {{- end }}
