@@ -4,7 +4,8 @@
 
 1. the candidates are the workers serving the request's model, in registration order;
 2. one ``index.match(block_hashes)`` gives each worker's GPU / CPU / pool depth in blocks; each is capped at
-   ``(num_prompt_tokens - 1) // block_size`` blocks (vLLM always computes the last prompt token), then turned into
+   the full blocks of the worker's own block size before the last prompt token (vLLM always computes the last
+   prompt token): ``(num_prompt_tokens - 1) // worker_block_size * worker_block_size`` tokens, then turned into
    tokens, so the predicted cached tokens equal what the worker reports;
 3. a forced worker (``X-SMG-Target-Worker`` / ``x-kvgate-worker``) bypasses the policy;
 4. ``session_sticky``: inner best -> ``store.claim_or_touch(key, best)`` -> pure ``resolve`` -> ``store.move``
@@ -210,8 +211,11 @@ class Router:
                 gpu = m.num_gpu_blocks
                 cpu = gpu + m.num_cpu_blocks
                 pool = cpu + m.num_pool_blocks
-                if pool > cap:  # capped per tier, from the root: GPU, then CPU, then pool
-                    pool = cap
+                worker_cap = cap
+                if worker.block_size != bs:  # the engine caps in its own blocks (a multiple of the model's)
+                    worker_cap = (view.num_tokens - 1) // worker.block_size * worker.block_size // bs
+                if pool > worker_cap:  # capped per tier, from the root: GPU, then CPU, then pool
+                    pool = worker_cap
                     if cpu > pool:
                         cpu = pool
                         if gpu > pool:

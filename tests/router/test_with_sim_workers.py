@@ -410,3 +410,23 @@ async def test_empty_cache_salt_is_refused_by_gateway_and_worker_alike():
             assert await g.complete(prompt, cache_salt="t") == ("w0", 208, 208)
             assert await g.complete(prompt) == ("w0", 208, 208)
             assert g.gw.proxy.num_honesty_mismatches == 0
+
+
+@pytest.mark.parametrize(("num_prompt_tokens", "expected_cached"), [(64, 32), (96, 64), (97, 96)])
+async def test_a_worker_with_twice_the_model_block_size_is_predicted_in_its_own_blocks(num_prompt_tokens,
+                                                                                       expected_cached):
+    """A worker caching 32-token blocks behind a model of 16-token blocks: its hits end at its own block
+    boundaries before the last prompt token, and the prediction says the same."""
+    w0 = SimWorker("w0")
+    w0.raw["kv-cache"]["block-size"] = 2 * BLOCK_SIZE
+    async with running(w0) as ws, Gw(make_config(ws, worker_extra={"w0": {"block_size": 2 * BLOCK_SIZE}})) as g:
+        await wait_until(g.gw.fleet.is_ready, what="ready")
+        prompt = PREFIX[:num_prompt_tokens]
+        assert await direct(ws[0], prompt) == 0
+        # The index keys the model's 16-token blocks: two per block the worker stores.
+        await wait_until(lambda: num_indexed_blocks(g.gw, "w0", "GPU") == 2 * worker_blocks(ws[0]) > 0,
+                         what="the worker's blocks indexed")
+        status, headers, body = await g.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+        assert status == 200
+        reported = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert (int(headers["x-kvgate-predicted-cached-tokens"]), reported) == (expected_cached, expected_cached)
