@@ -13,6 +13,7 @@ __all__ = ["eligible_workers", "is_eligible", "load_key", "no_worker_decision", 
 
 REASON_NO_WORKERS = "no_workers"
 REASON_NO_HEALTHY_WORKER = "no_healthy_worker"
+REASON_ALL_WORKERS_DRAINING = "all_workers_draining"
 
 
 def is_eligible(worker: WorkerState) -> bool:
@@ -39,8 +40,13 @@ def no_worker_decision(snapshot: Snapshot) -> Decision:
     """The decision when no candidate exists.
 
     Returns:
-        ``Decision(worker_id=None)`` with reason ``"no_workers"`` (empty fleet) or ``"no_healthy_worker"``
-        (every worker unhealthy or draining).
+        ``Decision(worker_id=None)`` with reason ``"no_workers"`` (empty fleet), ``"all_workers_draining"``
+        (every worker draining, whatever its health: the operator's doing) or ``"no_healthy_worker"`` (every
+        worker unhealthy or draining, at least one of them not draining).
     """
-    reason = REASON_NO_HEALTHY_WORKER if snapshot.workers else REASON_NO_WORKERS
-    return Decision(worker_id=None, reason=reason)
+    workers = snapshot.workers
+    if not workers:
+        return Decision(worker_id=None, reason=REASON_NO_WORKERS)
+    if all(w.is_draining for w in workers):
+        return Decision(worker_id=None, reason=REASON_ALL_WORKERS_DRAINING)
+    return Decision(worker_id=None, reason=REASON_NO_HEALTHY_WORKER)

@@ -2,14 +2,18 @@
 
 The gateway never accepts work the fleet cannot start: a request is admitted when the global in-flight count is
 under ``max_inflight_requests`` and at least one of its candidate workers is under ``max_inflight_per_worker``.
-Otherwise it waits (FIFO wake-ups on every release) in a queue of at most ``queue_size`` requests for at most
-``queue_timeout_s``; a full queue or an expired wait raises ``OverloadedError`` (429 with ``Retry-After``).
+Otherwise it waits (wake-ups on every release, and a re-check every ``RECHECK_S`` for room that appears without
+one, such as a worker undrained) in a queue of at most ``queue_size`` requests for at most ``queue_timeout_s``; a
+full queue or an expired wait raises ``OverloadedError`` (429 with ``Retry-After``). The caller's
+``worker_has_room`` answers True when no candidate is usable at all, so such a request never waits: routing
+answers it 503 at once.
 With both limits 0 the check is a no-op on the request path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -17,6 +21,9 @@ from router.config import AdmissionConfig
 from router.errors import OverloadedError
 
 logger = logging.getLogger(__name__)
+
+RECHECK_S = 0.25
+"""A waiting request re-checks for room at least this often (seconds)."""
 
 
 class Admission:
@@ -59,10 +66,19 @@ class Admission:
             self.num_rejected += 1
             raise OverloadedError("the gateway is at capacity and its queue is full", retry_after_s=cfg.retry_after_s)
         self.num_waiting += 1
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + cfg.queue_timeout_s
         try:
             async with self._cond:
-                async with asyncio.timeout(cfg.queue_timeout_s):
-                    await self._cond.wait_for(lambda: self._has_room(worker_has_room))
+                # Woken on every release; re-checked every RECHECK_S as well, for room that appears without one
+                # (a worker undrained, added or healthy again).
+                while not self._has_room(worker_has_room):
+                    remaining_s = deadline_s - loop.time()
+                    if remaining_s <= 0.0:
+                        raise TimeoutError
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(min(remaining_s, RECHECK_S)):
+                            await self._cond.wait()
         except TimeoutError as exc:
             self.num_rejected += 1
             raise OverloadedError(

@@ -44,6 +44,7 @@ from router.errors import (
     InvalidFieldError,
     MethodNotAllowedError,
     NotFoundError,
+    NoWorkerError,
     OverloadedError,
     UnknownModelError,
     unreadable_body_error,
@@ -316,12 +317,12 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 
 def error_response(exc: GatewayError, request_id: str | None = None) -> web.Response:
-    """The OpenAI-style JSON error for ``exc`` with its status (plus ``Retry-After`` for 429, and ``x-request-id``
-    when the error answers a request that has an id)."""
+    """The OpenAI-style JSON error for ``exc`` with its status (plus ``Retry-After`` for 429 and 503, and
+    ``x-request-id`` when the error answers a request that has an id)."""
     body = msgspec.json.encode({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param,
                                           "code": exc.code}})
     headers = {}
-    if isinstance(exc, OverloadedError):
+    if isinstance(exc, OverloadedError | NoWorkerError):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
     if request_id is not None:
         headers[REQUEST_ID_HEADER] = request_id
@@ -387,9 +388,12 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         per_worker = gw.config.admission.max_inflight_per_worker
         if not gw.admission.try_acquire():
             candidates = gw.fleet.candidates(model.name)
+            # Room on a usable worker; with none usable (all drained, unhealthy or removed) there is nothing to
+            # wait for: the request goes on and routing answers 503 with the reason at once.
             await gw.admission.acquire(
-                lambda: per_worker == 0 or any(w.num_inflight_requests < per_worker and w.is_healthy
-                                               and not w.is_draining for w in candidates)
+                lambda: per_worker == 0 or any(w.num_inflight_requests < per_worker for w in candidates
+                                               if w.is_healthy and not w.is_draining)
+                or not any(w.is_healthy and not w.is_draining for w in candidates)
             )
     except GatewayError as exc:
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()

@@ -14,7 +14,8 @@ Every error a client can see maps to one OpenAI-style error body (``{"error": {"
     ├── AuthError (401)               admin call without the right bearer token
     ├── NotFoundError (404)           admin call naming an unknown worker or session
     ├── OverloadedError (429)         admission queue full or queue wait timed out (carries ``retry_after_s``)
-    ├── NoWorkerError (503)           no healthy worker can take the request (carries the reason)
+    ├── NoWorkerError (503)           no healthy worker can take the request (carries the reason and
+    │                                 ``retry_after_s``)
     └── UpstreamError (502)           every attempt failed before the first byte
         └── UpstreamTimeoutError (504)  connect or first-byte timeout on the last attempt
 
@@ -110,14 +111,15 @@ class OverloadedError(GatewayError):
 
 
 class NoWorkerError(GatewayError):
-    """No healthy, undrained worker can take the request."""
+    """No healthy, undrained worker can take the request (``retry_after_s``: the ``Retry-After`` it suggests)."""
 
     status = 503
     error_type = "service_unavailable"
 
-    def __init__(self, message: str, *, reason: str) -> None:
+    def __init__(self, message: str, *, reason: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message, code=reason)
         self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 class UpstreamError(GatewayError):

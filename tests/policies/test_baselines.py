@@ -35,6 +35,9 @@ def test_unhealthy_and_draining_fleet_gives_no_worker(name):
     decision = build(name).select(make_view(session_key="sid:a"), snapshot)
     assert decision.worker_id is None
     assert decision.reason == "no_healthy_worker"
+    # Every worker drained (one of them unhealthy too): the operator's doing, said so.
+    drained = make_snapshot(make_worker("w0", is_draining=True), make_worker("w1", is_healthy=False, is_draining=True))
+    assert (build(name).select(make_view(session_key="sid:a"), drained).reason) == "all_workers_draining"
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)

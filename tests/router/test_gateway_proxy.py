@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import openai
@@ -167,6 +168,33 @@ async def test_no_worker_503_and_overload_429(workers):
         error = json.loads(body)["error"]
         assert status == 503 and error["message"] == "forced worker 'w1' cannot take requests now: draining"
         assert len(workers[1].requests) == num_requests
+
+
+async def test_per_worker_limit_with_every_worker_drained_is_a_503_at_once_and_undrain_wakes_waiters(workers):
+    config = make_config(workers[:2], admission={"max_inflight_per_worker": 1, "queue_timeout_s": 5.0})
+    async with GatewayHarness(config, workers=workers[:2]) as h:
+        for w in ("w0", "w1"):
+            assert (await h.admin("POST", f"/admin/workers/{w}/drain"))[0] == 200
+        t0 = time.monotonic()
+        status, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": "x"})
+        assert time.monotonic() - t0 < 1.0  # no wait in the queue: nothing to wait for
+        error = json.loads(body)["error"]
+        assert (status, headers["Retry-After"], error["code"]) == (503, "1", "all_workers_draining")
+        assert error["message"] == "no worker available for model 'm': all_workers_draining"
+        # w0 undrained and full (a held stream), w1 still drained: a request waits; undraining w1 lets it in.
+        assert (await h.admin("POST", "/admin/workers/w0/undrain"))[0] == 200
+        workers[0].stream_release = asyncio.Event()
+        held = await h.session.post(h.url + "/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+        await held.content.readline()
+        waiting = asyncio.create_task(h.post("/v1/completions", {"model": "m", "prompt": "y"}))
+        await wait_until(lambda: h.gw.admission.num_waiting == 1)
+        t0 = time.monotonic()
+        assert (await h.admin("POST", "/admin/workers/w1/undrain"))[0] == 200
+        status, headers, _ = await waiting
+        assert (status, headers["x-kvgate-worker"]) == (200, "w1") and time.monotonic() - t0 < 1.0
+        workers[0].stream_release.set()
+        await held.read()
+        held.release()
 
 
 async def test_admin_auth_and_policy_hot_reload(workers):
