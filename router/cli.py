@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 
@@ -20,9 +21,18 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+def _version() -> str:
+    """The installed package's version (``pyproject.toml``), or ``unknown`` when run from a tree not installed."""
+    try:
+        return importlib.metadata.version("kvgate")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand's arguments."""
     parser = argparse.ArgumentParser(prog="kvgate", description="Cache-aware request router for LLM fleets.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name, help_text in SUBCOMMANDS:
         module = importlib.import_module(module_name)

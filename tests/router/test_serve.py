@@ -157,3 +157,14 @@ def test_one_warning_per_byte_level_model(tmp_path, caplog):
         ("router.serve", logging.WARNING, BYTE_LEVEL_WARNING.format(name="a")),
         ("router.serve", logging.WARNING, BYTE_LEVEL_WARNING.format(name="c")),
     ]
+
+
+def test_version_flag_prints_the_package_version(capsys):
+    import importlib.metadata
+
+    from router.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"kvgate {importlib.metadata.version('kvgate')}\n"
