@@ -10,12 +10,15 @@ Routes (JSON in and out; errors are OpenAI-style JSON)::
     GET    /admin/sessions?limit=N            live sessions, most recently used first
     DELETE /admin/sessions/{key}              forget one session
     GET    /admin/index                       index stats per model
-    POST   /admin/index/clear                 clear every worker's entries (body ``{"worker_id": ...}`` for one)
+    POST   /admin/index/clear                 clear every worker's entries (body ``{"worker_id": ...}`` for one),
+                                              then re-warm them as after a resync (``clear_index``)
     GET    /admin/policy                      the policy config and learned speed factors
     PUT    /admin/policy                      replace the policy (validated first; the old one stays on error)
     GET    /admin/decisions?limit=N           recent decisions with every candidate's score
 
-With ``admin.disable_auth: true`` the token check is skipped (local use only).
+The ``Bearer`` scheme is matched case-insensitively (RFC 7235: ``bearer <token>`` works too), the token exactly.
+An unexpected failure of a handler is a JSON 500 (``internal_error``), never aiohttp's plain-text one. With
+``admin.disable_auth: true`` the token check is skipped (local use only).
 """
 
 from __future__ import annotations
@@ -30,7 +33,15 @@ from aiohttp import web
 
 from policies import PolicyError, build_policy, decode_policy_config, encode_policy_config
 from router.config import decode_worker
-from router.errors import AuthError, ConfigError, GatewayError, InvalidJSONError, NotFoundError, unreadable_body_error
+from router.errors import (
+    AuthError,
+    ConfigError,
+    GatewayError,
+    InvalidFieldError,
+    InvalidJSONError,
+    NotFoundError,
+    unreadable_body_error,
+)
 from router.index import UnknownWorkerError
 
 logger = logging.getLogger(__name__)
@@ -94,20 +105,39 @@ def _authorization_bytes(request: web.Request) -> bytes:
         return b""
 
 
+def _bearer_credentials(authorization: bytes) -> bytes | None:
+    """The credentials of a ``Bearer`` ``Authorization`` value, or ``None`` for another scheme (or none).
+
+    The scheme is case-insensitive and one or more spaces follow it (RFC 7235 section 2.1: ``credentials =
+    auth-scheme [ 1*SP ( token68 / #auth-param ) ]``).
+    """
+    scheme, sep, rest = authorization.partition(b" ")
+    if not sep or scheme.lower() != b"bearer":
+        return None
+    return rest.lstrip(b" ")
+
+
 def _guard(token: str | None, handler: Handler) -> Handler:
     # Compared as bytes (constant time): a token from the environment carries its non-UTF-8 bytes as surrogates,
     # encoded back the same way as the client's header.
-    expected = f"Bearer {token}".encode("utf-8", "surrogateescape") if token is not None else None
+    expected = token.encode("utf-8", "surrogateescape") if token is not None else None
 
     async def guarded(request: web.Request) -> web.StreamResponse:
         from router.app import error_response
 
         try:
-            if expected is not None and not hmac.compare_digest(_authorization_bytes(request), expected):
-                raise AuthError("missing or wrong admin bearer token")
+            if expected is not None:
+                credentials = _bearer_credentials(_authorization_bytes(request))
+                if credentials is None or not hmac.compare_digest(credentials, expected):
+                    raise AuthError("missing or wrong admin bearer token")
             return await handler(request)
         except GatewayError as exc:
             return error_response(exc)
+        except web.HTTPException:
+            raise
+        except Exception as exc:
+            logger.exception("admin %s %s failed", request.method, request.path)
+            return error_response(GatewayError(f"internal error: {type(exc).__name__}: {exc}"))
 
     return guarded
 
@@ -178,26 +208,64 @@ async def index_stats(request: web.Request) -> web.StreamResponse:
     return _json({name: msgspec.to_builtins(index.stats()) for name, index in gw.indexes.items()})
 
 
+_JSON_TYPE_NAMES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+                    list: "an array", dict: "an object"}
+
+
+def _clear_target(body: object) -> str | None:
+    """The worker id a ``POST /admin/index/clear`` body names, or ``None`` for every worker.
+
+    Raises:
+        InvalidJSONError: the body is not a JSON object (``[]``, ``null``...).
+        InvalidFieldError: a key other than ``worker_id``, or a ``worker_id`` that is not a non-empty string.
+    """
+    if not isinstance(body, dict):
+        raise InvalidJSONError(
+            f'the body must be a JSON object: none or {{}} to clear every worker, {{"worker_id": "<id>"}} for one; '
+            f"got {_JSON_TYPE_NAMES.get(type(body), 'another value')}")
+    unknown = [key for key in body if key != "worker_id"]
+    if unknown:
+        raise InvalidFieldError(f"unknown key {unknown[0]!r}: the body takes only worker_id", param=unknown[0])
+    if "worker_id" not in body:
+        return None
+    worker_id = body["worker_id"]
+    if not isinstance(worker_id, str) or not worker_id:
+        got = "an empty string" if worker_id == "" else _JSON_TYPE_NAMES.get(type(worker_id), "another value")
+        raise InvalidFieldError(f"worker_id must be a worker id (a non-empty string), got {got}", param="worker_id")
+    return worker_id
+
+
 async def clear_index(request: web.Request) -> web.StreamResponse:
+    """``POST /admin/index/clear``: drop index entries, then rebuild them from the workers.
+
+    Body: none or ``{}`` clears every worker's entries (of every tier, pools included); ``{"worker_id": "<id>"}``
+    one worker's. Anything else is a 400 naming the problem (another JSON value, another key, a ``worker_id`` that
+    is not a string); an unknown worker is a 404. Answers ``{"cleared": [<worker ids>]}``.
+
+    A cleared worker that publishes events is then re-warmed as after a resync the fleet detects
+    (``Fleet.mark_resync``): it is routed on approximate entries meanwhile, and its entries are rebuilt from its
+    snapshot where it serves one (``snapshot_path``, with ``events.warmup_from_snapshot``), else from its new
+    events; it turns warm again when the snapshot is applied (or on its first event batch). So its predictions
+    recover while it still holds the blocks. A worker without events keeps routing in approximate mode.
+    """
     from router.app import GATEWAY
 
     gw = request.app[GATEWAY]
-    body = await _body(request)
-    worker_id = body.get("worker_id") if isinstance(body, dict) else None
-    if worker_id is not None:
-        worker = gw.fleet.get(str(worker_id))
+    worker_id = _clear_target(await _body(request))
+    targets = [gw.fleet.get(worker_id)] if worker_id is not None else list(gw.fleet.workers.values())
+    cleared = []
+    for worker in targets:
         index = gw.index_for(worker)
         if index is not None:
             with suppress(UnknownWorkerError):  # nothing indexed for it yet: nothing to clear
                 index.clear_worker(worker.worker_id)
-        return _json({"cleared": [worker.worker_id]})
-    cleared = []
-    for worker in gw.fleet.workers.values():
-        index = gw.index_for(worker)
-        if index is not None:
-            with suppress(UnknownWorkerError):
-                index.clear_worker(worker.worker_id)
+            if worker.config.has_events:
+                gw.fleet.mark_resync(worker.worker_id)
             cleared.append(worker.worker_id)
+        elif worker_id is not None:
+            cleared.append(worker.worker_id)
+    logger.info("admin: index entries of %s cleared; workers publishing events re-warm",
+                ", ".join(cleared) or "no worker")
     return _json({"cleared": cleared})
 
 

@@ -1,16 +1,18 @@
 """The gateway's configuration: one YAML file decoded into frozen, typed msgspec structs.
 
 ``load_config(path)`` reads the file, ``parse_config(obj)`` decodes an already-parsed mapping. Unknown keys are
-rejected, every value is type-checked, and every cross-field rule is checked in ``__post_init__``; the error is a
-``ConfigError`` naming the key path (``$.workers[1].url``) and the reason. The policy section is decoded by
-``policies.decode_policy_config`` and the sessions section by ``router.sessions.config``; both are kept here as
-raw mappings (validated at load time) so a policy can be replaced at run time through the admin API with the same
-decoder. ``deploy/gateway.example.yaml`` documents every key.
+rejected, every value is type-checked (a float must be finite: ``.nan`` and ``.inf`` are refused in every
+section), and every cross-field rule is checked in ``__post_init__``; the error is a ``ConfigError`` naming the key
+path (``$.workers[1].url``) and the reason. The policy section is decoded by ``policies.decode_policy_config`` and
+the sessions section by ``router.sessions.config``; both are kept here as raw mappings (validated at load time) so
+a policy can be replaced at run time through the admin API with the same decoder. ``deploy/gateway.example.yaml``
+documents every key.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -32,14 +34,57 @@ class _Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     """Frozen, strict struct base for every config section."""
 
 
+MAX_DP_RANKS = 256
+"""Most data-parallel ranks one worker may declare (``workers[].dp_ranks``). Each rank of a worker that publishes
+events is one ZMQ subscription of the gateway (a SUB socket and its monitor); the subscriber's ZMQ context holds
+about 340 of them in all (ZMQ's default of 1,023 sockets), so a larger fleet-wide total is refused when the worker
+is added (nothing of it stays registered)."""
+
+MAX_PORT = 65535
+
+
+def _finite(name: str, value: float) -> None:
+    """Refuse NaN and infinities (YAML ``.nan``, ``.inf``): every comparison with NaN is false, so range checks
+    alone let it through, and no key of the config gives infinity a meaning."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+
+
 def _positive(name: str, value: float) -> None:
-    if value <= 0:
+    _finite(name, value)
+    if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
 
 
 def _non_negative(name: str, value: float) -> None:
-    if value < 0:
+    _finite(name, value)
+    if not value >= 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def non_finite_value(obj: object) -> tuple[str, float] | None:
+    """The key path (``$.timeouts.first_byte_s``) and value of the first NaN or infinite float in parsed YAML/JSON
+    builtins (mappings, lists, scalars), or ``None`` when there is none.
+
+    Walks without recursion and visits each container once (a YAML alias can make a list contain itself).
+    """
+    stack: list[tuple[str, object]] = [("$", obj)]
+    seen: set[int] = set()
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                return path, value
+        elif isinstance(value, dict | list | tuple):
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if isinstance(value, dict):
+                children = [(f"{path}.{key}", child) for key, child in value.items()]
+            else:
+                children = [(f"{path}[{i}]", child) for i, child in enumerate(value)]
+            stack.extend(reversed(children))
+    return None
 
 
 class ListenConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -117,7 +162,9 @@ class WorkerConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
     Attributes:
         id: unique worker id; in the ``bind`` topology it must equal the ``<worker>`` of the topic
             ``kv@<worker>@<model>`` the worker publishes with.
-        url: OpenAI HTTP base URL, e.g. ``http://127.0.0.1:8001``.
+        url: OpenAI HTTP base URL, ``http(s)://host[:port]``, e.g. ``http://127.0.0.1:8001``; request paths
+            (``/v1/completions``, ``health_path``...) are appended to it, so it takes no path, query or fragment (a
+            trailing ``/`` is dropped).
         model: served model (one of ``models[].name``).
         events_endpoint: ZMQ PUB endpoint the gateway connects to (``connect`` topology), e.g.
             ``tcp://127.0.0.1:5557``. ``None`` with the ``connect`` topology means the worker publishes no
@@ -125,9 +172,12 @@ class WorkerConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
         replay_endpoint: ZMQ ROUTER endpoint serving replays after a sequence gap, or ``None``.
         topology: ``connect`` (gateway SUB connects to the worker's PUB) or ``bind`` (the worker's PUB connects
             to ``events.bind_endpoint``).
-        dp_ranks: number of data-parallel ranks publishing events.
+        dp_ranks: number of data-parallel ranks publishing events, 1..``MAX_DP_RANKS``. Rank ``r`` publishes on the
+            port of ``events_endpoint`` (and serves replays on the port of ``replay_endpoint``) plus ``r``, vLLM's
+            convention; every rank's port must be at most 65535.
         pools: shared pools (``MOONCAKE`` tier) this worker is attached to.
-        block_size: the worker's block size in tokens; ``None`` takes the model's.
+        block_size: the worker's block size in tokens, a multiple of its model's ``block_size``; ``None`` takes the
+            model's.
         load_path: the worker's load endpoint (polled; returns load and start id), or ``None``.
         snapshot_path: endpoint returning the worker's cached blocks as KV events (warm-up), or ``None``.
         health_path: active health check path.
@@ -154,16 +204,12 @@ class WorkerConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
         _positive("time_scale", self.time_scale)
         if not self.id:
             raise ValueError("id must not be empty")
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
-        try:
-            parts = urlsplit(self.url)
-            parts.port  # noqa: B018  (parsing the port raises ValueError for a non-numeric one)
-        except ValueError as exc:
-            raise ValueError(f"url {self.url!r} does not parse: {exc}") from exc
-        if not parts.hostname:
-            raise ValueError(f"url {self.url!r} names no host")
-        _positive("dp_ranks", self.dp_ranks)
+        msgspec.structs.force_setattr(self, "url", _base_url(self.url))
+        if not 1 <= self.dp_ranks <= MAX_DP_RANKS:
+            raise ValueError(f"dp_ranks must be in 1..{MAX_DP_RANKS}, got {self.dp_ranks}")
+        if self.topology == "connect":  # the bind topology has no per-worker events endpoint
+            _check_rank_ports("events_endpoint", self.events_endpoint, self.dp_ranks)
+        _check_rank_ports("replay_endpoint", self.replay_endpoint, self.dp_ranks)
         if self.block_size is not None:
             _positive("block_size", self.block_size)
 
@@ -171,6 +217,60 @@ class WorkerConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
     def has_events(self) -> bool:
         """Whether the worker publishes KV events the gateway can read."""
         return self.topology == "bind" or self.events_endpoint is not None
+
+
+def _base_url(url: str) -> str:
+    """``url`` checked as a worker's base URL (``http(s)://host[:port]``), without a trailing ``/``.
+
+    Raises:
+        ValueError: another scheme, no host, a bad port, or a path, query or fragment (the message names ``url``).
+    """
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"url must start with http:// or https://, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (parsing the port raises ValueError for a non-numeric one)
+    except ValueError as exc:
+        raise ValueError(f"url {url!r} does not parse: {exc}") from exc
+    if not parts.hostname:
+        raise ValueError(f"url {url!r} names no host")
+    if parts.path not in ("", "/") or "?" in url or "#" in url:
+        raise ValueError(f"url must be a base URL, http(s)://host[:port], without a path, query or fragment "
+                         f"(request paths such as /v1/completions are appended to it), got {url!r}")
+    return url.removesuffix("/")
+
+
+def _check_rank_ports(name: str, endpoint: str | None, dp_ranks: int) -> None:
+    """Refuse an endpoint whose per-rank port would pass 65535.
+
+    Rank ``r`` uses the endpoint's port plus ``r`` (``router.app._offset_endpoint``, vLLM's data-parallel
+    convention); an endpoint without a numeric port (``tcp://host:*``, ``ipc://...``) is used as is by every rank.
+
+    Raises:
+        ValueError: naming the key, the endpoint and the last rank's port.
+    """
+    if endpoint is None:
+        return
+    _, _, port = endpoint.rpartition(":")
+    if not port.isdigit():
+        return
+    last_port = int(port) + dp_ranks - 1
+    if last_port > MAX_PORT:
+        raise ValueError(
+            f"{name} {endpoint!r} with dp_ranks {dp_ranks}: rank r uses port {int(port)} + r, so rank {dp_ranks - 1} "
+            f"would use port {last_port}, over {MAX_PORT}")
+
+
+def worker_block_size_error(worker: WorkerConfig, model: ModelConfig) -> str | None:
+    """Why ``worker`` cannot serve ``model`` with its block size, or ``None`` when it can.
+
+    The model's prefix index hashes blocks of the model's ``block_size``; a worker's block events are split into
+    whole index blocks, so a worker's ``block_size`` must be a multiple of it (else every event is refused).
+    """
+    if worker.block_size is None or worker.block_size % model.block_size == 0:
+        return None
+    return (f"block_size {worker.block_size} is not a multiple of the block_size {model.block_size} of its model "
+            f"{model.name!r} (models[].block_size): its events could not be indexed")
 
 
 class EventsConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -193,6 +293,9 @@ class EventsConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
             msgspec.convert(self.subscriber, SubscriberConfig)
         except msgspec.ValidationError as exc:
             raise ValueError(f"subscriber: {exc}") from exc
+        found = non_finite_value(self.subscriber)  # its ranges (gt=0) let infinity through
+        if found is not None:
+            raise ValueError(f"subscriber: {found[0].removeprefix('$.')} must be a finite number, got {found[1]}")
 
 
 class TimeoutsConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -235,7 +338,8 @@ class RetryConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         _non_negative("max_retries", self.max_retries)
         _non_negative("backoff_initial_s", self.backoff_initial_s)
-        if self.backoff_multiplier < 1:
+        _finite("backoff_multiplier", self.backoff_multiplier)
+        if not self.backoff_multiplier >= 1:
             raise ValueError("backoff_multiplier must be >= 1")
         _non_negative("backoff_max_s", self.backoff_max_s)
 
@@ -412,7 +516,7 @@ class GatewayConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True
             raise ValueError("models: duplicate model name")
         all_names = set(names) | {a for m in self.models for a in m.lora_adapters}
         ids: set[str] = set()
-        for worker in self.workers:
+        for i, worker in enumerate(self.workers):
             if worker.id in ids:
                 raise ValueError(f"workers: duplicate id {worker.id!r}")
             ids.add(worker.id)
@@ -420,6 +524,10 @@ class GatewayConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True
                 raise ValueError(f"workers: worker {worker.id!r} serves unknown model {worker.model!r}")
             if worker.topology == "bind" and self.events.bind_endpoint is None:
                 raise ValueError(f"workers: worker {worker.id!r} uses topology bind but events.bind_endpoint is unset")
+            model = self.model(worker.model)
+            error = worker_block_size_error(worker, model) if model is not None else None
+            if error is not None:
+                raise ValueError(f"workers[{i}].{error}")
         _positive("ready_timeout_s", self.ready_timeout_s)
 
     def model(self, name: str) -> ModelConfig | None:
@@ -493,10 +601,14 @@ def parse_config(obj: object, *, validate_sections: bool = True) -> GatewayConfi
 
     Raises:
         ConfigError: the message names the key path and the reason, e.g.
-            ``Expected `int`, got `str` - at `$.listen.port```.
+            ``Expected `int`, got `str` - at `$.listen.port```. NaN and infinities (YAML ``.nan``, ``.inf``) are
+            refused in every section: ``Expected a finite number, got nan - at `$.health.interval_s```.
     """
     if not isinstance(obj, dict):
         raise ConfigError("config: the top level must be a mapping")
+    found = non_finite_value(obj)  # every section, those decoded by other packages included
+    if found is not None:
+        raise ConfigError(f"config: Expected a finite number, got {found[1]} - at `{found[0]}`")
     try:
         config = msgspec.convert(obj, GatewayConfig)
     except msgspec.ValidationError as exc:

@@ -41,8 +41,8 @@ import msgspec
 
 from events.errors import EventsConfigError
 from events.types import EventBatch
-from router.config import CircuitBreakerConfig, GatewayConfig, WorkerConfig
-from router.errors import ConfigError, NotFoundError, TransportError
+from router.config import CircuitBreakerConfig, GatewayConfig, WorkerConfig, worker_block_size_error
+from router.errors import ConfigError, GatewayError, NotFoundError, TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -297,13 +297,23 @@ class Fleet:
     async def add(self, config: WorkerConfig) -> WorkerRuntime:
         """Register a worker, start its event subscription and its warm-up.
 
+        All or nothing: when starting the worker's event subscription fails (for any reason: an endpoint ZMQ
+        refuses, ZMQ out of sockets after some of its dp ranks were subscribed...), what was started is undone and
+        the worker is not registered.
+
         Raises:
-            ConfigError: duplicate id, unknown model, or an events endpoint that cannot be connected.
+            ConfigError: duplicate id, unknown model, a block size that is not a multiple of its model's, or an
+                events endpoint that cannot be connected.
+            GatewayError: the event subscription failed otherwise (an internal failure, status 500).
         """
         if config.id in self.workers:
             raise ConfigError(f"worker: id {config.id!r} already exists")
-        if self._config.model(config.model) is None:
+        model = self._config.model(config.model)
+        if model is None:
             raise ConfigError(f"worker: model {config.model!r} is not configured")
+        block_size_error = worker_block_size_error(config, model)
+        if block_size_error is not None:
+            raise ConfigError(f"worker: {block_size_error}", param="block_size")
         if config.topology == "bind" and self._config.events.bind_endpoint is None:
             raise ConfigError("worker: topology bind needs events.bind_endpoint")
         worker = WorkerRuntime(config, self._block_size(config), self._config.circuit_breaker)
@@ -311,11 +321,20 @@ class Fleet:
         self._reindex()
         try:
             await self._hooks.on_worker_added(worker)
-        except EventsConfigError as exc:  # e.g. an events endpoint ZMQ refuses: undo, leave nothing behind
+        except Exception as exc:  # undo, leave nothing behind
             del self.workers[config.id]
             self._reindex()
-            await self._hooks.on_worker_removed(worker)
-            raise ConfigError(f"worker: {exc}") from exc
+            try:
+                await self._hooks.on_worker_removed(worker)
+            except Exception:
+                logger.exception("worker %s: undoing its partial start failed", config.id)
+            if isinstance(exc, EventsConfigError):  # e.g. an events endpoint ZMQ refuses
+                raise ConfigError(f"worker: {exc}") from exc
+            logger.error("worker %s: its event subscription could not start (%s: %s); not added", config.id,
+                         type(exc).__name__, exc)
+            raise GatewayError(
+                f"worker {config.id!r} was not added: its event subscription could not start "
+                f"({type(exc).__name__}: {exc})") from exc
         if config.has_events:
             self.start_warmup(worker)
         logger.info("worker %s added (%s, model %s)", config.id, config.url, config.model)

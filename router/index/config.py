@@ -13,6 +13,7 @@ publishes group 0 for full attention and group 1 for a 4,096-token sliding windo
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Annotated
 
@@ -70,7 +71,7 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, renam
         max_blocks: cap on indexed blocks (entries, all workers together); above it the least recently stored
             leaves are pruned.
         prune_target_ratio: pruning stops at ``max_blocks * prune_target_ratio`` blocks (hysteresis).
-        approx_ttl_s: lifetime in seconds of a block inserted by a routing decision (approximate mode).
+        approx_ttl_s: lifetime in seconds of a block inserted by a routing decision (approximate mode); finite.
         approx_max_blocks: cap on approximate (unconfirmed) blocks; the oldest go first above it.
         max_parked_events_per_worker: ``BlockStored`` events whose parent is not yet known, kept per worker and
             dp_rank until the parent arrives (oldest dropped beyond it; 0 disables parking).
@@ -100,7 +101,9 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, renam
             raise IndexConfigError(f"max-blocks must be positive, got {self.max_blocks}")
         if not 0.0 < self.prune_target_ratio <= 1.0:
             raise IndexConfigError(f"prune-target-ratio must be in (0, 1], got {self.prune_target_ratio}")
-        if self.approx_ttl_s <= 0.0:
+        if not math.isfinite(self.approx_ttl_s):  # msgspec's gt=0 lets infinity through
+            raise IndexConfigError(f"approx-ttl-s must be a finite number, got {self.approx_ttl_s}")
+        if not self.approx_ttl_s > 0.0:
             raise IndexConfigError(f"approx-ttl-s must be positive, got {self.approx_ttl_s}")
         if self.approx_max_blocks <= 0:
             raise IndexConfigError(f"approx-max-blocks must be positive, got {self.approx_max_blocks}")

@@ -29,6 +29,7 @@ rejected).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import urllib.parse
@@ -45,7 +46,8 @@ _REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
 class SessionsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Session store settings (the ``sessions:`` key). Validated on construction and on decode.
+    """Session store settings (the ``sessions:`` key). Validated on construction and on decode; every duration
+    must be a finite number of seconds (NaN and infinity are refused).
 
     Field names are snake_case, as in the gateway's documented YAML (``idle_timeout_s``, ``key_prefix``).
     """
@@ -90,6 +92,8 @@ class SessionsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("idle_timeout_s", "reap_interval_s", "local_cache_ttl_s", "connect_timeout_s",
                      "command_timeout_s", "reconnect_interval_s"):
             value = getattr(self, name)
+            if not math.isfinite(value):  # msgspec's gt=0 lets infinity through
+                raise SessionConfigError(name, f"must be a finite number of seconds, got {value!r}")
             if not value > 0:
                 raise SessionConfigError(name, f"must be > 0 seconds, got {value!r}")
         if not 0 < self.refresh_fraction <= 1:
