@@ -3,7 +3,8 @@
 Routes (JSON in and out; errors are OpenAI-style JSON)::
 
     GET    /admin/workers                     list workers with health, load, circuit and warm state
-    POST   /admin/workers                     add a worker (body: a ``workers[]`` entry of the YAML)
+    POST   /admin/workers                     add a worker (body: a ``workers[]`` entry of the YAML); one health
+                                              check first: a worker that does not answer is added unhealthy
     DELETE /admin/workers/{id}                remove: index entries cleared, sessions dropped at once
     POST   /admin/workers/{id}/drain          no new requests (in-flight streams finish)
     POST   /admin/workers/{id}/undrain
@@ -155,6 +156,7 @@ async def add_worker(request: web.Request) -> web.StreamResponse:
 
     gw = request.app[GATEWAY]
     worker = await gw.fleet.add(decode_worker(await _body(request)))
+    await gw.fleet.probe_added(worker)  # the answer tells whether it is reachable
     return _json(worker.info(gw.clock()), status=201)
 
 

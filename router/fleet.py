@@ -528,20 +528,28 @@ class Fleet:
         """Run one health check on each worker (concurrently)."""
         cfg = self._config.health
         targets: Sequence[WorkerRuntime] = list(workers if workers is not None else self.workers.values())
+        await asyncio.gather(*(self._check_health(w, cfg.failure_threshold) for w in targets))
 
-        async def one(worker: WorkerRuntime) -> None:
-            try:
-                status, _ = await self._getter.get_json(
-                    worker.worker_id, worker.config.url + worker.config.health_path, cfg.timeout_s
-                )
-                is_ok = 200 <= status < 300
-            except TransportError:
-                is_ok = False
-            if worker.record_health(is_ok, cfg.failure_threshold, cfg.success_threshold):
-                logger.warning("worker %s is now %s", worker.worker_id,
-                               "healthy" if worker.is_healthy else "unhealthy")
+    async def probe_added(self, worker: WorkerRuntime) -> None:
+        """The first health check of a worker added at run time, whose failure counts at once: a worker that does
+        not answer is unhealthy (no request is sent to it) until ``health.success_threshold`` checks pass, instead
+        of taking traffic until ``failure_threshold`` checks have failed."""
+        await self._check_health(worker, 1)
 
-        await asyncio.gather(*(one(w) for w in targets))
+    async def _check_health(self, worker: WorkerRuntime, failure_threshold: int) -> None:
+        cfg = self._config.health
+        try:
+            status, _ = await self._getter.get_json(
+                worker.worker_id, worker.config.url + worker.config.health_path, cfg.timeout_s
+            )
+            is_ok = 200 <= status < 300
+        except TransportError:
+            is_ok = False
+        if worker.record_health(is_ok, failure_threshold, cfg.success_threshold):
+            if worker.is_healthy:
+                logger.info("worker %s is now healthy", worker.worker_id)
+            else:
+                logger.warning("worker %s is now unhealthy", worker.worker_id)
 
     async def run_health_checks(self) -> None:
         """Forever: check every worker each ``health.interval_s``."""

@@ -191,3 +191,22 @@ async def test_an_overflowing_float_in_the_json_body_is_a_400(fleet):
             assert (resp.status, await resp.json()) == (400, error(
                 "the request body is not valid JSON: Number out of range - at `$[...]`"))
         assert await worker_ids(h) == ["w0"]
+
+
+# -- the first health check ------------------------------------------------------------------------------------------
+
+
+async def test_an_added_worker_that_does_not_answer_is_unhealthy_at_once_and_gets_no_request(fleet):
+    w0, extra = fleet
+    async with GatewayHarness(make_config([w0], health={"interval_s": 3600, "timeout_s": 1.0})) as h:
+        status, _, body = await call(h, "POST", "/admin/workers",
+                                     {"id": "dead", "url": f"http://127.0.0.1:{free_port()}", "model": "m"})
+        assert (status, body["id"], body["is_healthy"]) == (201, "dead", False)
+        status, _, body = await call(h, "POST", "/admin/workers", {"id": "extra", "url": extra.url, "model": "m"})
+        assert (status, body["is_healthy"]) == (201, True)
+        served = set()
+        for i in range(6):
+            status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": f"p{i}"})
+            assert status == 200 and headers["x-kvgate-decision"] != "retry"  # never tried on "dead" first
+            served.add(headers["x-kvgate-worker"])
+        assert served <= {"w0", "extra"}
