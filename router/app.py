@@ -84,7 +84,7 @@ class Gateway:
             self.fleet, self.indexes, self.sessions, self.holder,
             num_recent_decisions=config.admin.num_recent_decisions, clock=clock,
         )
-        self.proxy = Proxy(self.transport, config.retry, self.metrics, self.holder, clock=clock)
+        self.proxy = Proxy(self.transport, config.retry, self.metrics, clock=clock)
         self.admission = Admission(config.admission)
         self.client_headers = ClientHeaderReader()
         self.subscriber: Any = None

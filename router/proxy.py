@@ -36,7 +36,7 @@ from router.config import RetryConfig
 from router.errors import TransportError, TransportTimeoutError, UpstreamError, UpstreamTimeoutError
 from router.fleet import WorkerRuntime
 from router.metrics import GatewayMetrics, WorkerMetrics
-from router.routing import PolicyHolder, RoutePlan
+from router.routing import RoutePlan
 from router.transport import HOP_BY_HOP_HEADERS, Transport, UpstreamRequest, UpstreamResponse
 
 logger = logging.getLogger(__name__)
@@ -248,13 +248,12 @@ class Proxy:
     """Sends requests along a ``RoutePlan`` and relays the response."""
 
     def __init__(
-        self, transport: Transport, retry: RetryConfig, metrics: GatewayMetrics, holder: PolicyHolder,
+        self, transport: Transport, retry: RetryConfig, metrics: GatewayMetrics,
         *, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._transport = transport
         self._retry = retry
         self._metrics = metrics
-        self._holder = holder
         self._clock = clock
         self.num_honesty_checks = 0
         self.num_honesty_mismatches = 0
