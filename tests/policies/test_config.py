@@ -87,6 +87,13 @@ def test_encode_decode_round_trip_every_policy(name):
         ({"name": "cache_aware", "recompute_penalty": -0.5}, PolicyConfigError, "recompute_penalty", ">= 0.0"),
         ({"name": "cache_aware", "recompute_penalty": "2"}, PolicyConfigError, "recompute_penalty", "got `str`"),
         ({"name": "cache_aware", "seed": "x"}, PolicyConfigError, "seed", "Expected `int`, got `str`"),
+        ({"name": "cache_aware", "decode_penalty": -1}, PolicyConfigError, "decode_penalty", ">= 0.0"),
+        ({"name": "cache_aware", "decode_horizon_tokens": 0}, PolicyConfigError, "decode_horizon_tokens", ">= 1"),
+        ({"name": "cache_aware", "decode_horizon_tokens": 2.5}, PolicyConfigError, "decode_horizon_tokens",
+         "Expected `int`, got `float`"),
+        ({"name": "cache_aware", "decode_s_per_sequence": -1e-5}, PolicyConfigError, "decode_s_per_sequence",
+         ">= 0.0"),
+        ({"name": "cache_aware", "kv_read_bytes_per_s": 0}, PolicyConfigError, "kv_read_bytes_per_s", ">= 1.0"),
         ({"name": "cache_aware", "min_speed_factor": 2.0}, PolicyConfigError, "min_speed_factor", "<= 1.0"),
         ({"name": "consistent_hash", "num_virtual_nodes": 0}, PolicyConfigError, "num_virtual_nodes", ">= 1"),
         (
