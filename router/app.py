@@ -388,13 +388,7 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         per_worker = gw.config.admission.max_inflight_per_worker
         if not gw.admission.try_acquire():
             candidates = gw.fleet.candidates(model.name)
-            # Room on a usable worker; with none usable (all drained, unhealthy or removed) there is nothing to
-            # wait for: the request goes on and routing answers 503 with the reason at once.
-            await gw.admission.acquire(
-                lambda: per_worker == 0 or any(w.num_inflight_requests < per_worker for w in candidates
-                                               if w.is_healthy and not w.is_draining)
-                or not any(w.is_healthy and not w.is_draining for w in candidates)
-            )
+            await gw.admission.acquire(lambda: _may_proceed(candidates, per_worker))
     except GatewayError as exc:
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
         return error_response(exc, request_id)
@@ -421,6 +415,15 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         return error_response(exc, request_id)
     finally:
         gw.admission.release()
+
+
+def _may_proceed(candidates: Sequence[WorkerRuntime], max_inflight_per_worker: int) -> bool:
+    """Admission's per-worker check: a usable (healthy, undrained) candidate has room, or none is usable at all:
+    then there is nothing to wait for, and routing answers 503 with the reason at once."""
+    if max_inflight_per_worker == 0:
+        return True
+    usable = [w for w in candidates if w.is_healthy and not w.is_draining]
+    return not usable or any(w.num_inflight_requests < max_inflight_per_worker for w in usable)
 
 
 async def _follow_retry(gw: Gateway, plan: RoutePlan, response: web.StreamResponse) -> None:
