@@ -244,18 +244,29 @@ def test_worker_killed_mid_stream_then_restarted(fleet: Fleet) -> None:
         model=MODEL_NAME, messages=cast(Any, messages), max_tokens=max_tokens, stream=True,
         extra_body={"ignore_eos": True}, extra_headers=session)
     num_chunks = 0
+    finish_reason = None
     t0 = time.monotonic()
     # The gateway relays what vLLM sent, then closes the stream without its end: the client raises, never hangs
-    # and never mistakes the cut stream for a finished one.
-    with pytest.raises(openai.APIConnectionError):
-        for _ in stream:
+    # and never mistakes the cut stream for a finished one. On a loaded machine vLLM can still have sent its whole
+    # stream before the kill (the client read its first chunk late): then the stream must end complete, with its
+    # finish reason, and the rest of the test (the session moves, the restart is detected) holds the same.
+    try:
+        for chunk in stream:
             num_chunks += 1
+            if chunk.choices and chunk.choices[0].finish_reason is not None:
+                finish_reason = chunk.choices[0].finish_reason
             if num_chunks == 1:
                 stop_throttle.set()
                 throttler.join()  # its last signal was SIGSTOP: vllm-a generates nothing more
                 signal_family(signal.SIGKILL)
                 process.kill()
-    assert 1 <= num_chunks < max_tokens
+        is_cut = False
+    except openai.APIConnectionError:
+        is_cut = True
+    if is_cut:
+        assert 1 <= num_chunks < max_tokens and finish_reason is None
+    else:
+        assert finish_reason == "length", "a stream that ended cleanly must be complete"
     assert time.monotonic() - t0 < 30
 
     moved = send(gw, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}, session)
