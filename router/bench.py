@@ -12,12 +12,13 @@ load:
                  ``~/.cache/kvgate/sglr`` (skipped with a message otherwise).
 
 The load generator runs in this process (aiohttp, ``--concurrency`` connections). CPU µs per request is the
-proxy process's user+system time (``/proc/<pid>/stat``) over the measured requests; latency p50/p99 are client
-side (each measurement after its own warm-up). ``--rounds`` interleaved rounds (the target order rotated each
-round, so drift on a shared machine hits every target) give per target the median and the best (lowest) CPU and
-its spread; figures are printed as ratios to the baselines of the same run. With at least 8 CPUs (or ``--pin``),
-every process gets cores of its own (``sched_setaffinity``: the load generator, the backend, each proxy), so no
-proxy shares a core's caches with another process or migrates between cores; ``--no-pin`` turns it off.
+proxy process's CPU time (user + system, read from its kernel CPU clock: ``_cpu_s``) over the measured requests;
+latency p50/p99 are client side (each measurement after its own warm-up). ``--rounds`` interleaved rounds (the
+target order rotated each round, so drift on a shared machine hits every target) give per target the median and the
+best (lowest) CPU and its spread; figures are printed as ratios to the baselines of the same run. With at least
+8 CPUs (or ``--pin``), every process gets cores of its own (``sched_setaffinity``: the load generator, the backend,
+each proxy), so no proxy shares a core's caches with another process or migrates between cores; ``--no-pin`` turns
+it off.
 
 (b) Routing decision time for a 32,768-token chat: the request view (incremental tokenization + hashing) plus
 index match and policy select, for the first turn and for an incremental next turn.
@@ -49,8 +50,18 @@ SGLR_PYTHON = Path.home() / ".cache" / "kvgate" / "sglr" / "bin" / "python"
 
 
 def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    """CPU seconds (user + system, all threads) that process ``pid`` has used so far.
+
+    Read from the kernel's per-process CPU clock, exact to the nanosecond: clock id ``(~pid << 3) | 2``
+    (``CPUCLOCK_SCHED`` of a process, Linux ``include/linux/posix-timers.h``; what ``clock_getcpuclockid(3)``
+    returns). Where that clock cannot be read, ``/proc/<pid>/stat``'s utime + stime, which count whole ticks
+    (``SC_CLK_TCK``, 10 ms): sampled at each tick, so short runs of a process that sleeps and wakes often are
+    mis-measured."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except OSError:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 # -- processes ----------------------------------------------------------------------------------------------
