@@ -225,7 +225,9 @@ def response_headers_of(
             headers.popall(name)
     else:
         headers = CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in HOP_BY_HOP_HEADERS)
-    if _FORBIDDEN_HEADER_CHAR.search("".join(headers.values())):  # aiohttp would refuse to send them
+    values = "".join(headers.values())
+    # isprintable() is False for every forbidden character (and for tab and some non-ASCII ones the regex allows).
+    if not values.isprintable() and _FORBIDDEN_HEADER_CHAR.search(values):  # aiohttp would refuse to send them
         bad = [k for k, v in headers.items() if _FORBIDDEN_HEADER_CHAR.search(v)]
         logger.warning("worker %s sent header(s) %s with control characters; dropped", worker_id, ", ".join(bad))
         headers = CIMultiDict((k, v) for k, v in headers.items() if not _FORBIDDEN_HEADER_CHAR.search(v))

@@ -138,3 +138,15 @@ def test_client_header_reader_holds_at_most_1024_blocks_by_default() -> None:
     assert len(reader._memo) == 1024
     reader.read(blocks[1024], CIMultiDictProxy(CIMultiDict([("X-N", "1024")])))  # full: cleared, then stored
     assert list(reader._memo) == [blocks[1024]]
+
+
+def test_response_headers_drop_control_characters_only() -> None:
+    upstream = CIMultiDictProxy(CIMultiDict([
+        ("X-Tab", "a\tb"), ("X-Latin", "caf\xe9 \x85"), ("X-Nul", "a\x00b"), ("X-Cr", "a\rb"), ("X-Lf", "a\nb"),
+        ("X-Del", "a\x7fb"), ("X-Esc", "\x1b[0m"), ("Server", "w"),
+    ]))
+    got = response_headers_of(upstream, "w1", 0, "min_ttft", "r-1")
+    assert list(got.items())[:3] == [("X-Tab", "a\tb"), ("X-Latin", "caf\xe9 \x85"), ("Server", "w")]
+    assert len(got) == 7
+    printable = response_headers_of(CIMultiDictProxy(CIMultiDict([("Server", "w x")])), "w1", 0, "min_ttft", "r-1")
+    assert list(printable.items())[0] == ("Server", "w x")
