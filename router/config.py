@@ -180,7 +180,7 @@ class WorkerConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
             model's.
         load_path: the worker's load endpoint (polled; returns load and start id), or ``None``.
         snapshot_path: endpoint returning the worker's cached blocks as KV events (warm-up), or ``None``.
-        health_path: active health check path.
+        health_path: active health check path. The three paths are appended to ``url``, so each starts with ``/``.
         time_scale: wall seconds per second of the worker's own clock, for a simulated worker run with
             ``kvgate worker --time-scale X`` (1 for real engines). The TTFT the gateway observes (wall time) is
             divided by it before it calibrates the cost model, whose constants are in the worker's seconds.
@@ -212,6 +212,10 @@ class WorkerConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
         _check_rank_ports("replay_endpoint", self.replay_endpoint, self.dp_ranks)
         if self.block_size is not None:
             _positive("block_size", self.block_size)
+        for name, path in (("load_path", self.load_path), ("snapshot_path", self.snapshot_path),
+                           ("health_path", self.health_path)):
+            if path is not None and not path.startswith("/"):  # appended to url, which has no trailing "/"
+                raise ValueError(f"{name} must start with '/', got {path!r}")
 
     @property
     def has_events(self) -> bool:

@@ -329,11 +329,12 @@ class Fleet:
             except Exception:
                 logger.exception("worker %s: undoing its partial start failed", config.id)
             if isinstance(exc, EventsConfigError):  # e.g. an events endpoint ZMQ refuses
-                raise ConfigError(f"worker: {exc}") from exc
+                raise ConfigError(f"worker {config.id!r}: events_endpoint: {exc}", param="events_endpoint") from exc
             logger.error("worker %s: its event subscription could not start (%s: %s); not added", config.id,
                          type(exc).__name__, exc)
             raise GatewayError(
-                f"worker {config.id!r} was not added: its event subscription could not start "
+                f"worker {config.id!r} was not added: its event subscription (events_endpoint "
+                f"{config.events_endpoint!r}, dp_ranks {config.dp_ranks}) could not start "
                 f"({type(exc).__name__}: {exc})") from exc
         if config.has_events:
             self.start_warmup(worker)

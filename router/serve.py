@@ -25,7 +25,7 @@ from aiohttp import web
 from events.errors import EventsConfigError
 from router.app import GATEWAY, build_app
 from router.config import GatewayConfig, load_config
-from router.errors import ConfigError
+from router.errors import ConfigError, GatewayError
 from workers.errors import ConfigError as ListenConfigError
 from workers.listen import BACKLOG, bind_tcp, listen_address, zmq_bind_message
 
@@ -109,6 +109,8 @@ async def serve(config: GatewayConfig, *, host: str | None = None, port: int | N
             await _undo_partial_start(app)
             if isinstance(exc, EventsConfigError):  # the subscriber's bind endpoint (workers' are ConfigErrors)
                 raise ConfigError(zmq_bind_message(exc, "events.bind_endpoint")) from exc
+            if type(exc) is GatewayError:  # a worker whose event subscription failed otherwise (ZMQ out of sockets)
+                raise ConfigError(exc.message) from exc
             raise
         for sock in sockets:
             await web.SockSite(runner, sock, backlog=BACKLOG).start()

@@ -96,7 +96,8 @@ async def test_add_whose_subscription_fails_is_rolled_back_then_a_normal_add_wor
                  "dp_ranks": 4}
         status, ctype, body = await call(h, "POST", "/admin/workers", entry)
         assert (status, ctype, body) == (500, "application/json", error(
-            f"worker 'w9' was not added: its event subscription could not start ({detail})", type_="internal_error"))
+            f"worker 'w9' was not added: its event subscription (events_endpoint {entry['events_endpoint']!r}, "
+            f"dp_ranks 4) could not start ({detail})", type_="internal_error"))
         # Nothing of it is left: not in the fleet, no subscription, no socket of ranks 0 and 1.
         assert await worker_ids(h) == ["w0"]
         assert [w.worker_id for w in h.gw.fleet.candidates("m")] == ["w0"]

@@ -137,7 +137,7 @@ def test_failed_start_closes_what_had_started(tmp_path, caplog):
     assert messages(caplog)[-1] == (
         "router.serve",
         logging.ERROR,
-        f"worker: cannot connect tcp://{HOST}:x: Invalid argument (addr='tcp://{HOST}:x')",
+        f"worker 'w1': events_endpoint: cannot connect tcp://{HOST}:x: Invalid argument (addr='tcp://{HOST}:x')",
     )
     assert open_fds() == fds_before
 
