@@ -369,8 +369,11 @@ class Proxy:
                 worker.num_inflight_prompt_tokens -= num_prompt_tokens
                 wm.num_inflight -= 1
                 if not is_relayed:
-                    # Abandoned before the relay (failure, retry, or cancellation): undo the pending prefill.
+                    # Abandoned before the relay (failure, retry, or cancellation): undo the pending prefill. A
+                    # half-open trial cancelled with no verdict (its client went away) must not hold the circuit
+                    # half-open forever: the next request may be the trial.
                     worker.num_pending_prefill_tokens -= uncached
+                    worker.breaker.is_trial_in_flight = False
         if isinstance(last_exc, TransportTimeoutError):
             raise UpstreamTimeoutError(f"no worker answered in time: {last_exc.message}",
                                        worker_id=last_exc.worker_id, endpoint=last_exc.endpoint) from last_exc

@@ -1,0 +1,67 @@
+"""The request path under abuse: clients that go away at every stage, fleets that change while requests wait, and
+request fields the gateway cannot predict a cache hit for. Every client gets an exact status and, for errors, an
+OpenAI-style JSON body; the in-flight counters and admission slots return to exactly 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from router.app import Gateway
+from router.fleet import CircuitState
+from tests.router.fakes import FakeWorker
+from tests.router.harness import Clock, GatewayHarness, make_config, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
+
+
+@pytest.fixture
+async def workers():
+    ws = [FakeWorker(f"w{i}") for i in range(2)]
+    for w in ws:
+        await w.start()
+    yield ws
+    for w in ws:
+        await w.stop()
+
+
+def load_counters(gw: Gateway) -> dict[str, tuple[int, int, int, int]]:
+    """Per worker: (requests in flight, pending prefill tokens, prompt tokens in flight, decoding requests)."""
+    return {w.worker_id: (w.num_inflight_requests, w.num_pending_prefill_tokens, w.num_inflight_prompt_tokens,
+                          w.num_decoding_requests) for w in gw.fleet.workers.values()}
+
+
+def is_idle(gw: Gateway) -> bool:
+    return (gw.admission.num_inflight == 0 and gw.admission.num_waiting == 0
+            and all(c == (0, 0, 0, 0) for c in load_counters(gw).values()))
+
+
+async def test_a_half_open_trial_abandoned_by_its_client_lets_the_next_request_be_the_trial(workers):
+    clock = Clock()
+    config = make_config(workers, circuit_breaker={"failure_threshold": 1, "open_s": 30})
+    async with GatewayHarness(config, clock=clock, workers=workers) as h:
+        breaker = h.gw.fleet.workers["w0"].breaker
+        workers[0].fail_statuses = [500]
+        status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "first prompt"})
+        assert (status, headers["x-kvgate-worker"], headers["x-kvgate-decision"]) == (200, "w1", "retry")
+        assert breaker.state is CircuitState.OPEN
+        clock.now_s += 31  # half-open: the next request to w0 is its trial; w0 holds it before the headers
+        workers[0].answer_release = asyncio.Event()
+        async with aiohttp.ClientSession() as s:
+            trial = asyncio.create_task(s.post(h.url + "/v1/completions",
+                                               json={"model": "m", "prompt": "second prompt", "stream": True}))
+            await wait_until(lambda: workers[0].num_active == 1)
+            assert (breaker.state, breaker.is_trial_in_flight) == (CircuitState.HALF_OPEN, True)
+            trial.cancel()  # the client goes away while the trial waits for w0's headers
+            with pytest.raises(asyncio.CancelledError):
+                await trial
+        await wait_until(lambda: is_idle(h.gw))
+        # No verdict on w0: it stays half-open, and the next request may be the trial.
+        assert (breaker.state, breaker.is_trial_in_flight) == (CircuitState.HALF_OPEN, False)
+        workers[0].answer_release.set()
+        status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "third prompt"})
+        assert (status, headers["x-kvgate-worker"], headers["x-kvgate-decision"]) == (200, "w0", "min_ttft")
+        assert breaker.state is CircuitState.CLOSED
