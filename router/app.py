@@ -387,8 +387,9 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
             raise InvalidFieldError("the prompt has no tokens", param="prompt")
         per_worker = gw.config.admission.max_inflight_per_worker
         if not gw.admission.try_acquire():
-            candidates = gw.fleet.candidates(model.name)
-            await gw.admission.acquire(lambda: _may_proceed(candidates, per_worker))
+            # Candidates are read at every check: a worker added while the request waits gives it room.
+            fleet, model_name = gw.fleet, model.name
+            await gw.admission.acquire(lambda: _may_proceed(fleet.candidates(model_name), per_worker))
     except GatewayError as exc:
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
         return error_response(exc, request_id)

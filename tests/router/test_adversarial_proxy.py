@@ -65,3 +65,24 @@ async def test_a_half_open_trial_abandoned_by_its_client_lets_the_next_request_b
         status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "third prompt"})
         assert (status, headers["x-kvgate-worker"], headers["x-kvgate-decision"]) == (200, "w0", "min_ttft")
         assert breaker.state is CircuitState.CLOSED
+
+
+async def test_a_worker_added_while_requests_wait_for_admission_takes_them(workers):
+    w0, w1 = workers
+    config = make_config([w0], admission={"max_inflight_per_worker": 1, "queue_timeout_s": 3.0})
+    async with GatewayHarness(config, workers=[w0]) as h:
+        w0.stream_release = asyncio.Event()
+        held = await h.session.post(h.url + "/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+        await held.content.readline()
+        waiting = asyncio.create_task(h.post("/v1/completions", {"model": "m", "prompt": "y"}))
+        await wait_until(lambda: h.gw.admission.num_waiting == 1)
+        status, _ = await h.admin("POST", "/admin/workers", {"id": "w1", "url": w1.url, "model": "m",
+                                                             "events_endpoint": w1.events_endpoint})
+        assert status == 201
+        async with asyncio.timeout(1.0):  # well before the queue timeout (3 s)
+            status, headers, body = await waiting
+        assert (status, headers["x-kvgate-worker"]) == (200, "w1"), body
+        w0.stream_release.set()
+        await held.read()
+        held.release()
+        await wait_until(lambda: is_idle(h.gw))
