@@ -68,6 +68,7 @@ class _ChatBody(msgspec.Struct, frozen=True, gc=False):
     user: str | None = None
     cache_salt: str | None = None
     add_generation_prompt: bool = True
+    n: int | None = None
 
 
 class _CompletionBody(msgspec.Struct, frozen=True, gc=False):
@@ -77,6 +78,7 @@ class _CompletionBody(msgspec.Struct, frozen=True, gc=False):
     max_tokens: int | None = None
     user: str | None = None
     cache_salt: str | None = None
+    n: int | None = None
 
 
 class ParsedRequest(msgspec.Struct, frozen=True, gc=False):
@@ -143,7 +145,7 @@ def parse_request(kind: RequestKind, body: bytes) -> ParsedRequest:
             ``RecursionError`` at the interpreter's recursion limit, about 1,000 levels, even inside a field
             that is skipped).
         InvalidFieldError: a missing field (``param`` names it), a wrong type, an empty prompt or messages, a
-            bad ``max_tokens``.
+            bad ``max_tokens``, ``n`` other than 1.
     """
     try:
         if kind == "chat":
@@ -167,9 +169,16 @@ def _check_max_tokens(value: int | None, name: str) -> None:
         raise InvalidFieldError(f"'{name}' must be >= 1, got {value}", param=name)
 
 
+def _check_n(n: int | None) -> None:
+    """One choice per request: the cached tokens of ``n`` sampled choices sharing a prompt are not predictable."""
+    if n is not None and n != 1:
+        raise InvalidFieldError(f"only n=1 is supported, got n={n}", param="n")
+
+
 def _from_chat(chat: _ChatBody) -> ParsedRequest:
     if not chat.messages:
         raise InvalidFieldError("'messages' must be a non-empty array", param="messages")
+    _check_n(chat.n)
     messages: list[ChatMessage] = []
     for i, m in enumerate(chat.messages):
         if not m.role:
@@ -200,6 +209,7 @@ def _from_chat(chat: _ChatBody) -> ParsedRequest:
 
 def _from_completion(body: _CompletionBody) -> ParsedRequest:
     prompt: str | tuple[int, ...]
+    _check_n(body.n)
     raw = body.prompt
     if isinstance(raw, str):
         if not raw:

@@ -6,6 +6,7 @@ OpenAI-style JSON body; the in-flight counters and admission slots return to exa
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -86,3 +87,25 @@ async def test_a_worker_added_while_requests_wait_for_admission_takes_them(worke
         await held.read()
         held.release()
         await wait_until(lambda: is_idle(h.gw))
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": "m", "prompt": "hello", "n": 2}),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hello"}], "n": 3}),
+        ("/v1/completions", {"model": "m", "prompt": "hello", "n": 0}),
+    ],
+)
+async def test_n_other_than_1_is_refused_before_any_worker_sees_it(workers, path, body):
+    async with GatewayHarness(make_config(workers), workers=workers) as h:
+        status, headers, raw = await h.post(path, body)
+        assert (status, headers["Content-Type"]) == (400, "application/json")
+        assert json.loads(raw) == {"error": {
+            "message": f"only n=1 is supported, got n={body['n']}", "type": "invalid_request_error",
+            "param": "n", "code": None}}
+        assert workers[0].requests == [] and workers[1].requests == []
+        for n in (1, None):  # the default, given explicitly
+            status, headers, _ = await h.post(path, {**body, "n": n})
+            assert status == 200
+        assert is_idle(h.gw)
