@@ -11,11 +11,14 @@ Topologies (both wire-compatible with vLLM / SGLang publishers, see ``events.pub
 An engine's PUB connects to one address only, so the bound topology serves one gateway replica. With several
 replicas, each replica connects its own SUB to every worker's PUB (PUB/SUB fans out); use the connect topology.
 
-Sequencing, per (worker_id, dp_rank) stream (dp_rank from the batch, else ``WorkerSpec.dp_rank``). A stream is
-created on a rank's first batch, and only for the ranks added with ``add_worker`` (a worker accepted through
-``accept_unknown_workers`` has rank 0 only): a batch of any other rank is dropped whole, counted
-``unknown_dp_rank`` and logged (a warning once per worker), so a publisher cannot make streams or index slots
-without bound. A replayed batch must carry the rank of the stream that asked for it.
+Sequencing, per (worker_id, dp_rank) stream (dp_rank from the batch, else the ``WorkerSpec.dp_rank`` of the
+endpoint it came from). A stream is created on a rank's first batch, and only for the ranks added with
+``add_worker`` (a worker accepted through ``accept_unknown_workers`` has rank 0 only): a batch of any other rank is
+dropped whole, counted ``unknown_dp_rank`` and logged (a warning once per worker), so a publisher cannot make
+streams or index slots without bound. In the connect topology such a batch still consumes its seq on the stream
+of the endpoint's rank (its publisher has one seq counter), as a refused replayed batch does; in the bound
+topology it cannot be attributed to a stream. A replayed batch must carry the rank of the stream that asked for
+it.
 
     first batch (or after a Resync)       accepted as the baseline
     seq == last + 1                       applied
@@ -196,6 +199,7 @@ class _Source:
     worker_id: str | None  # None: bound topology (worker named by topic)
     socket: zmq.asyncio.Socket
     monitor: zmq.asyncio.Socket
+    spec: WorkerSpec | None = None  # connect topology: the one rank publishing here (its seqs, its default rank)
     task: asyncio.Task[None] | None = None
     was_disconnected: bool = False
 
@@ -326,6 +330,7 @@ class KVEventSubscriber:
             stream = self._streams.pop(key)
             if stream.task is not None:
                 stream.task.cancel()
+            stream.space.set()  # a shared (bound) reader waiting for room in this queue goes on
         if by_rank is not None:
             logger.info("kv events: stopped following worker %s", worker_id)
         return by_rank is not None
@@ -372,11 +377,13 @@ class KVEventSubscriber:
             raise EventsConfigError(
                 f"cannot connect {spec.endpoint}: {exc}", worker_id=spec.worker_id, endpoint=spec.endpoint
             ) from exc
-        self._sources[(spec.worker_id, spec.dp_rank)] = self._start_source(sock, spec.endpoint, spec.worker_id)
+        self._sources[(spec.worker_id, spec.dp_rank)] = self._start_source(sock, spec.endpoint, spec.worker_id, spec)
 
-    def _start_source(self, sock: zmq.asyncio.Socket, endpoint: str, worker_id: str | None) -> _Source:
+    def _start_source(
+        self, sock: zmq.asyncio.Socket, endpoint: str, worker_id: str | None, spec: WorkerSpec | None = None
+    ) -> _Source:
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        source = _Source(endpoint=endpoint, worker_id=worker_id, socket=sock, monitor=monitor)
+        source = _Source(endpoint=endpoint, worker_id=worker_id, socket=sock, monitor=monitor, spec=spec)
         source.task = asyncio.get_running_loop().create_task(self._read(source), name=f"kv-events-read {endpoint}")
         return source
 
@@ -452,7 +459,7 @@ class KVEventSubscriber:
         if worker_id is None:
             return
         by_rank = self._specs[worker_id]
-        spec = by_rank.get(0) or next(iter(by_rank.values()))
+        spec = source.spec or by_rank.get(0) or next(iter(by_rank.values()))
         seq = int.from_bytes(seq_frame, "big")
         block_size = spec.block_size or self.config.default_block_size
         batch = self._decoder.decode(
@@ -465,7 +472,10 @@ class KVEventSubscriber:
                 DropKind.UNKNOWN_DP_RANK,
                 f"batch {seq} of dp rank {dp_rank}; the worker's ranks are {sorted(by_rank)}",
             )
-            return
+            if source.spec is None:
+                return
+            # Connect topology: one publisher, one seq counter; the batch still consumes its seq on its rank.
+            dp_rank, batch = source.spec.dp_rank, None
         stream = self._stream_for(worker_id, dp_rank)
         stream.queue.put_nowait(_Item(seq=seq, digest=xxhash.xxh3_64_intdigest(payload), batch=batch))
         if stream.queue.qsize() >= self.config.max_pending_batches:

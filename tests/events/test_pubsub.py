@@ -503,11 +503,11 @@ async def test_bad_frames_counted_nothing_emitted(ctx, engine):
 async def test_batches_of_unconfigured_dp_ranks_dropped_and_create_no_stream(ctx, engine, caplog):
     sub, records = await joined_sub(ctx, engine, replay=False)
     with caplog.at_level("DEBUG", logger="events.counters"):
-        for rank in (*range(1, 51), 2**40):
-            await engine.send(rank, encode_batch([stored(rank)], 1.0, rank))
-        await engine.send(7, encode_batch([stored(7)], 1.0, 0))
-        await until(lambda: sub.last_seq("w") == 7)
-    assert hashes_of(records) == [(7, 7)]
+        for seq, rank in enumerate((*range(1, 51), 2**40), start=1):  # each consumes its seq on rank 0's stream
+            await engine.send(seq, encode_batch([stored(rank)], 1.0, rank))
+        await engine.send(52, encode_batch([stored(7)], 1.0, 0))
+        await until(lambda: sub.last_seq("w") == 52)
+    assert hashes_of(records) == [(52, 7)]
     assert sub.counters.drops == {("w", DropKind.UNKNOWN_DP_RANK): 51}
     assert list(sub._streams) == [("w", 0)]
     logged = [(r.levelname, r.getMessage()) for r in caplog.records if "unknown_dp_rank" in r.getMessage()]
