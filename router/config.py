@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
+from events.types import Medium, normalize_medium
 from router.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,8 @@ class WorkerConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
         dp_ranks: number of data-parallel ranks publishing events, 1..``MAX_DP_RANKS``. Rank ``r`` publishes on the
             port of ``events_endpoint`` (and serves replays on the port of ``replay_endpoint``) plus ``r``, vLLM's
             convention; every rank's port must be at most 65535.
-        pools: shared pools (``MOONCAKE`` tier) this worker is attached to.
+        pools: shared pools (``MOONCAKE`` tier, or an engine's name for it) this worker is attached to; a worker's
+            own tiers (``CPU``, ``DISK``) are refused.
         block_size: the worker's block size in tokens, a multiple of its model's ``block_size``; ``None`` takes the
             model's.
         load_path: the worker's load endpoint (polled; returns load and start id), or ``None``.
@@ -212,6 +214,10 @@ class WorkerConfig(_Base, frozen=True, forbid_unknown_fields=True, kw_only=True)
         _check_rank_ports("replay_endpoint", self.replay_endpoint, self.dp_ranks)
         if self.block_size is not None:
             _positive("block_size", self.block_size)
+        for pool in self.pools:
+            if normalize_medium(pool) is not Medium.MOONCAKE:  # a worker's own tiers are never shared
+                raise ValueError(f"pools: {pool!r} is not a shared pool tier; the shared tier is MOONCAKE (also "
+                                 f"named EXTERNAL, STORAGE or L3)")
         for name, path in (("load_path", self.load_path), ("snapshot_path", self.snapshot_path),
                            ("health_path", self.health_path)):
             if path is not None and not path.startswith("/"):  # appended to url, which has no trailing "/"

@@ -119,3 +119,42 @@ def test_serve_with_an_events_endpoint_zmq_refuses_names_the_worker_and_the_key(
         f"ERROR router.serve: worker 'w0': events_endpoint: cannot connect udp://{HOST}:5: The protocol is not "
         f"compatible with the socket type (addr='udp://{HOST}:5')"
     ]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("pool", ["CPU", "DISK", "cpu_pinned", "GPU", "nope", ""])
+def test_a_pool_that_is_not_a_shared_tier_is_refused_naming_the_key(pool: str) -> None:
+    """A worker's own tier as a pool made the worker fail to start (the index refuses CPU as a pool); an unknown
+    name was ignored without a word."""
+    expected = (f"pools: {pool!r} is not a shared pool tier; the shared tier is MOONCAKE (also named EXTERNAL, "
+                "STORAGE or L3)")
+    with pytest.raises(ConfigError) as info:
+        parse_config(config_with_worker(pools=["MOONCAKE", pool]))
+    assert info.value.message == f"config: {expected} - at `$.workers[0]`"
+    with pytest.raises(ConfigError) as info:
+        decode_worker({"id": "w0", "url": "http://127.0.0.1:8001", "model": "m", "pools": [pool]})
+    assert info.value.message == f"worker: {expected}"
+
+
+@pytest.mark.unit
+def test_the_shared_tier_under_each_of_its_names_loads() -> None:
+    config = parse_config(config_with_worker(pools=["MOONCAKE", "mooncake", "EXTERNAL", "STORAGE", "L3"]))
+    assert config.workers[0].pools == ("MOONCAKE", "mooncake", "EXTERNAL", "STORAGE", "L3")
+
+
+@pytest.mark.integration
+@pytest.mark.asyncio
+async def test_admin_add_with_a_worker_tier_as_pool_is_a_400_and_adds_nothing() -> None:
+    w0 = FakeWorker("w0", with_events=False)
+    await w0.start()
+    try:
+        async with GatewayHarness(make_config([w0])) as h:
+            entry = {"id": "w9", "url": w0.url, "model": "m", "pools": ["CPU"]}
+            status, body = await h.admin("POST", "/admin/workers", entry)
+            assert (status, body["error"]["message"]) == (400, (
+                "worker: pools: 'CPU' is not a shared pool tier; the shared tier is MOONCAKE (also named EXTERNAL, "
+                "STORAGE or L3)"))
+            status, body = await h.admin("GET", "/admin/workers")
+            assert [w["id"] for w in body["workers"]] == ["w0"]
+    finally:
+        await w0.stop()
