@@ -414,6 +414,10 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
             gw.router.settle(plan, model, view, None)
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
         return error_response(exc, request_id)
+    except asyncio.CancelledError:
+        if plan is not None and plan.served_by is None:  # the client left before any answer: the worker served none
+            gw.router.settle(plan, model, view, None)
+        raise
     finally:
         gw.admission.release()
 

@@ -14,6 +14,10 @@ closes the upstream request)::
     num_pending_prefill_tokens   +uncached at send  -uncached at the first byte (or the end)
     num_decoding_requests        +1 at first byte   -1 at the end
 
+A request whose client goes away before the worker's first byte (for a stream: its first chunk; the headers come
+before the prefill) leaves ``plan.served_by`` ``None``: the worker served nothing, and the gateway withdraws the
+pending index entries its routing inserted (``Router.settle``).
+
 Honesty check (DESIGN.md §7b): ``usage.prompt_tokens_details.cached_tokens`` is read from the non-streamed body
 or from the last SSE ``data:`` event that carries ``usage`` (found by scanning a bounded tail of the stream, no
 re-encoding) and compared with the cached tokens predicted for the worker that served the request. The observed
@@ -420,6 +424,10 @@ class Proxy:
                 request.transport.abort()  # the client sees an incomplete stream, never a clean end
         except ConnectionResetError:
             logger.info("client went away during the stream from worker %s", worker.worker_id)
+        except asyncio.CancelledError:
+            if is_first:  # the client left before the worker's first chunk (its headers come before the prefill)
+                plan.served_by = None
+            raise
         finally:
             if is_first:
                 worker.num_pending_prefill_tokens -= uncached
