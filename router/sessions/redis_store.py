@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,7 +56,7 @@ from router.sessions import redis_scripts as scripts
 from router.sessions.base import SessionEntry, SessionStoreStats
 from router.sessions.config import RedisTarget, SessionsConfig
 from router.sessions.errors import SessionBackendError
-from router.sessions.memory import MemorySessionStore
+from router.sessions.memory import REAP_SLICE, MemorySessionStore
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +66,14 @@ _WRITE_BACK_BATCH = 256
 class _RefreshTable:
     """Per key: the owner this replica last saw and when (local clock, s) it last refreshed the key's TTL.
 
-    A dict in refresh order (a refresh re-inserts the key at the end), so expired entries are at the front and
-    reaping is O(expired). Bounded by ``max_num_entries``: the least recently refreshed goes first.
+    An ``OrderedDict`` in refresh order (a refresh moves the key to the end), so expired entries are at the front
+    and reaping is O(expired). Bounded by ``max_num_entries``: the least recently refreshed goes first. Not a plain
+    dict: deleting from a dict's front leaves slots that every later ``next(iter(...))`` walks again, which made
+    each eviction O(entries) and a reap of many keys quadratic (minutes for a million).
     """
 
     def __init__(self, max_num_entries: int) -> None:
-        self._entries: dict[str, tuple[str, float]] = {}
+        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._max_num_entries = max_num_entries
 
     def __len__(self) -> int:
@@ -80,10 +83,10 @@ class _RefreshTable:
         return self._entries.get(session_key)
 
     def refreshed(self, session_key: str, worker_id: str, now_s: float) -> None:
-        self._entries.pop(session_key, None)
         self._entries[session_key] = (worker_id, now_s)
+        self._entries.move_to_end(session_key)
         if len(self._entries) > self._max_num_entries:
-            del self._entries[next(iter(self._entries))]
+            self._entries.popitem(last=False)
 
     def set_owner(self, session_key: str, worker_id: str) -> None:
         entry = self._entries.get(session_key)
@@ -97,14 +100,15 @@ class _RefreshTable:
         for session_key in [k for k, (w, _) in self._entries.items() if w == worker_id]:
             del self._entries[session_key]
 
-    def reap(self, cutoff_s: float) -> int:
-        """Forget entries refreshed at or before ``cutoff_s``; returns how many."""
+    def reap(self, cutoff_s: float, max_num_reaped: int | None = None) -> int:
+        """Forget entries refreshed at or before ``cutoff_s`` (at most ``max_num_reaped``); returns how many."""
+        entries = self._entries
         num_reaped = 0
-        while self._entries:
-            session_key = next(iter(self._entries))
-            if self._entries[session_key][1] > cutoff_s:
+        while entries and num_reaped != max_num_reaped:
+            _, (_, refreshed_s) = next(iter(entries.items()))  # the oldest: O(1) in an OrderedDict
+            if refreshed_s > cutoff_s:
                 break
-            del self._entries[session_key]
+            entries.popitem(last=False)
             num_reaped += 1
         return num_reaped
 
@@ -505,8 +509,14 @@ class RedisSessionStore:
         now_s = self._clock()
         for session_key in [k for k, v in self._cache.items() if v[2] <= now_s]:
             del self._cache[session_key]
-        num_expired = self._refresh.reap(now_s - self.idle_timeout_s)
-        num_expired += self._fallback.reap_expired_sync()
+        num_expired = 0
+        while True:  # REAP_SLICE at a time, yielding between slices: many keys expiring at once stall nothing
+            num = self._refresh.reap(now_s - self.idle_timeout_s, REAP_SLICE)
+            num_expired += num
+            if num < REAP_SLICE:
+                break
+            await asyncio.sleep(0)
+        num_expired += await self._fallback.reap_expired()
         self._num_expired_total += num_expired
         return num_expired
 
