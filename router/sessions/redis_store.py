@@ -113,7 +113,13 @@ class _RefreshTable:
         return num_reaped
 
     def num_live(self, cutoff_s: float) -> int:
-        return sum(1 for _, refreshed_s in self._entries.values() if refreshed_s > cutoff_s)
+        """Entries refreshed after ``cutoff_s``: O(expired ones not yet reaped), as entries are in refresh order."""
+        num_expired = 0
+        for _, refreshed_s in self._entries.values():
+            if refreshed_s > cutoff_s:
+                break
+            num_expired += 1
+        return len(self._entries) - num_expired
 
     def live_owner(self, session_key: str, cutoff_s: float) -> str | None:
         entry = self._entries.get(session_key)

@@ -119,3 +119,15 @@ async def test_redis_store_reap_yields_between_slices_without_touching_redis() -
         assert store.stats().num_expired_total == num_expiring
     finally:
         await store.aclose()
+
+
+def test_refresh_table_counts_live_entries_from_the_oldest_on() -> None:
+    """``stats()`` (each metrics scrape) counts live sessions: it reads only the expired entries at the front,
+    never the whole table."""
+    table = _RefreshTable(100)
+    for i in range(10):
+        table.refreshed(f"k{i}", "w0", float(i))
+    table.refreshed("k0", "w1", 20.0)  # refreshed again: moves to the end
+    table.set_owner("k5", "w2")  # an owner change keeps the order
+    assert [table.num_live(cutoff_s) for cutoff_s in (-1.0, 0.0, 1.0, 4.5, 9.0, 19.0, 20.0)] == [10, 10, 9, 6, 1, 1,
+                                                                                                 0]
