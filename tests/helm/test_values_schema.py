@@ -320,6 +320,11 @@ BAD_VALUES = [  # (values, a word the error names)
     pytest.param({"gateway": {"policy": {"key_sources": ["cookie"]}}}, "key_sources", id="key-source"),
     pytest.param({"gateway": {"extraConfig": {"listen": {"max_body_bytes": 1.5}}}}, "max_body_bytes",
                  id="float-for-int"),
+    pytest.param({"gateway": {"workers": [{"id": "w0", "url": "http://w0:8000", "model": "m",
+                                           "health_path": "health"}]}}, "health_path", id="path-without-slash"),
+    pytest.param({"discovery": {"worker": {"load_path": "load"}}}, "load_path", id="discovered-path-without-slash"),
+    pytest.param({"gateway": {"workers": [{"id": "w0", "url": "http://w0:8000", "model": "m", "pools": ["CPU"]}]}},
+                 "pools", id="worker-tier-as-pool"),
 ]
 
 
