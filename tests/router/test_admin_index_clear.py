@@ -4,7 +4,6 @@ blocks."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -24,16 +23,6 @@ PREFIX = "".join(chr(ord("a") + i % 26) for i in range(10 * BLOCK_SIZE))  # 10 b
 
 def error(message: str, *, type_: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": None}}
-
-
-@pytest.fixture
-async def workers() -> AsyncIterator[list[FakeWorker]]:
-    ws = [FakeWorker("w0"), FakeWorker("w1")]
-    for w in ws:
-        await w.start()
-    yield ws
-    for w in ws:
-        await w.stop()
 
 
 async def clear(h: GatewayHarness | Gw, body: bytes) -> tuple[int, str, Any]:

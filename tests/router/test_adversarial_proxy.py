@@ -13,22 +13,11 @@ import pytest
 
 from router.app import Gateway
 from router.fleet import CircuitState
-from tests.router.fakes import FakeWorker
 from tests.router.harness import Clock, GatewayHarness, make_config, wait_until
 from tests.router.sim_fleet import Gw, SimWorker, connected, running
 from tests.router.sim_fleet import make_config as sim_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
-
-
-@pytest.fixture
-async def workers():
-    ws = [FakeWorker(f"w{i}") for i in range(2)]
-    for w in ws:
-        await w.start()
-    yield ws
-    for w in ws:
-        await w.stop()
 
 
 def load_counters(gw: Gateway) -> dict[str, tuple[int, int, int, int]]:

@@ -10,20 +10,9 @@ import aiohttp
 import openai
 import pytest
 
-from tests.router.fakes import FakeWorker
 from tests.router.harness import GatewayHarness, make_config, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
-
-
-@pytest.fixture
-async def workers():
-    ws = [FakeWorker(f"w{i}") for i in range(2)]
-    for w in ws:
-        await w.start()
-    yield ws
-    for w in ws:
-        await w.stop()
 
 
 async def test_streaming_passthrough_byte_exact_and_honest(workers):
