@@ -68,6 +68,17 @@ async def test_admin_add_with_a_path_without_a_leading_slash_is_a_400_and_adds_n
         await w0.stop()
 
 
+def _serve_errors(config: Path) -> list[str]:
+    """``kvgate serve --config config``, which must exit 2 without a traceback: its ERROR lines (level onwards)."""
+    proc = subprocess.run(
+        ["timeout", "60", sys.executable, "-m", "router.cli", "serve", "--config", str(config)],
+        cwd=REPO, capture_output=True, text=True, timeout=90,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stdout + proc.stderr
+    return [line.split(" ", 2)[2] for line in proc.stderr.splitlines() if " ERROR " in line]
+
+
 @pytest.mark.integration
 def test_serve_with_a_worker_whose_subscription_fails_exits_2_with_one_line_naming_worker_and_key(tmp_path):
     """Two workers of 256 dp ranks each need more ZMQ sockets than a context allows (1023): the second worker's
@@ -84,13 +95,7 @@ def test_serve_with_a_worker_whose_subscription_fails_exits_2_with_one_line_nami
         "admin: {disable_auth: true}\n",
         encoding="utf-8",
     )
-    proc = subprocess.run(
-        ["timeout", "60", sys.executable, "-m", "router.cli", "serve", "--config", str(config)],
-        cwd=REPO, capture_output=True, text=True, timeout=90,
-    )
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stdout + proc.stderr
-    errors = [line.split(" ", 2)[2] for line in proc.stderr.splitlines() if " ERROR " in line]
+    errors = _serve_errors(config)
     assert errors[-1] == (
         f"ERROR router.serve: worker 'w1' was not added: its event subscription (events_endpoint "
         f"'tcp://{HOST}:21000', dp_ranks 256) could not start (ZMQError: Too many open files)"
@@ -108,13 +113,7 @@ def test_serve_with_an_events_endpoint_zmq_refuses_names_the_worker_and_the_key(
         "admin: {disable_auth: true}\n",
         encoding="utf-8",
     )
-    proc = subprocess.run(
-        ["timeout", "60", sys.executable, "-m", "router.cli", "serve", "--config", str(config)],
-        cwd=REPO, capture_output=True, text=True, timeout=90,
-    )
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stdout + proc.stderr
-    errors = [line.split(" ", 2)[2] for line in proc.stderr.splitlines() if " ERROR " in line]
+    errors = _serve_errors(config)
     assert errors == [
         f"ERROR router.serve: worker 'w0': events_endpoint: cannot connect udp://{HOST}:5: The protocol is not "
         f"compatible with the socket type (addr='udp://{HOST}:5')"
