@@ -12,18 +12,11 @@ from router.sessions.config import SessionsConfig, build_session_store
 from router.sessions.memory import REAP_SLICE, MemorySessionStore
 from router.sessions.redis_store import RedisSessionStore, _RefreshTable
 from tests.ports import free_port
+from tests.sessions.fakes import FakeClock
 
 pytestmark = pytest.mark.unit
 
 IDLE_S = 60.0
-
-
-class FakeClock:
-    def __init__(self, now_s: float = 1000.0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 async def reap_counting_yields(reap) -> tuple[int, int]:

@@ -6,16 +6,9 @@ import pytest
 
 from router.sessions.base import SessionEntry, SessionStore
 from router.sessions.memory import MemorySessionStore
+from tests.sessions.fakes import FakeClock
 
 pytestmark = pytest.mark.unit
-
-
-class FakeClock:
-    def __init__(self, now_s: float = 1000.0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 def make_store(idle_timeout_s: float = 10.0, max_num_sessions: int = 100) -> tuple[MemorySessionStore, FakeClock]:

@@ -12,18 +12,11 @@ import redis.asyncio as aioredis
 
 from router.sessions.config import SessionsConfig, build_session_store
 from router.sessions.redis_store import RedisSessionStore
+from tests.sessions.fakes import FakeClock
 
 pytestmark = pytest.mark.integration
 
 DEADLINE_S = 10.0
-
-
-class FakeClock:
-    def __init__(self, now_s: float = 1000.0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
