@@ -86,6 +86,11 @@ class CircuitBreaker:
         if self.state == CircuitState.HALF_OPEN:
             self.is_trial_in_flight = True
 
+    def on_abandoned(self) -> None:
+        """A request was given up with no verdict (its client went away): a half-open trial no longer blocks the
+        next request from being the trial."""
+        self.is_trial_in_flight = False
+
     def record_success(self) -> None:
         """A request got a non-5xx response."""
         self.num_consecutive_failures = 0

@@ -377,7 +377,7 @@ class Proxy:
                     # half-open trial cancelled with no verdict (its client went away) must not hold the circuit
                     # half-open forever: the next request may be the trial.
                     worker.num_pending_prefill_tokens -= uncached
-                    worker.breaker.is_trial_in_flight = False
+                    worker.breaker.on_abandoned()
         if isinstance(last_exc, TransportTimeoutError):
             raise UpstreamTimeoutError(f"no worker answered in time: {last_exc.message}",
                                        worker_id=last_exc.worker_id, endpoint=last_exc.endpoint) from last_exc
