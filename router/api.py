@@ -1,0 +1,217 @@
+"""The OpenAI routes and the probes: the request handlers that ``router.app.build_app`` registers.
+
+Routes::
+
+    POST /v1/completions, /v1/chat/completions    routed and proxied (streaming passthrough)
+    GET  /v1/models                                the fleet's models
+    GET  /health                                   alive (200 always)
+    GET  /ready                                    200 when every worker's index is warm (or the ready timeout
+                                                   passed; also with zero workers), else 503
+    GET  /metrics                                  Prometheus text format
+
+Every error is an OpenAI-style JSON body (``router.errors`` gives the status); ``add_json_fallbacks`` answers
+unknown paths and methods the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import msgspec
+from aiohttp import web
+
+from router.errors import (
+    BodyTimeoutError,
+    BodyTooLargeError,
+    GatewayError,
+    InvalidFieldError,
+    MethodNotAllowedError,
+    NotFoundError,
+    NoWorkerError,
+    OverloadedError,
+    UnknownModelError,
+    unreadable_body_error,
+)
+from router.fleet import WorkerRuntime
+from router.proxy import REQUEST_ID_HEADER, WORKER_HEADER
+from router.request_view import RequestKind, parse_request
+from router.routing import RoutePlan
+from router.sessions.errors import SessionBackendError
+
+if TYPE_CHECKING:
+    from router.app import Gateway
+
+logger = logging.getLogger(__name__)
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway")
+"""The app's ``Gateway`` (built and stored by ``router.app.build_app``)."""
+
+
+def error_response(exc: GatewayError, request_id: str | None = None) -> web.Response:
+    """The OpenAI-style JSON error for ``exc`` with its status (plus ``Retry-After`` for 429 and 503, and
+    ``x-request-id`` when the error answers a request that has an id)."""
+    body = msgspec.json.encode({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param,
+                                          "code": exc.code}})
+    headers = {}
+    if isinstance(exc, OverloadedError | NoWorkerError):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    if request_id is not None:
+        headers[REQUEST_ID_HEADER] = request_id
+    return web.Response(status=exc.status, body=body, content_type="application/json", headers=headers)
+
+
+def _add_json_fallbacks(app: web.Application) -> None:
+    """OpenAI-style JSON errors instead of aiohttp's plain-text ones: 405 (with ``Allow``) for a known path called
+    with another method, 404 for any other path. Added after every route, so a matching route always wins."""
+    for resource in list(app.router.resources()):
+        if not isinstance(resource, web.Resource):
+            continue
+        allowed = sorted({route.method for route in resource})
+
+        async def not_allowed(request: web.Request, allowed: list[str] = allowed) -> web.StreamResponse:
+            response = error_response(MethodNotAllowedError(
+                f"{request.method} is not allowed on {request.path}; allowed: {', '.join(allowed)}"))
+            response.headers["Allow"] = ", ".join(allowed)
+            return response
+
+        resource.add_route("*", not_allowed)
+
+    async def not_found(request: web.Request) -> web.StreamResponse:
+        return error_response(NotFoundError(f"no route {request.method} {request.path}"))
+
+    app.router.add_route("*", "/{path:.*}", not_found)
+
+
+async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
+    """The routed endpoints (``completions``, ``chat_completions``): see the module docstring."""
+    gw = request.app[GATEWAY]
+    t0 = time.perf_counter()
+    policy_name = gw.holder.policy.name
+    client_headers = gw.client_headers.read(request.raw_headers, request.headers)
+    request_id = client_headers.request_id or gw.next_request_id()  # the client's own id is kept end to end
+    plan: RoutePlan | None = None
+    try:
+        limit = gw.config.listen.max_body_bytes
+        num_body_bytes = request.content_length
+        if num_body_bytes is not None and num_body_bytes > limit:
+            raise BodyTooLargeError(f"request body of {num_body_bytes} bytes exceeds the {limit}-byte limit")
+        try:
+            if request.content.is_eof():  # the whole body came with the headers (most requests): no timer
+                body = await request.read()
+            else:
+                async with asyncio.timeout(gw.config.listen.body_timeout_s):
+                    body = await request.read()
+        except TimeoutError as exc:
+            raise BodyTimeoutError(
+                f"the request body did not arrive within {gw.config.listen.body_timeout_s} s") from exc
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise BodyTooLargeError(f"request body exceeds the {limit}-byte limit") from exc
+        except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not decode with
+            raise unreadable_body_error(exc) from exc
+        parsed = parse_request(kind, body)
+        model = gw.config.model(parsed.model)
+        if model is None:
+            raise UnknownModelError(f"the model {parsed.model!r} does not exist", param="model",
+                                    code="model_not_found")
+        view = gw.tokenizers[model.name].view(parsed)
+        if view.num_tokens == 0:
+            raise InvalidFieldError("the prompt has no tokens", param="prompt")
+        per_worker = gw.config.admission.max_inflight_per_worker
+        if not gw.admission.try_acquire():
+            # Candidates are read at every check: a worker added while the request waits gives it room.
+            fleet, model_name = gw.fleet, model.name
+            await gw.admission.acquire(lambda: _may_proceed(fleet.candidates(model_name), per_worker))
+    except GatewayError as exc:
+        gw.metrics.rejected_total.labels(type(exc).__name__).inc()
+        return error_response(exc, request_id)
+    try:
+        is_sticky = gw.holder.sticky is not None
+        if is_sticky:
+            plan = await gw.router.route(request_id, parsed, model, view, client_headers.routing,
+                                         max_inflight_per_worker=per_worker)
+        else:  # no session store to await: decide in place
+            plan = gw.router.decide(request_id, parsed, model, view, client_headers.routing,
+                                    max_inflight_per_worker=per_worker)
+        gw.metrics.decision_s.observe(time.perf_counter() - t0)
+        response = await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream, request_id=request_id,
+                                          policy_name=policy_name, received_at=t0, client_headers=client_headers)
+        if plan.served_by is not plan.chosen or response.status >= 400:
+            gw.router.settle(plan, model, view, response.status)
+            if is_sticky:
+                await _follow_retry(gw, plan, response)
+        return response
+    except GatewayError as exc:
+        if plan is not None:  # every attempt failed
+            gw.router.settle(plan, model, view, None)
+        gw.metrics.rejected_total.labels(type(exc).__name__).inc()
+        return error_response(exc, request_id)
+    except asyncio.CancelledError:
+        if plan is not None and plan.served_by is None:  # the client left before any answer: the worker served none
+            gw.router.settle(plan, model, view, None)
+        raise
+    finally:
+        gw.admission.release()
+
+
+def _may_proceed(candidates: Sequence[WorkerRuntime], max_inflight_per_worker: int) -> bool:
+    """Admission's per-worker check: a usable (healthy, undrained) candidate has room, or none is usable at all:
+    then there is nothing to wait for, and routing answers 503 with the reason at once."""
+    if max_inflight_per_worker == 0:
+        return True
+    usable = [w for w in candidates if w.is_healthy and not w.is_draining]
+    return not usable or any(w.num_inflight_requests < max_inflight_per_worker for w in usable)
+
+
+async def _follow_retry(gw: Gateway, plan: RoutePlan, response: web.StreamResponse) -> None:
+    """A session whose request was served by another worker after a retry (its owner failed before the first byte)
+    moves there: that worker now holds the conversation's KV, and the next turn should not try the failed owner
+    first. Compare-and-set from the planned owner; a store error only logs (the answer was already sent)."""
+    served = response.headers.get(WORKER_HEADER)
+    key = plan.session_key
+    if (key is None or served is None or served == plan.chosen.worker_id or response.status >= 500
+            or served not in gw.fleet.workers):
+        return
+    try:
+        if await gw.sessions.move(key, plan.chosen.worker_id, served):
+            logger.info("session %s moved from %s to %s, which served it after a retry", key,
+                        plan.chosen.worker_id, served)
+    except SessionBackendError as exc:
+        logger.warning("session %s: could not move it to %s after a retry: %s", key, served, exc)
+
+
+completions = functools.partial(_handle, kind="completions")
+"""``POST /v1/completions``."""
+chat_completions = functools.partial(_handle, kind="chat")
+"""``POST /v1/chat/completions``."""
+
+
+async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: every model served by at least one worker."""
+    gw = request.app[GATEWAY]
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvgate"} for name in gw.fleet.model_names()]
+    return web.Response(body=msgspec.json.encode({"object": "list", "data": data}), content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    """``GET /health``: the process is alive."""
+    return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+
+async def ready(request: web.Request) -> web.Response:
+    """``GET /ready``: 200 once every worker's index is warm (or the ready timeout passed)."""
+    gw = request.app[GATEWAY]
+    is_ready = gw.fleet.is_ready()
+    waiting = [w.worker_id for w in gw.fleet.workers.values() if not w.is_warm]
+    body = msgspec.json.encode({"ready": is_ready, "waiting_for": waiting})
+    return web.Response(status=200 if is_ready else 503, body=body, content_type="application/json")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text exposition."""
+    gw = request.app[GATEWAY]
+    return web.Response(body=gw.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
