@@ -28,7 +28,9 @@ invalid is returned):
     * garbage/truncated msgpack or a wrong outer shape drops the batch (``decode`` returns ``None``);
     * an unknown event tag skips the event; an unknown field is skipped and counted, its event kept;
     * a GPU-tier BlockStored must carry ``block_size * len(block_hashes)`` tokens and, when the worker's block
-      size is configured, exactly that block size (refused otherwise, as Dynamo does);
+      size is configured, exactly that block size (refused otherwise, as Dynamo does); a store of a sparse group
+      (sliding window, Mamba: ``events.types.is_sparse_group``) may carry a larger multiple of ``block_size``:
+      vLLM skips the null blocks of the range when it lists hashes, never when it lists tokens;
     * an offload-tier BlockStored (CPU, DISK, MOONCAKE) may have no tokens, no parent and ``block_size`` 0 or a
       multiple of the GPU block size; tokens, when present, must still match;
     * a BlockStored with a repeated hash (or one equal to its parent) is refused; a BlockRemoved with repeated
@@ -64,6 +66,7 @@ from events.types import (
     EventBatch,
     KVEvent,
     Medium,
+    is_sparse_group,
     normalize_medium,
 )
 
@@ -369,10 +372,15 @@ class EventDecoder:
                     DropKind.BLOCK_SIZE_MISMATCH,
                     f"GPU block_size {block_size}, worker configured with {expected_block_size}",
                 )
-            if len(token_ids) != block_size * num_blocks:
+            if len(token_ids) != block_size * num_blocks and not (
+                len(token_ids) > block_size * num_blocks
+                and len(token_ids) % block_size == 0
+                and is_sparse_group(kind, 0 if group_idx is None else group_idx)
+            ):
                 raise _Refused(
                     DropKind.TOKEN_COUNT_MISMATCH,
-                    f"{len(token_ids)} tokens for {num_blocks} blocks of {block_size}",
+                    f"{len(token_ids)} tokens for {num_blocks} blocks of {block_size}"
+                    + ("" if kind is None else f" (kind {kind!r})"),
                 )
         else:
             if block_size < 0:

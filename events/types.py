@@ -94,11 +94,62 @@ def fold_engine_hash(value: int | bytes) -> EngineBlockHash:
     return EngineBlockHash(int.from_bytes(value[-8:], "big"))
 
 
+class SpecKind(StrEnum):
+    """vLLM's ``KVCacheSpecKind`` values, as ``BlockStored.kv_cache_spec_kind`` carries them on the wire.
+
+    Source: vLLM ``vllm/v1/kv_cache_interface.py::KVCacheSpecKind``; ``KVCacheManager.take_events``
+    (``vllm/v1/core/kv_cache_manager.py``) writes the group's kind and sliding window into every ``BlockStored``
+    (``BlockRemoved`` carries only ``group_idx``). Kinds not listed are kept as plain strings.
+    """
+
+    FULL_ATTENTION = "full_attention"
+    MLA_ATTENTION = "mla_attention"
+    SLIDING_WINDOW = "sliding_window"
+    SLIDING_WINDOW_MLA = "sliding_window_mla"
+    MAMBA = "mamba"
+    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    SINK_FULL_ATTENTION = "sink_full_attention"
+    ENCODER_ONLY_ATTENTION = "encoder_only_attention"
+    CROSS_ATTENTION = "cross_attention"
+    UNKNOWN = "unknown"
+
+
+DENSE_SPEC_KINDS: frozenset[str] = frozenset(
+    {SpecKind.FULL_ATTENTION, SpecKind.MLA_ATTENTION, SpecKind.SINK_FULL_ATTENTION}
+)
+"""Kinds whose groups keep every block of a request: their stores always carry one hash per token block.
+
+The other kinds (sliding window, Mamba in vLLM's ``align`` prefix-caching mode, chunked local attention) replace
+blocks a request no longer needs with the null block; vLLM's ``BlockPool.cache_full_blocks`` skips null (and
+masked) blocks when it lists ``block_hashes`` but still sends the tokens of the whole range, so such a store may
+carry more token blocks than hashes (``BlockStored.num_skipped_blocks``)."""
+
+
+def is_sparse_group(kind: str | None, group_idx: int) -> bool:
+    """Whether a store of this group may skip blocks (``DENSE_SPEC_KINDS``).
+
+    Args:
+        kind: the wire ``kv_cache_spec_kind``, or ``None`` (vLLM before the field existed).
+        group_idx: the wire ``group_idx`` (0 when absent).
+
+    Returns:
+        True for a kind outside ``DENSE_SPEC_KINDS``; without a kind, True for any group but 0 (the main group,
+        full attention on every model vLLM ran before it sent kinds).
+    """
+    if kind is None:
+        return group_idx != 0
+    return kind not in DENSE_SPEC_KINDS
+
+
 class BlockStored(msgspec.Struct, frozen=True, gc=False):
     """A run of blocks newly cached on one tier, in prefix order (vLLM's ``BlockStored`` semantics).
 
     Invariants (enforced by the decoder before a struct is built):
-      * GPU tier: ``len(token_ids) == block_size * len(block_hashes)``.
+      * GPU tier: ``len(token_ids) == block_size * (len(block_hashes) + num_skipped_blocks)``, where
+        ``num_skipped_blocks`` is 0 except for a sparse group (``is_sparse_group``): there the tokens cover the
+        whole range from the parent on, and the hashes name its **last** ``len(block_hashes)`` blocks (the null
+        blocks vLLM skips are the ones a sliding window left behind, or the states Mamba's ``align`` mode did
+        not keep: both lie before the kept ones; ``vllm/v1/core/block_pool.py::cache_full_blocks``).
       * Offload tiers (CPU, DISK, MOONCAKE) may carry no ``token_ids`` and no parent; their ``block_size`` may be
         a multiple of the GPU block size, with one hash per group of GPU blocks.
       * ``block_hashes`` holds no repeated hash.
@@ -128,6 +179,13 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     group_idx: int = 0
     kv_cache_spec_kind: str | None = None
     sliding_window_tokens: int | None = None
+
+    @property
+    def num_skipped_blocks(self) -> int:
+        """Token blocks before the first hashed block that the store does not name (sparse groups; else 0)."""
+        if not self.token_ids or self.block_size <= 0:
+            return 0
+        return max(0, len(self.token_ids) // self.block_size - len(self.block_hashes))
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, gc=False):
