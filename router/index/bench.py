@@ -16,6 +16,9 @@ Figures (each printed beside its baseline and as a ratio):
     the token array (memcpy).
   * memory: bytes per (block, worker) holding, by ``tracemalloc`` on a fleet of ``--memory-fraction`` size.
   * gc: one full ``gc.collect()`` with the structure alive.
+  * ingest at the cap (``--cap-fraction``, default 0.5): the same stores into an index whose ``max_blocks`` is
+    that fraction of the entries they create, so pruning runs all along; baseline: the same stores below the
+    cap, in alternating rounds of the same run.
   * ingest after churn (steady state, where removals free ids all the time): on the memory fleet, the second
     half of the conversations stored into the ids the first half freed (stored, then removed by
     ``BlockRemoved``); baseline: the same stores into a fresh index.
@@ -242,7 +245,13 @@ def _timed_apply(apply: Callable[[EventBatch], None], batches: Sequence[EventBat
 
 
 def run(
-    num_blocks: int, num_workers: int, num_queries: int, memory_fraction: float, seed: int, ingest_rounds: int = 2
+    num_blocks: int,
+    num_workers: int,
+    num_queries: int,
+    memory_fraction: float,
+    seed: int,
+    ingest_rounds: int = 2,
+    cap_fraction: float = 0.5,
 ) -> int:
     """Run every figure and print it; returns the process exit status."""
     print(f"fleet: ~{num_blocks:,} blocks, {num_workers} workers, seed {seed}", flush=True)
@@ -272,6 +281,8 @@ def run(
         f"entries {index.num_blocks():,}",
         flush=True,
     )
+    if cap_fraction > 0.0:
+        _at_cap(batches, num_holdings, index.num_blocks(), cap_fraction, ingest_rounds)
     del batches
 
     # Match.
@@ -371,6 +382,34 @@ def run(
     return 0
 
 
+def _at_cap(
+    batches: Sequence[EventBatch], num_holdings: int, num_entries: int, cap_fraction: float, rounds: int
+) -> None:
+    """Ingest at the block cap: the same stores into an index capped at ``cap_fraction`` of the entries they
+    create (pruning runs all along once the cap is reached), against the same stores below the cap, measured
+    in alternating rounds of the same run (best of ``rounds`` each)."""
+    cap = max(1, int(num_entries * cap_fraction))
+    below_s = capped_s = float("inf")
+    num_pruned = num_left = 0
+    for _ in range(rounds):
+        gc.collect()
+        below = PrefixIndex(IndexConfig(block_size=BLOCK_SIZE, max_blocks=max(2 * num_entries, 1)))
+        below_s = min(below_s, _timed_apply(below.apply, batches)[0])
+        del below
+        gc.collect()
+        capped = PrefixIndex(IndexConfig(block_size=BLOCK_SIZE, max_blocks=cap))
+        capped_s = min(capped_s, _timed_apply(capped.apply, batches)[0])
+        num_pruned = capped.stats().counters["num_pruned_blocks"]
+        num_left = capped.num_blocks()
+        del capped
+    print(
+        f"ingest at the cap: {num_holdings / capped_s / 1e6:.2f} M blocks/s per core with max_blocks {cap:,} "
+        f"({num_pruned:,} pruned, {num_left:,} left)  (below the cap {num_holdings / below_s / 1e6:.2f} M/s; "
+        f"ratio {below_s / capped_s:.2f}) best of {rounds}",
+        flush=True,
+    )
+
+
 def _churn(conversations: list[Conversation]) -> None:
     """Ingest in steady state: the second half of the conversations stored into the ids that the first half freed
     (stored, then removed by ``BlockRemoved``), against the same stores into a fresh index."""
@@ -410,10 +449,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--memory-fraction", type=float, default=0.2, help="fleet size for tracemalloc")
     parser.add_argument("--seed", type=int, default=0, help="fleet seed")
     parser.add_argument("--ingest-rounds", type=int, default=2, help="ingest rounds (best one is printed)")
+    parser.add_argument(
+        "--cap-fraction",
+        type=float,
+        default=0.5,
+        help="ingest at the cap: max_blocks as a fraction of the entries the fleet creates (0 skips the row)",
+    )
     args = parser.parse_args(argv)
     if args.ingest_rounds < 1:
         parser.error("--ingest-rounds must be >= 1")
-    return run(args.num_blocks, args.num_workers, args.num_queries, args.memory_fraction, args.seed, args.ingest_rounds)
+    if not 0.0 <= args.cap_fraction < 1.0:
+        parser.error("--cap-fraction must be in [0, 1)")
+    return run(
+        args.num_blocks,
+        args.num_workers,
+        args.num_queries,
+        args.memory_fraction,
+        args.seed,
+        args.ingest_rounds,
+        args.cap_fraction,
+    )
 
 
 if __name__ == "__main__":
