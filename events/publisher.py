@@ -15,7 +15,8 @@ Requests with another frame count are logged and ignored. Only the last ``buffer
 Endpoint rules (vLLM's): the PUB **binds** when the endpoint contains ``*`` or ``::``, or uses ``ipc://`` or
 ``inproc://``; otherwise it **connects** (the llm-d topology, where the gateway binds one SUB). Data-parallel rank
 ``r`` shifts a TCP port by ``r`` (5557, 5558, ...) and suffixes ``_dp<r>`` to ``ipc``/``inproc`` endpoints; the
-replay endpoint is shifted the same way. A port given as ``*`` binds an ephemeral port (tests); the bound address
+replay endpoint is shifted the same way (``offset_endpoint``, the one copy of that rule: the gateway's config and
+subscriptions use it too). A port given as ``*`` binds an ephemeral port (tests); the bound address
 is then in ``KVEventPublisher.endpoint``.
 
 Threading: ``publish()`` encodes on the caller's thread, appends to the replay buffer and sends with ``NOBLOCK``
@@ -31,7 +32,7 @@ Public API:
         .num_published / .next_seq
         .close()                                          also a context manager
     bind_or_connect(endpoint) -> bool                     True: bind
-    offset_endpoint(endpoint, dp_rank) -> str
+    offset_endpoint(endpoint, dp_rank) -> str            (None -> None)
     SEQ_END_MARKER = b"\\xff" * 8
 """
 
@@ -43,7 +44,7 @@ import threading
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Annotated, Literal
+from typing import Annotated, Literal, overload
 
 import msgspec
 import zmq
@@ -88,33 +89,74 @@ def bind_or_connect(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-def offset_endpoint(endpoint: str, dp_rank: int) -> str:
-    """Shift an endpoint for a data-parallel rank the way vLLM does.
+MAX_PORT = 65535
+"""The largest TCP port a data-parallel rank can be shifted to."""
+
+
+@overload
+def offset_endpoint(endpoint: str, dp_rank: int) -> str: ...
+
+
+@overload
+def offset_endpoint(endpoint: None, dp_rank: int) -> None: ...
+
+
+def offset_endpoint(endpoint: str | None, dp_rank: int) -> str | None:
+    """The endpoint of data-parallel rank ``dp_rank``, for a rank's publisher and for the subscriber alike.
+
+    vLLM's convention (``ZmqEventPublisher.offset_endpoint_port`` in ``vllm/distributed/kv_events.py``): rank 0
+    uses the endpoint as configured; rank ``r`` shifts a TCP port by ``r`` and suffixes ``_dp<r>`` to an
+    ``inproc://`` name. vLLM itself refuses an ``ipc://`` endpoint at ranks >= 1 (it knows only ``inproc`` and
+    ``tcp``); ranks of an ``ipc://`` endpoint get the ``_dp<r>`` suffix of ``inproc://`` here (as TensorRT-LLM's
+    publisher does), since an ipc path has no port and each rank needs its own socket file::
+
+        endpoint                 rank 0                   rank 1                     rank 2
+        tcp://*:5557             tcp://*:5557             tcp://*:5558               tcp://*:5559
+        tcp://10.0.0.5:5557      tcp://10.0.0.5:5557      tcp://10.0.0.5:5558        tcp://10.0.0.5:5559
+        ipc:///tmp/kv            ipc:///tmp/kv            ipc:///tmp/kv_dp1          ipc:///tmp/kv_dp2
+        inproc://kv              inproc://kv              inproc://kv_dp1            inproc://kv_dp2
+        tcp://127.0.0.1:*        unchanged (an ephemeral port: tests bind one socket per rank themselves)
+
+    The scheme is matched as a prefix (``ipc://``, ``inproc://``, ``tcp://``), never as a substring, so a host
+    named ``inproc-1`` is not mistaken for an inproc endpoint.
 
     Args:
-        endpoint: ``tcp://host:port``, ``ipc://path`` or ``inproc://name``.
-        dp_rank: the rank (0 leaves the endpoint unchanged).
+        endpoint: ``tcp://host:port``, ``ipc://path`` or ``inproc://name``, or ``None`` (no endpoint: ``None``).
+        dp_rank: the rank, >= 0 (0 returns the endpoint unchanged; only a tcp port over 65535 is refused).
 
     Returns:
-        ``tcp://host:(port + dp_rank)``; ``<endpoint>_dp<rank>`` for ipc/inproc; an ephemeral port (``*``) unchanged.
+        The rank's endpoint, as in the table above.
 
     Raises:
-        EventsConfigError: for a negative rank or a tcp endpoint without a numeric port.
+        EventsConfigError: a negative rank; a tcp port (shifted by the rank) over 65535; for a rank >= 1, a tcp
+            endpoint without a numeric port or another scheme.
     """
     if dp_rank < 0:
         raise EventsConfigError(f"dp_rank must be >= 0, got {dp_rank}")
+    if endpoint is None:
+        return None
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint.rpartition(":")
+        if port == "*":
+            return endpoint
+        if not port.isdigit():
+            if dp_rank == 0:
+                return endpoint
+            raise EventsConfigError(f"tcp endpoint without a numeric port: {endpoint!r}", endpoint=endpoint)
+        shifted = int(port) + dp_rank
+        if shifted > MAX_PORT:
+            raise EventsConfigError(
+                f"rank r uses port {int(port)} + r, so rank {dp_rank} would use port {shifted}, over {MAX_PORT}",
+                endpoint=endpoint,
+            )
+        return endpoint if dp_rank == 0 else f"{host}:{shifted}"
     if dp_rank == 0:
         return endpoint
     if endpoint.startswith(("ipc://", "inproc://")):
         return f"{endpoint}_dp{dp_rank}"
-    if endpoint.startswith("tcp://"):
-        host, sep, port = endpoint.rpartition(":")
-        if not sep or port == "*":
-            return endpoint
-        if not port.isdigit():
-            raise EventsConfigError(f"tcp endpoint without a numeric port: {endpoint!r}", endpoint=endpoint)
-        return f"{host}:{int(port) + dp_rank}"
-    raise EventsConfigError(f"unsupported endpoint scheme: {endpoint!r}", endpoint=endpoint)
+    raise EventsConfigError(
+        f"unsupported endpoint scheme: {endpoint!r} (tcp://, ipc:// or inproc://)", endpoint=endpoint
+    )
 
 
 def _seq_bytes(seq: int) -> bytes:

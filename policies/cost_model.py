@@ -117,36 +117,36 @@ class TTFTCostModel:
         )
 
     def work_s(self, worker: WorkerState, num_prompt_tokens: int) -> float:
-        """The scalable part of the estimate, ``queue_s + prefill_s + restore_s``, unscaled (seconds).
+        """The scalable part of the estimate, ``queue_s + prefill_s + restore_s``, unscaled (seconds; the terms of
+        ``breakdown``).
 
         Args:
             worker: the candidate (cached tokens per tier, load).
             num_prompt_tokens: the request's prompt length ``n`` in tokens (>= 0).
         """
-        n = num_prompt_tokens
-        k_gpu = min(worker.num_gpu_cached_tokens, n)
-        k_cpu = min(worker.num_cpu_cached_tokens, n - k_gpu)
-        k_pool = min(worker.num_pool_cached_tokens, n - k_gpu - k_cpu)
-        k = k_gpu + k_cpu + k_pool
-        return (
-            worker.num_pending_prefill_tokens * self.s_per_token
-            + worker.num_waiting_requests * self.per_waiting_request_s
-            + worker.num_running_requests * self.per_running_request_s
-            + (n - k) * self.s_per_token
-            + (n * n - k * k) * self.s_per_token_sq
-            + k_cpu * self.host_s_per_token
-            + k_pool * self.pool_s_per_token
-        )
+        terms = self.breakdown(worker, num_prompt_tokens)
+        return terms.queue_s + terms.prefill_s + terms.restore_s
 
     def estimate_s(self, worker: WorkerState, num_prompt_tokens: int, speed_factor: float = 1.0) -> float:
-        """Estimated TTFT in seconds: ``overhead_s + speed_factor * work_s(worker, num_prompt_tokens)``."""
-        return self.overhead_s + speed_factor * self.work_s(worker, num_prompt_tokens)
+        """Estimated TTFT in seconds: ``overhead_s + speed_factor * work_s(worker, num_prompt_tokens)`` (the
+        ``ttft_s`` of ``breakdown``)."""
+        return self.breakdown(worker, num_prompt_tokens, speed_factor).ttft_s
 
     def breakdown(
         self, worker: WorkerState, num_prompt_tokens: int, speed_factor: float = 1.0, num_max_output_tokens: int = 0,
     ) -> TTFTBreakdown:
-        """The estimate term by term (same numbers as ``estimate_s``), with the decode load for a request of
-        ``num_max_output_tokens`` (0: none)."""
+        """The estimate term by term, with the decode load for a request of ``num_max_output_tokens`` (0: none).
+
+        The one evaluation of the module docstring's formula: ``work_s`` and ``estimate_s`` read their numbers
+        from it. ``CacheAwarePolicy.select`` inlines the same arithmetic on the request path (its scores equal
+        ``ttft_s`` here; ``tests/policies`` checks both against values written out from the docstring).
+
+        Args:
+            worker: the candidate (cached tokens per tier, load).
+            num_prompt_tokens: the request's prompt length ``n`` in tokens (>= 0).
+            speed_factor: the worker's online factor ``f_w`` (1.0: as profiled).
+            num_max_output_tokens: the request's ``max_tokens`` for the decode load (0: no decode load).
+        """
         n = num_prompt_tokens
         k_gpu = min(worker.num_gpu_cached_tokens, n)
         k_cpu = min(worker.num_cpu_cached_tokens, n - k_gpu)

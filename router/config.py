@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
+from events.errors import EventsConfigError
+from events.publisher import offset_endpoint
 from events.types import Medium, normalize_medium
 from router.errors import ConfigError
 
@@ -40,9 +42,6 @@ MAX_DP_RANKS = 256
 events is one ZMQ subscription of the gateway (a SUB socket and its monitor); the subscriber's ZMQ context holds
 about 340 of them in all (ZMQ's default of 1,023 sockets), so a larger fleet-wide total is refused when the worker
 is added (nothing of it stays registered)."""
-
-MAX_PORT = 65535
-
 
 def _finite(name: str, value: float) -> None:
     """Refuse NaN and infinities (YAML ``.nan``, ``.inf``): every comparison with NaN is false, so range checks
@@ -251,24 +250,19 @@ def _base_url(url: str) -> str:
 
 
 def _check_rank_ports(name: str, endpoint: str | None, dp_ranks: int) -> None:
-    """Refuse an endpoint whose per-rank port would pass 65535.
+    """Refuse an endpoint that the last data-parallel rank cannot use.
 
-    Rank ``r`` uses the endpoint's port plus ``r`` (``router.app._offset_endpoint``, vLLM's data-parallel
-    convention); an endpoint without a numeric port (``tcp://host:*``, ``ipc://...``) is used as is by every rank.
+    Rank ``r`` uses ``events.publisher.offset_endpoint(endpoint, r)`` (vLLM's data-parallel convention: the port
+    plus ``r``, or a ``_dp<r>`` suffix for ``ipc://`` and ``inproc://``); ``tcp://host:*`` is used as is by every
+    rank.
 
     Raises:
-        ValueError: naming the key, the endpoint and the last rank's port.
+        ValueError: naming the key, the endpoint and why (e.g. the last rank's port over 65535).
     """
-    if endpoint is None:
-        return
-    _, _, port = endpoint.rpartition(":")
-    if not port.isdigit():
-        return
-    last_port = int(port) + dp_ranks - 1
-    if last_port > MAX_PORT:
-        raise ValueError(
-            f"{name} {endpoint!r} with dp_ranks {dp_ranks}: rank r uses port {int(port)} + r, so rank {dp_ranks - 1} "
-            f"would use port {last_port}, over {MAX_PORT}")
+    try:
+        offset_endpoint(endpoint, dp_ranks - 1)
+    except EventsConfigError as exc:
+        raise ValueError(f"{name} {endpoint!r} with dp_ranks {dp_ranks}: {exc}") from exc
 
 
 def worker_block_size_error(worker: WorkerConfig, model: ModelConfig) -> str | None:

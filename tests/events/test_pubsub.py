@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import msgspec
 import pytest
@@ -12,7 +13,7 @@ import zmq.asyncio
 
 from events.counters import DropKind
 from events.encode import encode_batch
-from events.errors import PublisherClosedError
+from events.errors import EventsConfigError, PublisherClosedError
 from events.publisher import KVEventPublisher, PublisherConfig, bind_or_connect, offset_endpoint
 from events.subscriber import KVEventSubscriber, SubscriberConfig, WorkerSpec
 from events.types import AllBlocksCleared, BlockRemoved, BlockStored, EngineBlockHash, EventBatch, Resync
@@ -566,3 +567,76 @@ async def test_add_remove_worker_at_runtime_and_slices(ctx, engine):
     assert sub.remove_worker("w") and not sub.remove_worker("w")
     assert sub.last_seq("w") is None
     await sub.aclose()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [
+        ("tcp://*:5557", ("tcp://*:5557", "tcp://*:5558", "tcp://*:5559")),
+        ("tcp://10.0.0.5:5557", ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", "tcp://10.0.0.5:5559")),
+        ("tcp://[::1]:6000", ("tcp://[::1]:6000", "tcp://[::1]:6001", "tcp://[::1]:6002")),
+        ("ipc:///tmp/kv-events", ("ipc:///tmp/kv-events", "ipc:///tmp/kv-events_dp1", "ipc:///tmp/kv-events_dp2")),
+        ("inproc://kv", ("inproc://kv", "inproc://kv_dp1", "inproc://kv_dp2")),
+        ("tcp://inproc-host:7000", ("tcp://inproc-host:7000", "tcp://inproc-host:7001", "tcp://inproc-host:7002")),
+        ("tcp://127.0.0.1:*", ("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*")),
+    ],
+)
+def test_offset_endpoint_ranks_0_1_2(endpoint, expected):
+    assert tuple(offset_endpoint(endpoint, rank) for rank in (0, 1, 2)) == expected
+    assert offset_endpoint(None, 2) is None
+
+
+@pytest.mark.unit
+def test_offset_endpoint_refuses_what_a_rank_cannot_use():
+    with pytest.raises(EventsConfigError, match="dp_rank must be >= 0, got -1"):
+        offset_endpoint("tcp://*:5557", -1)
+    with pytest.raises(EventsConfigError, match="rank 2 would use port 65537, over 65535"):
+        offset_endpoint("tcp://*:65535", 2)
+    assert offset_endpoint("tcp://*:65535", 0) == "tcp://*:65535"
+    for bad in ("tcp://host", "tcp://host:port", "udp://host:5557", "http://host:80"):
+        with pytest.raises(EventsConfigError):
+            offset_endpoint(bad, 1)
+
+
+def test_ipc_ranks_publish_where_their_subscribers_listen(tmp_path):
+    """Ranks 0, 1 and 2 of one ipc:// endpoint: each rank's publisher binds offset_endpoint(endpoint, rank) and a SUB
+    connected to the same offset address receives that rank's batch and no other's."""
+    ctx = zmq.Context()
+    base = f"ipc://{tmp_path}/kv"
+    pubs = [KVEventPublisher(PublisherConfig(endpoint=base, dp_rank=rank, linger_s=0.0), context=ctx)
+            for rank in range(3)]
+    subs = []
+    try:
+        assert [p.endpoint for p in pubs] == [base, f"{base}_dp1", f"{base}_dp2"]
+        for rank in range(3):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.setsockopt(zmq.RCVTIMEO, 5000)
+            sub.connect(offset_endpoint(base, rank))
+            subs.append(sub)
+        got: list[bytes] = []
+        for rank, (pub, sub) in enumerate(zip(pubs, subs, strict=True)):
+            deadline = time.monotonic() + 5.0
+            while True:  # PUB drops until the SUB's subscription arrives: publish until one lands
+                pub.publish([AllBlocksCleared()], ts_s=float(rank))
+                if sub.poll(100):
+                    break
+                assert time.monotonic() < deadline, f"rank {rank} never reached its subscriber"
+            got.append(sub.recv_multipart()[2])
+        decoded = [msgspec.msgpack.decode(payload) for payload in got]
+        assert [batch[2] for batch in decoded] == [0, 1, 2]  # each SUB hears only its own rank
+    finally:
+        for sub in subs:
+            sub.close(linger=0)
+        for pub in pubs:
+            pub.close()
+        ctx.term()
+
+
+@pytest.mark.unit
+def test_offset_endpoint_rank_0_refuses_only_a_port_out_of_range():
+    assert offset_endpoint("udp://anything", 0) == "udp://anything"
+    assert offset_endpoint("tcp://host:port", 0) == "tcp://host:port"
+    with pytest.raises(EventsConfigError, match="rank 0 would use port 70000, over 65535"):
+        offset_endpoint("tcp://127.0.0.1:70000", 0)
