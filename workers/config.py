@@ -60,6 +60,43 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename
     """Mooncake transport."""
 
 
+class CacheGroupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """One KV-cache group of a hybrid model (``workers.kv.hybrid``); its position in ``kv-cache.groups`` is its
+    ``group_idx`` on the wire. Group 0 is always full attention (the main block pool)."""
+
+    kind: Literal["full", "sliding_window", "recurrent"] = "full"
+    """``full``: every block kept; ``sliding_window``: blocks older than the window are freed; ``recurrent``: a
+    fixed-size state per sequence (Mamba, linear attention), kept across requests only as checkpoints."""
+    sliding_window_tokens: Positive | None = None
+    """Window in tokens (``sliding_window`` only, required there)."""
+    num_gpu_blocks: Positive | None = None
+    """Blocks of this group's pool (``sliding_window``); ``None``: as many as the main pool."""
+    state_bytes: NonNegative = 0
+    """Bytes of one sequence's recurrent state, all layers (``recurrent``): what a checkpoint copies."""
+
+    def __post_init__(self) -> None:
+        if self.kind == "sliding_window" and self.sliding_window_tokens is None:
+            raise ValueError("a sliding_window group needs sliding-window-tokens")
+        if self.kind != "sliding_window" and self.sliding_window_tokens is not None:
+            raise ValueError(f"sliding-window-tokens is for sliding_window groups, not {self.kind}")
+
+
+class CheckpointConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """When recurrent-state checkpoints are taken and how many are kept (``workers.kv.hybrid``)."""
+
+    interval_tokens: NonNegative = 4096
+    """A checkpoint every this many tokens of a sequence (a multiple of the block size; 0: none by interval)."""
+    at_prompt_end: bool = True
+    """Also at the last block boundary of each prompt."""
+    at_generation_end: bool = True
+    """Also at the last block boundary a finished request computed (so the next turn resumes after its
+    generated tokens)."""
+    max_checkpoints: Positive = 1024
+    """Checkpoints kept in GPU memory per recurrent group (least recently used evicted beyond it)."""
+    num_cpu_checkpoints: NonNegative = 0
+    """Checkpoints kept in host memory per recurrent group (written through; 0: no CPU tier for them)."""
+
+
 class KVCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
     """The KV manager's pools."""
 
@@ -73,6 +110,21 @@ class KVCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
     """Which newly cached GPU blocks are written through to CPU: every one, prompt blocks only, or none."""
     pool: PoolConfig | None = None
     """The shared pool tier (``None``: none)."""
+    groups: tuple[CacheGroupConfig, ...] = ()
+    """KV-cache groups of a hybrid model, by ``group_idx``; empty: one full-attention group (group 0)."""
+    checkpoints: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    """Recurrent-state checkpoints (used when a group is ``recurrent``)."""
+
+    def __post_init__(self) -> None:
+        if self.groups and self.groups[0].kind != "full":
+            raise ValueError("kv-cache.groups[0] must be the full-attention group (kind: full)")
+        if any(g.kind == "full" for g in self.groups[1:]):
+            raise ValueError("only kv-cache.groups[0] may be a full-attention group")
+        interval = self.checkpoints.interval_tokens
+        if interval % self.block_size:
+            raise ValueError(
+                f"checkpoints.interval-tokens {interval} is not a multiple of block-size {self.block_size}"
+            )
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
@@ -159,8 +211,13 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rena
         """Refuse combinations no engine runs.
 
         Raises:
-            ValueError: the ``torch`` engine with a shared pool tier (its pool copies are sim-engine only).
+            ValueError: the ``torch`` engine with a shared pool tier (its pool copies are sim-engine only) or with
+                hybrid cache groups (its model has full attention only).
         """
+        if self.engine == "torch" and self.kv_cache.groups:
+            raise ValueError(
+                "the torch engine runs a full-attention model only: remove kv-cache.groups or use --engine sim"
+            )
         if self.engine == "torch" and self.kv_cache.pool is not None:
             raise ValueError(
                 "the torch engine does not run shared pool copies: remove kv-cache.pool (the --pool-* and "

@@ -191,6 +191,8 @@ class Scheduler:
             self.running.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        if reason != "abort":
+            self.kv.end_turn(req.kv)  # hybrid models: the generation-end checkpoint
         self.kv.free(req.kv)  # a restoring request keeps its blocks until the copy lands
         self._freed.append(request_id)
         return True
@@ -262,7 +264,19 @@ class Scheduler:
         stores, restores = self.kv.take_copies()
         pool_stores, pool_restores = self.kv.take_pool_copies()
         freed, self._freed = tuple(self._freed), []
-        return ScheduledStep(tuple(prefills), tuple(decodes), stores, restores, freed, pool_stores, pool_restores)
+        costs = self.kv.take_checkpoint_costs()
+        return ScheduledStep(
+            tuple(prefills),
+            tuple(decodes),
+            stores,
+            restores,
+            freed,
+            pool_stores,
+            pool_restores,
+            num_state_copies=costs.num_commits + costs.num_cpu_restores,
+            state_copy_bytes=costs.commit_bytes,
+            state_restore_bytes=costs.cpu_restore_bytes,
+        )
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
         while self.waiting and budget > 0 and self.num_running < self.config.max_num_seqs:

@@ -121,6 +121,12 @@ class ScheduledStep(msgspec.Struct, frozen=True, gc=False):
     freed_request_ids: tuple[str, ...] = ()
     pool_stores: tuple[BlockCopy, ...] = ()
     pool_restores: tuple[BlockCopy, ...] = ()
+    num_state_copies: int = 0
+    """Recurrent-state checkpoint copies made since the last step (hybrid models, ``workers.kv.hybrid``)."""
+    state_copy_bytes: int = 0
+    """Bytes of those copies within device memory (checkpoint commits)."""
+    state_restore_bytes: int = 0
+    """Bytes of those copies from host memory (resumes from a CPU checkpoint)."""
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -8,6 +8,12 @@ Step time (seconds), from ``TimingProfile`` (``workers.config``)::
                                                       (n new tokens, c tokens already in context)
            + num_decodes * decode_s_per_seq
            + (sum over decodes of context tokens) * kv_bytes_per_token / kv_read_bytes_per_s
+           + num_state_copies * copy_latency_s                    (hybrid models: recurrent-state checkpoints,
+           + 2 * state_copy_bytes / kv_read_bytes_per_s            read and written in device memory,
+           + state_restore_bytes / host_to_gpu_bytes_per_s         or brought back from host memory)
+
+A hybrid request resumed without a usable checkpoint is admitted with the shorter hit the last checkpoint allows
+(``workers.kv.hybrid``), so its recurrent replay is charged as the prefill of every token after it.
 
 Copies run on two copy engines (one per direction) beside the compute, FIFO each::
 
@@ -74,6 +80,13 @@ class TimingModel:
             total += self.prefill_s(len(chunk.token_ids), chunk.start_pos)
         if step.decodes:
             total += self.decode_s(len(step.decodes), sum(d.position for d in step.decodes))
+        if step.num_state_copies:
+            p = self.profile
+            total += (
+                step.num_state_copies * p.copy_latency_s
+                + 2 * step.state_copy_bytes / p.kv_read_bytes_per_s
+                + step.state_restore_bytes / p.host_to_gpu_bytes_per_s
+            )
         return total
 
     def copy_s(self, num_blocks: int, bytes_per_s: float, latency_s: float | None = None) -> float:

@@ -33,13 +33,14 @@ from collections.abc import Sequence
 
 import msgspec
 
-from events.types import AllBlocksCleared, BlockStored, EngineBlockHash, KVEvent, Medium
+from events.types import AllBlocksCleared, BlockStored, EngineBlockHash, KVEvent, Medium, SpecKind
 from workers.config import KVCacheConfig
 from workers.engines.base import BlockCopy
 from workers.errors import KVCacheError
 from workers.kv.block_pool import BlockMeta, BlockPool, chain_order, engine_hash_of, stored_events
 from workers.kv.cpu_tier import CpuTier
 from workers.kv.hashing import BlockHash, extend_block_hashes, namespace_root, to_engine_hash
+from workers.kv.hybrid import CheckpointCosts, HybridGroups
 from workers.kv.pool_tier import PoolStore, PoolTier, build_pool_store
 
 logger = logging.getLogger(__name__)
@@ -146,7 +147,12 @@ class KVCacheManager:
         self.config = config
         self.block_size = config.block_size
         self._events: list[KVEvent] = []
-        self.gpu = BlockPool(config.num_gpu_blocks, config.block_size, self._emit)
+        self.groups = HybridGroups(
+            config.groups, config.checkpoints, config.block_size, config.num_gpu_blocks, self._emit
+        )
+        self.gpu = BlockPool(
+            config.num_gpu_blocks, config.block_size, self._emit_main if self.groups.is_hybrid else self._emit
+        )
         self.cpu: CpuTier | None = (
             CpuTier(config.num_cpu_blocks, config.block_size, self._emit, self.gpu.holds_all)
             if config.num_cpu_blocks > 0
@@ -178,6 +184,16 @@ class KVCacheManager:
 
     def _emit(self, event: KVEvent) -> None:
         self._events.append(event)
+
+    def _emit_main(self, event: KVEvent) -> None:
+        """Group 0's GPU events of a hybrid model: stores name their kind, as vLLM annotates every group's."""
+        if isinstance(event, BlockStored):
+            event = msgspec.structs.replace(event, kv_cache_spec_kind=SpecKind.FULL_ATTENTION)
+        self._events.append(event)
+
+    def take_checkpoint_costs(self) -> CheckpointCosts:
+        """Recurrent-state copies since the last call (``workers.kv.hybrid``), for the next engine step."""
+        return self.groups.take_costs()
 
     def take_copies(self) -> tuple[tuple[BlockCopy, ...], tuple[BlockCopy, ...]]:
         """Store and restore jobs to issue in the next engine step: ``(stores, restores)``."""
@@ -234,6 +250,11 @@ class KVCacheManager:
         num_pool = 0
         if self.pool is not None and len(gpu_ids) + num_cpu < limit:
             num_pool = self.pool.lookup(hashes[len(gpu_ids) + num_cpu : limit])
+        if self.groups.is_hybrid:
+            usable = self.groups.usable_blocks(hashes, len(gpu_ids) + num_cpu + num_pool)
+            del gpu_ids[usable:]
+            num_cpu = min(num_cpu, usable - len(gpu_ids))
+            num_pool = min(num_pool, usable - len(gpu_ids) - num_cpu)
         return PrefixHit(
             gpu_block_ids=tuple(gpu_ids),
             num_cpu_blocks=num_cpu,
@@ -261,27 +282,44 @@ class KVCacheManager:
         num_needed = max(0, -(-num_tokens // self.block_size) - len(hit.gpu_block_ids))
         if num_needed > self.gpu.num_free_blocks - self.gpu.num_free_among(hit.gpu_block_ids):
             return False
-        first = len(hit.gpu_block_ids)
-        num_restore = hit.num_cpu_blocks + hit.num_pool_blocks
+        hybrid = self.groups.is_hybrid
+        if hybrid and not self.groups.can_admit(seq.block_hashes, hit.num_blocks, num_tokens):
+            return False
+        gpu_hit = hit.gpu_block_ids
+        first = len(gpu_hit)
+        num_cpu = hit.num_cpu_blocks
+        num_restore = num_cpu + hit.num_pool_blocks
         metas = self._metas(seq, hit.token_ids, first, first + num_restore) if num_restore else []
         num_pool = hit.num_pool_blocks
         if num_pool:
             assert self.pool is not None
-            num_pool = self.pool.fetch(metas[hit.num_cpu_blocks :])  # into host memory now: evictions can't bite
+            num_pool = self.pool.fetch(metas[num_cpu:])  # into host memory now: evictions can't bite
             if num_pool < hit.num_pool_blocks:
-                del metas[hit.num_cpu_blocks + num_pool :]
-        self.gpu.touch(hit.gpu_block_ids)
-        seq.block_ids = [*hit.gpu_block_ids, *self.gpu.allocate(num_needed)]
-        seq.num_cached_blocks = first + hit.num_cpu_blocks + num_pool
+                del metas[num_cpu + num_pool :]
+                if hybrid:  # a shorter hit must still be one every group serves
+                    usable = self.groups.usable_blocks(seq.block_hashes, first + num_cpu + num_pool)
+                    gpu_hit = gpu_hit[:usable]
+                    first = len(gpu_hit)
+                    num_cpu = min(num_cpu, usable - first)
+                    num_pool = min(num_pool, usable - first - num_cpu)
+                    del metas[num_cpu + num_pool :]
+                    num_needed = max(0, -(-num_tokens // self.block_size) - first)
+        self.gpu.touch(gpu_hit)
+        seq.block_ids = [*gpu_hit, *self.gpu.allocate(num_needed)]
+        seq.num_cached_blocks = first + num_cpu + num_pool
         seq.is_freed = False
+        if hybrid:
+            num_hit = seq.num_cached_blocks
+            last = self._metas(seq, hit.token_ids, num_hit - 1, num_hit)[0] if num_hit else None
+            self.groups.admit(seq.request_id, seq.block_hashes, num_hit, num_tokens, last)
         if not metas:
             return True
-        jobs = (1 if hit.num_cpu_blocks else 0) + (1 if num_pool else 0)
+        jobs = (1 if num_cpu else 0) + (1 if num_pool else 0)
         record = _RestoreJob(seq, seq.block_ids[first : first + len(metas)], metas, jobs)
         job_ids: list[int] = []
-        if hit.num_cpu_blocks:
+        if num_cpu:
             assert self.cpu is not None
-            hashes = seq.block_hashes[first : first + hit.num_cpu_blocks]
+            hashes = seq.block_hashes[first : first + num_cpu]
             slots = self.cpu.pin(hashes)
             seq.cpu_pinned = list(hashes)
             job_id = self._job_id()
@@ -291,7 +329,7 @@ class KVCacheManager:
         if num_pool:
             job_id = self._job_id()
             self._restore_jobs[job_id] = record
-            self._pending_pool_restores.append(BlockCopy(job_id, (), tuple(record.block_ids[hit.num_cpu_blocks :])))
+            self._pending_pool_restores.append(BlockCopy(job_id, (), tuple(record.block_ids[num_cpu:])))
             job_ids.append(job_id)
         seq.restore_job_id = job_ids[0]
         seq.restore_job_ids = tuple(job_ids)
@@ -325,6 +363,10 @@ class KVCacheManager:
             return True
         if num_needed > self.gpu.num_free_blocks:
             return False
+        if self.groups.is_hybrid:
+            if not self.groups.can_grow(seq.request_id, num_tokens):
+                return False
+            self.groups.grow(seq.request_id, num_tokens)
         seq.block_ids.extend(self.gpu.allocate(num_needed))
         return True
 
@@ -352,6 +394,8 @@ class KVCacheManager:
         metas = self._metas(seq, token_ids, start, end)
         self.gpu.cache_blocks(seq.block_ids[start:end], metas)
         seq.num_cached_blocks = end
+        if self.groups.is_hybrid:
+            self.groups.cache_computed(seq.request_id, metas, num_computed_tokens, num_prompt_tokens)
         if self._store_policy != "none":
             cpu_metas = metas
             if self._store_policy == "prompt_only":
@@ -394,6 +438,8 @@ class KVCacheManager:
         if seq.is_freed:
             return
         seq.is_freed = True
+        if self.groups.is_hybrid:
+            self.groups.free(seq.request_id)
         if seq.restore_job_id is not None:
             return
         self._release(seq)
@@ -406,6 +452,12 @@ class KVCacheManager:
             assert self.cpu is not None
             self.cpu.unpin(seq.cpu_pinned)
             seq.cpu_pinned = []
+
+    def end_turn(self, seq: SequenceKV) -> None:
+        """The request finished (stop or length, not an abort): take its generation-end checkpoints
+        (``workers.kv.hybrid``) before ``free``."""
+        if self.groups.is_hybrid and not seq.is_freed:
+            self.groups.end_turn(seq.request_id)
 
     def complete_store(self, job_id: int) -> None:
         """A store job landed (see ``CpuTier.complete_store``, ``PoolTier.complete_store``)."""
@@ -456,8 +508,9 @@ class KVCacheManager:
         Returns:
             False (nothing changed) while any GPU block is in use, as vLLM does.
         """
-        if not self.gpu.reset():
+        if self.gpu.num_free_blocks != self.gpu.num_blocks or not self.groups.reset():
             return False
+        self.gpu.reset()
         if self.cpu is not None:
             self.cpu.reset()
         if self.pool is not None:
@@ -500,6 +553,11 @@ class KVCacheManager:
                     )
                 )
             events.extend(stored_events(chain_order(cpu_only), self.block_size, Medium.CPU))
+        if self.groups.is_hybrid:
+            for i, event in enumerate(events):
+                if isinstance(event, BlockStored) and event.medium is Medium.GPU:
+                    events[i] = msgspec.structs.replace(event, kv_cache_spec_kind=SpecKind.FULL_ATTENTION)
+            events.extend(self.groups.snapshot_events())
         return events
 
     def free_blocks_by_medium(self) -> dict[str, int]:
