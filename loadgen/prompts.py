@@ -13,7 +13,7 @@ first ``n`` tokens, and a prompt is its blocks' texts joined in order. Hence:
 
 Tokenizers:
 
-* byte-level (the default, ``workers.tokenization.ByteTokenizer``): one token per UTF-8 byte; blocks are drawn
+* byte-level (the default, ``common.tokenization.ByteTokenizer``): one token per UTF-8 byte; blocks are drawn
   from 64 ASCII letters, digits, ``-`` and ``_`` (none of which starts a special token such as ``<|eos|>``).
 * ``tokenizer.json`` (``tokenizers`` library): blocks are sequences of vocabulary words of the form
   ``" " + ascii letters`` that encode to a single id on their own. Pre-tokenizers of byte-level BPE models

@@ -3,7 +3,7 @@
 ``RequestParser.parse(kind, body)`` decodes only the fields routing needs (msgspec, unknown fields skipped) and
 validates them, raising ``RequestError`` subclasses for every bad input. ``ModelTokenizer.view(parsed)`` turns
 a parsed request into a ``PromptView``: the number of prompt tokens and the chained block hashes
-(``router.block_hash``), computed with the worker's own tokenizer and chat template (``workers.tokenization``)
+(``router.block_hash``), computed with the worker's own tokenizer and chat template (``common.tokenization``)
 so the gateway's tokens equal the worker's.
 
 Incremental chat tokenization. ``render_segments`` gives one text segment per message (segment ``i`` depends only
@@ -30,12 +30,9 @@ from typing import Any, Literal
 import msgspec
 import xxhash
 
-from router.block_hash import BlockHash, Namespace, hash_token_blocks, make_namespace, tokens_to_bytes
-from router.config import ModelConfig
-from router.errors import InvalidFieldError, InvalidJSONError
-from workers.errors import InvalidRequestError as WorkerInvalidRequestError
-from workers.errors import TokenizerLoadError
-from workers.tokenization import (
+from common.errors import InvalidRequestError as TokenizerInvalidRequestError
+from common.errors import TokenizerLoadError
+from common.tokenization import (
     ChatMessage,
     ChatTemplate,
     JinjaChatTemplate,
@@ -43,6 +40,9 @@ from workers.tokenization import (
     encode_prompt,
     load_tokenizer,
 )
+from router.block_hash import BlockHash, Namespace, hash_token_blocks, make_namespace, tokens_to_bytes
+from router.config import ModelConfig
+from router.errors import InvalidFieldError, InvalidJSONError
 
 logger = logging.getLogger(__name__)
 
@@ -427,7 +427,7 @@ class ModelTokenizer:
             ids = encode_prompt(self.tokenizer, prompt)
             state = extend_state(EMPTY_STATE, ids, bs, ns)
             return PromptView(state.num_tokens, state.block_hashes, bs)
-        except WorkerInvalidRequestError as exc:
+        except TokenizerInvalidRequestError as exc:
             raise InvalidFieldError(exc.message, param=exc.param) from exc
         except ValueError as exc:
             raise InvalidFieldError(str(exc), param="prompt") from exc

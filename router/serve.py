@@ -22,12 +22,12 @@ from typing import Any
 
 from aiohttp import web
 
+from common.errors import ListenError
+from common.listen import BACKLOG, bind_tcp, listen_address, zmq_bind_message
 from events.errors import EventsConfigError
 from router.app import GATEWAY, build_app
 from router.config import GatewayConfig, load_config
 from router.errors import ConfigError, GatewayError
-from workers.errors import ConfigError as ListenConfigError
-from workers.listen import BACKLOG, bind_tcp, listen_address, zmq_bind_message
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ async def serve(config: GatewayConfig, *, host: str | None = None, port: int | N
             port_names="listen.port or --port",
             host_names="listen.host or --host",
         )
-    except ListenConfigError as exc:
+    except ListenError as exc:
         raise ConfigError(str(exc)) from exc
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     loop = asyncio.get_running_loop()

@@ -20,11 +20,12 @@ from typing import Any
 
 from aiohttp import web
 
+from common.errors import CommonError
+from common.listen import BACKLOG, bind_tcp, listen_address, zmq_bind_message
 from events.errors import EventsConfigError
 from events.publisher import KVEventPublisher
 from workers.config import WorkerConfig, build_config, load_profile
 from workers.errors import ConfigError, WorkerError
-from workers.listen import BACKLOG, bind_tcp, listen_address, zmq_bind_message
 from workers.server import build_app, build_worker, make_publisher
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,8 @@ async def serve(config: WorkerConfig) -> None:
     (and on exit) everything already started is stopped, in reverse order.
 
     Raises:
-        ConfigError: the HTTP address or an event endpoint cannot be bound (the message names it and the flag).
+        ListenError: the HTTP address cannot be bound (the message names it and the flag).
+        ConfigError: an event endpoint cannot be bound (the message names it and the flag).
     """
     sockets = bind_tcp(config.host, config.port, port_names="--port", host_names="--host")
     publisher: KVEventPublisher | None = None
@@ -163,7 +165,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         asyncio.run(serve(config))
-    except WorkerError as exc:
+    except (WorkerError, CommonError) as exc:
         logger.error("%s", exc)
         return 2
     return 0

@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from workers.errors import InvalidRequestError
-from workers.tokenization import Tokenizer
+from common.errors import InvalidRequestError
+from common.tokenization import Tokenizer
 
 MAX_SEED = (1 << 63) - 1
 T = TypeVar("T")

@@ -47,13 +47,24 @@ import msgspec
 import prometheus_client
 from aiohttp import web
 
+from common.errors import InvalidRequestError
+from common.tokenization import (
+    ByteTokenizer,
+    ChatTemplate,
+    Tokenizer,
+    check_template,
+    encode_chat,
+    encode_prompt,
+    load_tokenizer,
+    normalize_messages,
+)
 from events.encode import BatchEncoder
 from events.publisher import KVEventPublisher, PublisherConfig
 from workers.config import WorkerConfig
 from workers.core import EngineCore, RequestStream
 from workers.engines.base import Engine, SamplingParams
 from workers.engines.sim import SimEngine
-from workers.errors import ConfigError, ContextLengthError, InvalidRequestError
+from workers.errors import ConfigError, ContextLengthError
 from workers.kv.manager import KVCacheManager
 from workers.protocol import (
     ChatCompletionRequest,
@@ -67,16 +78,6 @@ from workers.protocol import (
     validate_sampling,
 )
 from workers.scheduler import Request, Scheduler
-from workers.tokenization import (
-    ByteTokenizer,
-    ChatTemplate,
-    Tokenizer,
-    check_template,
-    encode_chat,
-    encode_prompt,
-    load_tokenizer,
-    normalize_messages,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ Decisions:
     switch a model to the hybrid hit rule.
   * Time is injected (``now_s``); nothing reads a clock.
 
-Measured by ``python -m router.index.bench`` (figures and method in that module's docstring): 143 bytes per
+Measured by ``python -m benchmarks.index`` (figures and method in that module's docstring): 143 bytes per
 (block, worker) holding at 1 M blocks / 64 workers (tracemalloc), no Python object per block (dense ids: one
 block hash -> id dict, per-id lists and arrays, ``router.index.state``). ``match`` binary-searches the GPU depth
 of every engine without gaps instead of reading all 2,048 positions: about 15x faster than a node-per-block tree

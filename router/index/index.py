@@ -11,7 +11,7 @@ per block regardless of how many workers hold it; a holding is one bit. Modules,
     query.py   QueryMixin   match (jump search on the GPU lane), stats, dumps
     match.py                pure depth computations (walk, jump search, hybrid hit rules)
 
-Measured by ``python -m router.index.bench`` (1 M blocks, 64 workers, 1.9 M (block, worker) holdings; figures
+Measured by ``python -m benchmarks.index`` (1 M blocks, 64 workers, 1.9 M (block, worker) holdings; figures
 and method in that module's docstring): 143 bytes per (block, worker) holding (tracemalloc), no Python object
 per block (per-id lists and arrays; children lists only at branching blocks).
 """

@@ -20,7 +20,7 @@ per block into ``id_of`` (the only random access of the index tables), list exte
 the ``slot.engine`` update. A store of blocks already indexed under consecutive ids (another worker storing the
 same chain) is one probe of its first block, slice compares of ``block_hash`` and ``parent``, and a slice
 update of the lane; the last block moves in the eviction order. Copies and gaps are looked at per block only
-when the slot already holds some of the blocks or has gaps. Figures in ``router.index.bench``.
+when the slot already holds some of the blocks or has gaps. Figures in ``benchmarks.index``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Writes to ``OUT_DIR``:
 * ``tokenizer_config.json`` and ``chat_template.jinja`` (``PreTrainedTokenizerFast.save_pretrained``): a
   Llama-3-shaped template where every message ends with the special token ``<|eot_id|>``, so each message's text is
   tokenized on its own and per-message tokenization equals whole-prompt tokenization (what the gateway's
-  incremental tokenizer relies on, see ``workers/tokenization.py``);
+  incremental tokenizer relies on, see ``common/tokenization.py``);
 * ``config.json`` + ``model.safetensors``: ``LlamaForCausalLM`` with hidden size 64 and 2 heads, so head_dim is 32
   (vLLM's CPU attention refuses head_dim 16), 2 layers, random weights from a fixed seed, bfloat16.
 

@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from common.tokenization import encode_chat, load_tokenizer, normalize_messages
 from tests.interop.client import Served, cacheable_tokens, send, token_ids, wait_events_settled
 from tests.interop.conftest import (
     BLOCK_SIZE,
@@ -29,7 +30,6 @@ from tests.interop.conftest import (
     process_family,
     sum_metric,
 )
-from workers.tokenization import encode_chat, load_tokenizer, normalize_messages
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
 

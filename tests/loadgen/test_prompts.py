@@ -1,9 +1,9 @@
 import pytest
 
+from common.tokenization import load_tokenizer
 from loadgen.errors import PromptError
 from loadgen.prompts import PromptBuilder, common_prefix_length
 from loadgen.synthetic import SyntheticConfig, generate
-from workers.tokenization import load_tokenizer
 
 from .builders import make_request
 

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-import router.bench
+import benchmarks.gateway
 
 _CHILD = """
 import sys, time
@@ -20,7 +20,7 @@ def test_cpu_seconds_of_another_process_match_its_own_reading() -> None:
     try:
         assert child.stdout is not None
         own_s = float(child.stdout.readline())
-        seen_s = router.bench._cpu_s(child.pid)
+        seen_s = benchmarks.gateway._cpu_s(child.pid)
     finally:
         child.communicate("")
     # The child's own reading comes last before it blocks: the two differ by the few instructions between them and

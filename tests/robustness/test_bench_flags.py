@@ -2,8 +2,8 @@
 
 import pytest
 
-import router.bench
-import workers.bench
+import benchmarks.gateway
+import benchmarks.worker
 
 pytestmark = pytest.mark.unit
 
@@ -11,24 +11,24 @@ pytestmark = pytest.mark.unit
 @pytest.mark.parametrize("flag", ["--wall-repeats", "--wall-requests", "--wall-concurrency", "--repeats", "--steps"])
 def test_worker_bench_refuses_non_positive_counts(flag, capsys):
     with pytest.raises(SystemExit) as exc:
-        workers.bench.main([flag, "0"])
+        benchmarks.worker.main([flag, "0"])
     assert exc.value.code == 2
     assert f"{flag} must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--rounds", "--requests", "--concurrency", "--num-workers"])
 def test_gateway_bench_refuses_non_positive_counts(flag, capsys, monkeypatch):
-    monkeypatch.setattr("sys.argv", ["router.bench", flag, "0"])
+    monkeypatch.setattr("sys.argv", ["benchmarks.gateway", flag, "0"])
     with pytest.raises(SystemExit) as exc:
-        router.bench.main()
+        benchmarks.gateway.main()
     assert exc.value.code == 2
     assert f"{flag} must be >= 1" in capsys.readouterr().err
 
 
 def test_instruction_counts_need_valgrind(capsys, monkeypatch):
     monkeypatch.setattr("shutil.which", lambda name: None)
-    monkeypatch.setattr("sys.argv", ["router.bench", "--instructions"])
+    monkeypatch.setattr("sys.argv", ["benchmarks.gateway", "--instructions"])
     with pytest.raises(SystemExit) as exc:
-        router.bench.main()
+        benchmarks.gateway.main()
     assert exc.value.code == 2
     assert "needs valgrind" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Loopback fake workers for gateway tests: a real aiohttp OpenAI server plus a real ZMQ KV event publisher.
 
-A ``FakeWorker`` tokenizes exactly as the reference worker (``workers.tokenization``), keeps a prefix cache of
+A ``FakeWorker`` tokenizes exactly as the reference worker (``common.tokenization``), keeps a prefix cache of
 full blocks keyed by chained hash, reports ``usage.prompt_tokens_details.cached_tokens`` with vLLM's last-token
 rule, and publishes ``BlockStored`` for every newly cached block on an ephemeral PUB port.
 """
@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from common.tokenization import encode_chat, encode_prompt, load_tokenizer, normalize_messages
 from events.publisher import KVEventPublisher, PublisherConfig
 from events.types import BlockStored, EngineBlockHash, Medium
 from router.block_hash import hash_token_blocks
-from workers.tokenization import encode_chat, encode_prompt, load_tokenizer, normalize_messages
 
 BLOCK_SIZE = 4
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from common.tokenization import encode_prompt, load_tokenizer
 from events.types import Medium
 from tests.router.fakes import BLOCK_SIZE, FakeWorker
 from tests.router.harness import Clock, GatewayHarness, index_holds, make_config, wait_until
-from workers.tokenization import encode_prompt, load_tokenizer
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from common.tokenization import ChatMessage, encode_chat, encode_prompt, load_tokenizer
 from router.block_hash import hash_token_blocks, make_namespace
 from router.config import ModelConfig
 from router.errors import InvalidFieldError
 from router.request_view import ModelTokenizer, parse_request
-from workers.tokenization import ChatMessage, encode_chat, encode_prompt, load_tokenizer
 
 pytestmark = pytest.mark.unit
 

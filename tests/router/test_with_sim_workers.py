@@ -10,6 +10,7 @@ import contextlib
 import aiohttp
 import pytest
 
+from common.tokenization import encode_prompt, load_tokenizer
 from events.types import BlockStored, Medium
 from router.request_view import PromptView
 from tests.router.sim_fleet import (
@@ -26,7 +27,6 @@ from tests.router.sim_fleet import (
     wait_until,
     worker_blocks,
 )
-from workers.tokenization import encode_prompt, load_tokenizer
 
 pytestmark = [pytest.mark.integration]
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import ListenError
+from common.listen import bind_tcp, listen_address, zmq_bind_message
 from events.errors import EventsConfigError
 from router.cli import main
 from tests.ports import free_port
 from workers.cli import add_arguments
-from workers.errors import ConfigError
-from workers.listen import bind_tcp, listen_address, zmq_bind_message
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -122,7 +122,7 @@ def test_bind_tcp_listens_on_the_port_it_names():
 
 @pytest.mark.integration
 def test_bind_tcp_names_a_foreign_address():
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ListenError) as info:
         bind_tcp("192.0.2.1", 8000, port_names="--port", host_names="--host")  # TEST-NET-1: on no interface
     assert str(info.value) == (
         "cannot listen on 192.0.2.1:8000: address not available (no interface of this machine has it; "
@@ -140,7 +140,7 @@ def test_bind_tcp_brackets_ipv6_addresses(held_port):
         except OSError as exc:
             pytest.skip(f"cannot bind ::1: {exc}")
         sock.listen()
-        with pytest.raises(ConfigError) as info:
+        with pytest.raises(ListenError) as info:
             bind_tcp("::1", held_port, port_names="listen.port or --port", host_names="listen.host or --host")
     assert str(info.value) == (
         f"cannot listen on [::1]:{held_port}: address already in use (another process holds it; pick another "

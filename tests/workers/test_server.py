@@ -12,12 +12,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from common.tokenization import ByteTokenizer, DefaultChatTemplate, encode_chat, normalize_messages
 from events.counters import EventCounters
 from events.decode import EventDecoder
 from events.types import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.workers.conftest import make_config
 from workers.kv.hashing import extend_block_hashes, namespace_root, to_engine_hash
-from workers.tokenization import ByteTokenizer, DefaultChatTemplate, encode_chat, normalize_messages
 
 pytestmark = pytest.mark.integration
 

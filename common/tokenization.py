@@ -62,7 +62,7 @@ import jinja2
 import jinja2.sandbox
 import msgspec
 
-from workers.errors import InvalidRequestError, TokenizerLoadError
+from common.errors import InvalidRequestError, TokenizerLoadError
 
 logger = logging.getLogger(__name__)
 

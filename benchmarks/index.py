@@ -1,6 +1,6 @@
 """Benchmark of the prefix index against a node-per-block tree measured in the same run.
 
-Run ``python -m router.index.bench`` (``--help`` for sizes). The fleet: ``--num-workers`` workers, about
+Run ``python -m benchmarks.index`` (``--help`` for sizes). The fleet: ``--num-workers`` workers, about
 ``--num-blocks`` unique blocks of 16 tokens in conversations that share system prompts and branch off each
 other; every conversation is held by 1 to 3 workers, each storing it turn by turn as vLLM would (one
 ``BlockStored`` per turn, chained to the previous turn by engine hash). A few conversations are 2,048 blocks
@@ -442,7 +442,7 @@ def _churn(conversations: list[Conversation]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
-    parser = argparse.ArgumentParser(prog="python -m router.index.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.index", description=__doc__.split("\n")[0])
     parser.add_argument("--num-blocks", type=int, default=1_000_000, help="unique blocks in the fleet")
     parser.add_argument("--num-workers", type=int, default=64, help="workers")
     parser.add_argument("--num-queries", type=int, default=2000, help="match() calls timed")

@@ -1,6 +1,6 @@
 """Benchmark: latency the session store adds to each routed request, Redis store against the in-memory store.
 
-Run: ``python -m router.sessions.bench [--redis-url redis://127.0.0.1:6379/0] [--num-requests 20000]``.
+Run: ``python -m benchmarks.sessions [--redis-url redis://127.0.0.1:6379/0] [--num-requests 20000]``.
 Without ``--redis-url`` it starts its own ``redis-server`` on a free 127.0.0.1 port (no persistence) and stops
 it at the end.
 
@@ -122,7 +122,7 @@ def report(latencies_s: dict[str, np.ndarray]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m router.sessions.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sessions", description=__doc__.split("\n")[0])
     parser.add_argument("--redis-url", default="", help="an existing Redis (default: start a private one)")
     parser.add_argument("--num-requests", type=int, default=20_000, help="timed requests per store")
     parser.add_argument("--num-sessions", type=int, default=1_000, help="distinct session keys")

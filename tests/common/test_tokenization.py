@@ -8,8 +8,8 @@ import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers
 
-from workers.errors import InvalidRequestError
-from workers.tokenization import (
+from common.errors import InvalidRequestError
+from common.tokenization import (
     PROBE_MESSAGES,
     ByteTokenizer,
     ChatMessage,

@@ -2,7 +2,7 @@
 # mypy: disable-error-code="no-untyped-call"
 """Benchmarks of every kernel family on one GPU, each figure a ratio to a ceiling or baseline from the same run.
 
-Run: ``python -m kernels.bench [--out BENCH.md] [--sections copy,transfer,decode,prefill,recompute]``.
+Run: ``python -m benchmarks.kernels [--out BENCH.md] [--sections copy,transfer,decode,prefill,recompute]``.
 
 Ceilings, measured first in the same process:
 

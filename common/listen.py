@@ -16,8 +16,8 @@ from __future__ import annotations
 import errno
 import socket
 
+from common.errors import ListenError
 from events.errors import EventsConfigError
-from workers.errors import ConfigError
 
 BACKLOG = 1024
 """Pending connections the kernel queues per listening socket."""
@@ -56,7 +56,7 @@ def bind_tcp(
         Non-blocking listening sockets, for ``web.SockSite``; the caller closes them.
 
     Raises:
-        ConfigError: ``host`` does not resolve, or an address cannot be bound; the message names the address,
+        ListenError: ``host`` does not resolve, or an address cannot be bound; the message names the address,
             the reason and what to change, e.g. ``cannot listen on 127.0.0.1:28080: address already in use
             (another process holds it; pick another listen.port or --port)``. Every socket already bound is
             closed first.
@@ -64,7 +64,7 @@ def bind_tcp(
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ConfigError(
+        raise ListenError(
             f"cannot listen on {_address(host, port)}: cannot resolve {host!r} ({exc.strerror}; "
             f"set another {host_names})"
         ) from exc
@@ -85,7 +85,7 @@ def bind_tcp(
                 sock.listen(backlog)
             except OSError as exc:
                 reason = _reason(exc.errno, exc.strerror, port_names=port_names, host_names=host_names)
-                raise ConfigError(f"cannot listen on {_address(str(sockaddr[0]), port)}: {reason}") from exc
+                raise ListenError(f"cannot listen on {_address(str(sockaddr[0]), port)}: {reason}") from exc
             sock.setblocking(False)
     except BaseException:
         for sock in sockets:

@@ -1,6 +1,6 @@
 """Decision time per policy over a 64-worker snapshot, as a ratio to baselines measured in the same run.
 
-Run: ``python -m policies.bench [--num-workers 64] [--num-decisions 20000] [--num-rounds 5]``.
+Run: ``python -m benchmarks.policies [--num-workers 64] [--num-decisions 20000] [--num-rounds 5]``.
 
 Baselines, measured in the same process right before the policies:
 
@@ -98,7 +98,7 @@ def _label(obj: dict[str, object]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print decision time per policy beside the same-run baselines; returns 0."""
-    parser = argparse.ArgumentParser(prog="python -m policies.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.policies", description=__doc__.splitlines()[0])
     parser.add_argument("--num-workers", type=int, default=64)
     parser.add_argument("--num-decisions", type=int, default=20_000)
     parser.add_argument("--num-rounds", type=int, default=5)

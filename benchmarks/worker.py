@@ -1,4 +1,4 @@
-"""Worker benchmarks (``python -m workers.bench``); each figure is printed beside a baseline from the same run.
+"""Worker benchmarks (``python -m benchmarks.worker``); each figure is printed beside a baseline from the same run.
 
 1. Scheduler + KV manager CPU per step with N concurrent decoding streams (default 200), against the simulated
    step time (the baseline): µs per running sequence per step, and the ratio CPU / simulated (target < 10 %).
@@ -267,7 +267,7 @@ def bench_cpu_tier(num_requests: int, prompt_len: int, max_tokens: int, repeats:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks and print the figures."""
-    parser = argparse.ArgumentParser(prog="python -m workers.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.worker", description=__doc__)
     parser.add_argument("--streams", type=int, default=200)
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=300)

@@ -1,6 +1,6 @@
 """Benchmark: decode + normalize throughput of KV event batches, against plain msgspec decoding.
 
-Run ``python -m events.bench``. Builds realistic batches (default 64 BlockStored events x 32 blocks x 16 tokens,
+Run ``python -m benchmarks.events``. Builds realistic batches (default 64 BlockStored events x 32 blocks x 16 tokens,
 u64 hashes, vLLM's current wire shape, plus the legacy all-array shape and SGLang-style signed hashes), then times,
 in the same process and on the same bytes:
 

@@ -1,4 +1,4 @@
-"""Gateway benchmarks: ``python -m router.bench``.
+"""Gateway benchmarks: ``python -m benchmarks.gateway``.
 
 (a) Cost per proxied request. One fast fake backend process (aiohttp + uvloop, ``--num-workers`` ports = that many
 workers, 2 by default) answers ``/v1/completions`` with a fixed body (non-streaming, ~2 KB prompt in, small JSON
@@ -276,10 +276,10 @@ async def bench_proxy(
     try:
         if cores is not None:
             os.sched_setaffinity(0, cores["load"])
-        procs["backend"] = _spawn([py, "-m", "router.bench", "--role", "backend", "--ports",
+        procs["backend"] = _spawn([py, "-m", "benchmarks.gateway", "--role", "backend", "--ports",
                                    ",".join(map(str, worker_ports))], on(cores, "backend"))
         await _wait_port(b1)
-        procs["bare"] = _spawn([py, "-m", "router.bench", "--role", "bare", "--ports", str(bare),
+        procs["bare"] = _spawn([py, "-m", "benchmarks.gateway", "--role", "bare", "--ports", str(bare),
                                 "--upstream", f"http://127.0.0.1:{b1}"], on(cores, "bare"))
         procs["kvgate"] = _spawn(_gateway_args(py, tmp, gate, worker_ports), on(cores, "kvgate"))
         if SGLR_PYTHON.exists():
@@ -339,9 +339,9 @@ async def bench_instructions(num_requests: int, concurrency: int, num_workers: i
             port, *worker_ports = _free_ports(1 + num_workers)
             b1 = worker_ports[0]
             out = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp))
-            backend = _spawn([py, "-m", "router.bench", "--role", "backend", "--ports",
+            backend = _spawn([py, "-m", "benchmarks.gateway", "--role", "backend", "--ports",
                               ",".join(map(str, worker_ports))])
-            args = ([py, "-m", "router.bench", "--role", "bare", "--ports", str(port), "--upstream",
+            args = ([py, "-m", "benchmarks.gateway", "--role", "bare", "--ports", str(port), "--upstream",
                      f"http://127.0.0.1:{b1}"] if name == "bare"
                     else _gateway_args(py, str(out), port, tuple(worker_ports)))
             target = _spawn(["valgrind", "--tool=callgrind", "--instr-atstart=no",
