@@ -4,17 +4,17 @@ Run from a checkout's root (this package is not part of the wheel): ``python -m 
 ``python -m benchmarks NAME [flags]``; ``python -m benchmarks`` lists the names. Each module's docstring gives its
 method and ``--help`` its flags.
 
-==========  ===============================================================================================
+==========  ==================================================================================================
 name        measures
-==========  ===============================================================================================
+==========  ==================================================================================================
 events      KV event decode + normalize (``events.decode``) vs plain ``msgspec.msgpack.decode``
 index       prefix index ingest / match / hashing / bytes per entry (``router.index``) vs a node-per-block tree
 policies    decision time per routing policy (``policies``) vs ``min()`` over the workers
 gateway     gateway CPU and added latency per proxied request (``kvgate serve``) vs a bare aiohttp proxy
 sessions    latency the session store adds (``router.sessions``), Redis vs in-memory
 worker      reference worker scheduler + KV manager CPU per step, CPU tier on / off (``workers``)
-kernels     GPU kernels (``kernels``) vs copy / pinned bandwidth and torch SDPA (needs the ``gpu`` extra)
-==========  ===============================================================================================
+kernels     GPU kernels (``kernels``) vs copy / pinned bandwidth and torch SDPA (``gpu`` extra; kernels_h200.md)
+==========  ==================================================================================================
 
 Benchmarks may import any runtime package (``router``, ``workers``, ``kernels``, ...); no runtime package imports
 ``benchmarks`` (``tests/test_architecture.py`` checks it).
