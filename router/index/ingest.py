@@ -11,6 +11,12 @@ Engine hashes are opaque but must each name one block of a slot: a store that ma
 another block the slot holds is cut before that block (``num_engine_hash_reuse_blocks``), so every held block
 stays reachable from ``slot.engine`` and a clear of the slot is complete.
 
+Hybrid models: each cache group holds blocks on its own lanes ``(group_idx, medium)`` of the same entries (one
+chain of our content hash; vLLM publishes the same plain digest for a block in every group that keeps it, so the
+group, never the hash, tells holdings apart: one group's removal clears only its own lane, and a group's store may
+name a parent only another group stored). A store of a sparse group (``events.types.BlockStored``: tokens of the
+whole range, hashes of its last blocks) hashes every token block to keep the chain and holds only the named ones.
+
 Offload stores without tokens (vLLM's CPU connector) are resolved through ``slot.engine``; an offloaded block
 covering ``k`` index blocks (``block_size = k * index block_size``) is the engine hash of the last of them, and
 marks that block and its ``k - 1`` ancestors that the slot knows.
@@ -145,7 +151,8 @@ class IngestMixin(UpkeepMixin):
         factor = event_block_size // self._block_size
         if not event.token_ids:
             return self._store_by_engine_hash(slot, event, lane_key, factor)
-        if len(event.token_ids) != event_block_size * num_event_blocks:
+        num_skipped = event.num_skipped_blocks if event_block_size == event.block_size else 0
+        if len(event.token_ids) != event_block_size * (num_event_blocks + num_skipped):
             raise ValueError(f"{len(event.token_ids)} tokens for {num_event_blocks} blocks of {event_block_size}")
         parent_hash: int | None = None
         if event.parent_block_hash is not None:
@@ -157,7 +164,7 @@ class IngestMixin(UpkeepMixin):
             salt, num_ok = None, num_event_blocks
         else:
             salt, num_ok = split_extra_keys(event.extra_keys, event.lora_name, num_event_blocks)
-        if parent_hash is not None and salt is not None:
+        if (parent_hash is not None or num_skipped) and salt is not None:
             num_ok = 0  # a salt only ever starts a request's chain
         if num_ok < num_event_blocks:
             counters["num_unsupported_extra_key_blocks"] += num_event_blocks - num_ok
@@ -172,7 +179,7 @@ class IngestMixin(UpkeepMixin):
             token_ids = event.token_ids
             engine_hashes = event.block_hashes
         else:
-            token_ids = event.token_ids[: num_ok * event_block_size]
+            token_ids = event.token_ids[: (num_skipped + num_ok) * event_block_size]
             engine_hashes = event.block_hashes[:num_ok]
         ours: list[int] = cast(
             list[int],
@@ -183,6 +190,12 @@ class IngestMixin(UpkeepMixin):
                 BlockHash(parent_hash) if parent_hash is not None else None,
             ),
         )
+        first_parent: int = namespace if parent_hash is None else parent_hash
+        if num_skipped:
+            # A sparse group's store (sliding window, Mamba): the hashes name the last blocks of the token range;
+            # the skipped ones only link the chain (``events.types.BlockStored``).
+            first_parent = ours[num_skipped * factor - 1]
+            del ours[: num_skipped * factor]
         engine = slot.engine
         if not engine.keys().isdisjoint(engine_hashes):
             num_kept = self._num_without_reuse(slot, engine_hashes, ours if factor == 1 else ours[factor - 1 :: factor])
@@ -199,7 +212,7 @@ class IngestMixin(UpkeepMixin):
                     return ()
                 engine_hashes = engine_hashes[:num_kept]
                 ours = ours[: num_kept * factor]
-        self._hold(slot, lane_key, ours, namespace if parent_hash is None else parent_hash, parent_hash is None)
+        self._hold(slot, lane_key, ours, first_parent, parent_hash is None and not num_skipped)
         if factor == 1:
             engine.update(zip(engine_hashes, ours, strict=True))
         else:
