@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import runpy
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -17,7 +17,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         2 with the list of names on stderr for no name or an unknown one; otherwise what the benchmark's
-        ``main`` exits with (its ``SystemExit`` propagates).
+        ``main`` returns (0 for ``None``; a ``SystemExit`` it raises, e.g. for a bad flag, propagates).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in NAMES:
@@ -26,9 +26,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     name, flags = args[0], args[1:]
-    sys.argv = [f"benchmarks.{name}", *flags]
-    runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=True)
-    return 0
+    sys.argv = [f"python -m benchmarks.{name}", *flags]  # every benchmark's main() parses sys.argv[1:]
+    result: int | None = importlib.import_module(f"benchmarks.{name}").main()
+    return result or 0
 
 
 if __name__ == "__main__":

@@ -32,3 +32,28 @@ def test_instruction_counts_need_valgrind(capsys, monkeypatch):
         benchmarks.gateway.main()
     assert exc.value.code == 2
     assert "needs valgrind" in capsys.readouterr().err
+
+
+def test_benchmark_runner_lists_every_benchmark_module(capsys):
+    from pathlib import Path
+
+    import benchmarks
+    import benchmarks.__main__
+
+    modules = {path.stem for path in Path(benchmarks.__file__).parent.glob("*.py") if not path.stem.startswith("_")}
+    assert set(benchmarks.NAMES) == modules
+    assert benchmarks.__main__.main([]) == 2
+    assert benchmarks.__main__.main(["nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown benchmark 'nope'" in err
+    assert "events, index, policies, gateway, sessions, worker, kernels" in err
+
+
+def test_benchmark_runner_passes_the_flags_on(capsys, monkeypatch):
+    import benchmarks.__main__
+
+    monkeypatch.setattr("sys.argv", ["benchmarks"])
+    with pytest.raises(SystemExit) as exc:
+        benchmarks.__main__.main(["worker", "--steps", "0"])
+    assert exc.value.code == 2
+    assert "--steps must be >= 1" in capsys.readouterr().err
