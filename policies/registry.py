@@ -68,18 +68,14 @@ def _build(config: PolicyConfig, speed_factors: dict[str, float]) -> Policy:
 
 
 def find_calibrator(policy: object) -> TTFTCalibrator | None:
-    """The ``TTFTCalibrator`` inside ``policy`` (looking through wrappers), or ``None`` if it has none.
+    """The ``TTFTCalibrator`` of ``policy``, or ``None`` if it has none: ``CacheAwarePolicy.calibrator``, seen
+    through ``SessionStickyPolicy.inner`` (the one wrapper).
 
-    The gateway calls ``find_calibrator(policy).observe(...)`` after each request's first token.
+    The gateway's request lifecycle (``router.lifecycle``) feeds it each request's observed TTFT.
     """
-    seen = 0
-    while policy is not None and seen < 8:
-        calibrator = getattr(policy, "calibrator", None)
-        if isinstance(calibrator, TTFTCalibrator):
-            return calibrator
-        policy = getattr(policy, "inner", None)
-        seen += 1
-    return None
+    while isinstance(policy, SessionStickyPolicy):
+        policy = policy.inner
+    return policy.calibrator if isinstance(policy, CacheAwarePolicy) else None
 
 
 def build_policy(config: PolicyConfig, *, previous: object | None = None) -> Policy:

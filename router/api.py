@@ -38,10 +38,8 @@ from router.errors import (
     unreadable_body_error,
 )
 from router.fleet import WorkerRuntime
-from router.proxy import REQUEST_ID_HEADER, WORKER_HEADER
+from router.proxy import REQUEST_ID_HEADER
 from router.request_view import RequestKind, parse_request
-from router.routing import RoutePlan
-from router.sessions.errors import SessionBackendError
 
 if TYPE_CHECKING:
     from router.app import Gateway
@@ -91,10 +89,8 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
     """The routed endpoints (``completions``, ``chat_completions``): see the module docstring."""
     gw = request.app[GATEWAY]
     t0 = time.perf_counter()
-    policy_name = gw.holder.policy.name
     client_headers = gw.client_headers.read(request.raw_headers, request.headers)
     request_id = client_headers.request_id or gw.next_request_id()  # the client's own id is kept end to end
-    plan: RoutePlan | None = None
     try:
         limit = gw.config.listen.max_body_bytes
         num_body_bytes = request.content_length
@@ -129,33 +125,14 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
     except GatewayError as exc:
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
         return error_response(exc, request_id)
-    try:
-        is_sticky = gw.holder.sticky is not None
-        if is_sticky:
-            plan = await gw.router.route(request_id, parsed, model, view, client_headers.routing,
-                                         max_inflight_per_worker=per_worker)
-        else:  # no session store to await: decide in place
-            plan = gw.router.decide(request_id, parsed, model, view, client_headers.routing,
-                                    max_inflight_per_worker=per_worker)
-        gw.metrics.decision_s.observe(time.perf_counter() - t0)
-        response = await gw.proxy.forward(request, body, plan, is_stream=parsed.is_stream, request_id=request_id,
-                                          policy_name=policy_name, received_at=t0, client_headers=client_headers)
-        if plan.served_by is not plan.chosen or response.status >= 400:
-            gw.router.settle(plan, model, view, response.status)
-            if is_sticky:
-                await _follow_retry(gw, plan, response)
-        return response
-    except GatewayError as exc:
-        if plan is not None:  # every attempt failed
-            gw.router.settle(plan, model, view, None)
-        gw.metrics.rejected_total.labels(type(exc).__name__).inc()
-        return error_response(exc, request_id)
-    except asyncio.CancelledError:
-        if plan is not None and plan.served_by is None:  # the client left before any answer: the worker served none
-            gw.router.settle(plan, model, view, None)
-        raise
-    finally:
-        gw.admission.release()
+    # From here the flight holds the admission slot and settles the request, whatever happens (router.lifecycle).
+    outcome = await gw.lifecycle.start(request_id).run(request, body, parsed, model, view, client_headers,
+                                                       received_at=t0)
+    if outcome.response is None:
+        error = outcome.error if outcome.error is not None else GatewayError("the request got no answer")
+        gw.metrics.rejected_total.labels(type(error).__name__).inc()
+        return error_response(error, request_id)
+    return outcome.response
 
 
 def _may_proceed(candidates: Sequence[WorkerRuntime], max_inflight_per_worker: int) -> bool:
@@ -165,23 +142,6 @@ def _may_proceed(candidates: Sequence[WorkerRuntime], max_inflight_per_worker: i
         return True
     usable = [w for w in candidates if w.is_healthy and not w.is_draining]
     return not usable or any(w.num_inflight_requests < max_inflight_per_worker for w in usable)
-
-
-async def _follow_retry(gw: Gateway, plan: RoutePlan, response: web.StreamResponse) -> None:
-    """A session whose request was served by another worker after a retry (its owner failed before the first byte)
-    moves there: that worker now holds the conversation's KV, and the next turn should not try the failed owner
-    first. Compare-and-set from the planned owner; a store error only logs (the answer was already sent)."""
-    served = response.headers.get(WORKER_HEADER)
-    key = plan.session_key
-    if (key is None or served is None or served == plan.chosen.worker_id or response.status >= 500
-            or served not in gw.fleet.workers):
-        return
-    try:
-        if await gw.sessions.move(key, plan.chosen.worker_id, served):
-            logger.info("session %s moved from %s to %s, which served it after a retry", key,
-                        plan.chosen.worker_id, served)
-    except SessionBackendError as exc:
-        logger.warning("session %s: could not move it to %s after a retry: %s", key, served, exc)
 
 
 completions = functools.partial(_handle, kind="completions")

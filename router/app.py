@@ -15,7 +15,7 @@ Routes (their handlers live in ``router.api``)::
 
 Request path (``router.api``, one handler, no middleware): read the body (limit) -> ``parse_request``
 (msgspec, routing fields only) -> the model's ``ModelTokenizer.view`` (incremental) -> admission ->
-``Router.route`` -> ``Proxy.forward`` with the body exactly as sent. Every error is an OpenAI-style JSON body
+``RequestFlight.run`` (``router.lifecycle``: route, forward, finish). Every error is an OpenAI-style JSON body
 (``router.errors`` gives the status).
 """
 
@@ -51,6 +51,7 @@ from router.config import GatewayConfig, index_config, validate_policy, validate
 from router.errors import GatewayError
 from router.fleet import Fleet, WorkerRuntime
 from router.index import PrefixIndex
+from router.lifecycle import RequestLifecycle
 from router.metrics import GatewayMetrics, MetricSample
 from router.proxy import ClientHeaderReader, Proxy
 from router.request_view import ModelTokenizer
@@ -85,6 +86,10 @@ class Gateway:
         )
         self.proxy = Proxy(self.transport, config.retry, self.metrics, clock=clock)
         self.admission = Admission(config.admission)
+        self.lifecycle = RequestLifecycle(
+            self.router, self.proxy, self.fleet, self.admission, self.metrics,
+            max_inflight_per_worker=config.admission.max_inflight_per_worker, clock=clock,
+        )
         self.client_headers = ClientHeaderReader()
         self.subscriber: Any = None
         self._request_ids = itertools.count(1)

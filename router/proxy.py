@@ -6,22 +6,20 @@ the next worker is tried after a backoff (``RetryConfig``); once the response ha
 end and never retried. The body is relayed exactly as received: SSE chunks are written as they arrive (never
 re-decoded or re-encoded), a non-streaming body is written as one block.
 
-Accounting per worker (released on every exit path, including client disconnect, which cancels the handler and
-closes the upstream request)::
+Accounting per worker: each attempt holds a ``WorkerLease`` (``router.lease``: in-flight requests and prompt tokens,
+pending prefill tokens until the first byte, decoding requests, the circuit breaker's verdict), taken from the
+request's lifecycle (``AttemptHooks.pre_request``) and released when the attempt ends, on every path, including a
+client disconnect, which cancels the handler and closes the upstream request.
 
-    num_inflight_requests        +1 at send         -1 at the end
-    num_inflight_prompt_tokens   +prompt at send    -prompt at the end
-    num_pending_prefill_tokens   +uncached at send  -uncached at the first byte (or the end)
-    num_decoding_requests        +1 at first byte   -1 at the end
-
-A request whose client goes away before the worker's first byte (for a stream: its first chunk; the headers come
-before the prefill) leaves ``plan.served_by`` ``None``: the worker served nothing, and the gateway withdraws the
-pending index entries its routing inserted (``Router.settle``).
+``forward`` returns an immutable ``ProxyOutcome`` (the response, the worker whose answer was relayed, its status,
+the cached tokens it reported, or the error when every attempt failed); ``router.lifecycle.RequestFlight.finish``
+settles the request from it.
 
 Honesty check (DESIGN.md §7b): ``usage.prompt_tokens_details.cached_tokens`` is read from the non-streamed body
 or from the last SSE ``data:`` event that carries ``usage`` (found by scanning a bounded tail of the stream, no
-re-encoding) and compared with the cached tokens predicted for the worker that served the request. The observed
-time to first byte is fed to the policy's TTFT calibrator.
+re-encoding) and compared with the cached tokens predicted for the worker that served the request. A stream's
+observed time to first token goes to the lifecycle (``AttemptHooks.on_first_token``), which feeds the policy's TTFT
+calibrator.
 """
 
 from __future__ import annotations
@@ -31,14 +29,16 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import msgspec
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.config import RetryConfig
-from router.errors import TransportError, TransportTimeoutError, UpstreamError, UpstreamTimeoutError
+from router.errors import GatewayError, TransportError, TransportTimeoutError, UpstreamError, UpstreamTimeoutError
 from router.fleet import WorkerRuntime
+from router.lease import WorkerLease
 from router.metrics import GatewayMetrics, WorkerMetrics
 from router.routing import RoutePlan
 from router.transport import HOP_BY_HOP_HEADERS, Transport, UpstreamRequest, UpstreamResponse
@@ -250,6 +250,48 @@ class _BodyResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
+class ProxyOutcome(msgspec.Struct, frozen=True, gc=False):
+    """What forwarding one request came to (read only; ``RequestFlight.finish`` settles the request from it).
+
+    Attributes:
+        response: the response relayed to the client, or ``None`` when every attempt failed (``error``).
+        served_by: the worker whose answer was relayed (it began before the client left), or ``None``.
+        status: the status relayed, or ``None``.
+        error: the error to answer with (every attempt failed before the first byte), or ``None``.
+        reported_cached_tokens: ``usage.prompt_tokens_details.cached_tokens`` the worker reported, or ``None``
+            (no usage, or a status other than 200).
+        has_client_bytes: the response's headers were sent to the client.
+        is_client_gone: the client left before the answer's end (the handler was cancelled).
+    """
+
+    response: web.StreamResponse | None
+    served_by: WorkerRuntime | None
+    status: int | None
+    error: GatewayError | None = None
+    reported_cached_tokens: int | None = None
+    has_client_bytes: bool = False
+    is_client_gone: bool = False
+
+
+class AttemptHooks(Protocol):
+    """What the proxy tells the request's lifecycle (``router.lifecycle.RequestFlight``), named after llm-d's
+    request-control plugin points: ``pre_request`` before each attempt is sent, ``on_response_header`` when an
+    answer is relayed, ``on_first_token`` when a stream's first chunk arrives (the end of the answer is the
+    ``ProxyOutcome`` returned)."""
+
+    def pre_request(self, worker: WorkerRuntime, num_uncached_tokens: int) -> WorkerLease:
+        """The attempt's lease on ``worker`` (acquired; the proxy releases it when the attempt ends)."""
+        ...
+
+    def on_response_header(self, lease: WorkerLease, status: int) -> None:
+        """The answer of ``lease``'s worker, with ``status``, is relayed (no retry after this)."""
+        ...
+
+    def on_first_token(self, lease: WorkerLease, ttft_s: float) -> None:
+        """A stream's first chunk came after ``ttft_s`` (in the worker's seconds)."""
+        ...
+
+
 class Proxy:
     """Sends requests along a ``RoutePlan`` and relays the response."""
 
@@ -266,19 +308,25 @@ class Proxy:
         self._workers_warned_mismatch: set[str] = set()
 
     async def forward(
-        self, request: web.Request, body: bytes, plan: RoutePlan, *, is_stream: bool, request_id: str,
-        policy_name: str, received_at: float | None = None, client_headers: ClientHeaders | None = None,
-    ) -> web.StreamResponse:
+        self, request: web.Request, body: bytes, plan: RoutePlan, hooks: AttemptHooks, *, is_stream: bool,
+        request_id: str, policy_name: str, received_at: float | None = None,
+        client_headers: ClientHeaders | None = None,
+    ) -> ProxyOutcome:
         """Send ``body`` to the plan's workers (best first, retrying before the first byte) and relay the answer.
 
         ``client_headers`` is ``client_headers_of(request.headers)`` when the caller has it (else it is read here);
-        ``x-request-id: request_id`` is added to the headers forwarded unless the client sent its own.
+        ``x-request-id: request_id`` is added to the headers forwarded unless the client sent its own. Each attempt
+        holds the ``WorkerLease`` that ``hooks.pre_request`` gives, released when the attempt ends, however.
 
         The served request is counted for the worker that answered (``requests_total``, and
         ``request_duration_seconds`` from ``received_at``, a ``time.perf_counter()`` reading, else from now).
 
+        Returns:
+            The outcome; when every attempt failed before the first byte its ``error`` is an ``UpstreamError``
+            (502; ``UpstreamTimeoutError``, 504, if the last one timed out).
+
         Raises:
-            UpstreamError: every attempt failed before the first byte (502; 504 if the last one timed out).
+            asyncio.CancelledError: the client went away (its attempt's lease is released first).
         """
         if client_headers is None:
             client_headers = client_headers_of(request.headers)
@@ -303,21 +351,15 @@ class Proxy:
                 skip_auto_headers,
             )
             predicted = plan.predicted_cached_tokens.get(worker.worker_id, 0)
-            uncached = max(0, num_prompt_tokens - predicted)
-            wm = self._metrics.worker(worker.worker_id)
-            worker.num_inflight_requests += 1
-            worker.num_inflight_prompt_tokens += num_prompt_tokens
-            worker.num_pending_prefill_tokens += uncached
-            wm.num_inflight += 1
-            is_relayed = False
+            lease = hooks.pre_request(worker, max(0, num_prompt_tokens - predicted))
+            wm = lease.metrics
             resp: UpstreamResponse | None = None
             try:
-                worker.breaker.on_attempt()
                 sent_at = time.perf_counter()
                 try:
                     resp = await self._transport.send(upstream_req)
                 except TransportError as exc:
-                    worker.breaker.record_failure(self._clock())
+                    lease.record_failure(self._clock())
                     last_exc = exc
                     if attempt == 0:
                         attempts += plan.fallbacks(max_retries)
@@ -329,29 +371,26 @@ class Proxy:
                     if attempt == 0:
                         attempts += plan.fallbacks(max_retries)
                     if status < 200 or attempt + 1 < len(attempts):  # a 1xx final answer is never relayed
-                        worker.breaker.record_failure(self._clock())
+                        lease.record_failure(self._clock())
                         last_exc = UpstreamError(f"worker answered {status}", worker_id=worker.worker_id)
                         logger.warning("request %s: worker %s answered %d before the first byte%s", request_id,
                                        worker.worker_id, status, "; retrying" if attempt + 1 < len(attempts) else "")
                         continue
                 if status >= 500:
-                    worker.breaker.record_failure(self._clock())
+                    lease.record_failure(self._clock())
                 else:
-                    worker.breaker.record_success()
+                    lease.record_success()
+                hooks.on_response_header(lease, status)
                 headers = response_headers_of(resp.headers, worker.worker_id, predicted,
                                               plan.decision.reason if attempt == 0 else "retry", request_id)
-                is_relayed = True  # from here the relay settles the pending prefill on every path
-                plan.served_by = worker
                 if is_stream and resp.status == 200:
-                    out = await self._relay_stream(request, resp, headers, worker, wm, plan, sent_at, uncached,
-                                                   predicted)
+                    out, reported = await self._relay_stream(request, resp, headers, lease, hooks, sent_at, predicted)
                 else:  # the whole body, then one length-framed write (inline: no coroutine per request)
-                    worker.num_pending_prefill_tokens -= uncached  # the first byte: pending prefill -> decoding
-                    worker.num_decoding_requests += 1
+                    lease.on_first_byte()  # pending prefill -> decoding
                     try:
                         answer = await resp.read()
                     finally:
-                        worker.num_decoding_requests -= 1
+                        lease.on_last_byte()
                     out = _BodyResponse(status=resp.status, headers=headers)
                     out.content_length = len(answer)
                     try:
@@ -361,54 +400,49 @@ class Proxy:
                         await out.write_eof()
                     except ConnectionResetError:
                         logger.info("client went away before the answer of worker %s was sent", worker.worker_id)
+                    reported = cached_tokens_of(usage_from_body(answer)) if resp.status == 200 else None
                     if resp.status == 200:
-                        self._check_honesty(worker, wm, predicted, cached_tokens_of(usage_from_body(answer)))
+                        self._check_honesty(worker, wm, predicted, reported)
                 wm.count_request(policy_name, out.status,
                                  time.perf_counter() - (received_at if received_at is not None else sent_at))
-                return out
+                return ProxyOutcome(out, worker, out.status, None, reported, out.prepared)
             finally:
                 if resp is not None:
                     resp.release()
-                worker.num_inflight_requests -= 1
-                worker.num_inflight_prompt_tokens -= num_prompt_tokens
-                wm.num_inflight -= 1
-                if not is_relayed:
-                    # Abandoned before the relay (failure, retry, or cancellation): undo the pending prefill. A
-                    # half-open trial cancelled with no verdict (its client went away) must not hold the circuit
-                    # half-open forever: the next request may be the trial.
-                    worker.num_pending_prefill_tokens -= uncached
-                    worker.breaker.on_abandoned()
+                lease.release()
         if isinstance(last_exc, TransportTimeoutError):
-            raise UpstreamTimeoutError(f"no worker answered in time: {last_exc.message}",
-                                       worker_id=last_exc.worker_id, endpoint=last_exc.endpoint) from last_exc
-        worker_id = attempts[-1].worker_id if attempts else None
-        message = last_exc.message if isinstance(last_exc, TransportError | UpstreamError) else "no worker reachable"
-        raise UpstreamError(f"every attempt failed: {message}", worker_id=worker_id) from last_exc
+            error: GatewayError = UpstreamTimeoutError(
+                f"no worker answered in time: {last_exc.message}", worker_id=last_exc.worker_id,
+                endpoint=last_exc.endpoint)
+        else:
+            worker_id = attempts[-1].worker_id if attempts else None
+            message = (last_exc.message if isinstance(last_exc, TransportError | UpstreamError)
+                       else "no worker reachable")
+            error = UpstreamError(f"every attempt failed: {message}", worker_id=worker_id)
+        error.__cause__ = last_exc
+        return ProxyOutcome(None, None, None, error)
 
     async def _relay_stream(
-        self, request: web.Request, resp: UpstreamResponse, headers: CIMultiDict[str], worker: WorkerRuntime,
-        wm: WorkerMetrics, plan: RoutePlan, sent_at: float, uncached: int, predicted: int,
-    ) -> web.StreamResponse:
+        self, request: web.Request, resp: UpstreamResponse, headers: CIMultiDict[str], lease: WorkerLease,
+        hooks: AttemptHooks, sent_at: float, predicted: int,
+    ) -> tuple[web.StreamResponse, int | None]:
+        """Relay a 200 stream chunk by chunk; returns the response and the cached tokens its usage reported."""
+        worker = lease.worker
+        wm = lease.metrics
         out = web.StreamResponse(status=resp.status, headers=headers)
         is_first = True
         recent: list[bytes] = []  # the stream's last chunks, at most 2 * SSE_TAIL_BYTES (joined when over)
         num_recent_bytes = 0
         max_recent_bytes = 2 * SSE_TAIL_BYTES
-        calibrator = plan.calibrator  # the policy that made the prediction, even if another is live now
         try:
             await out.prepare(request)
             async for chunk in resp.iter_chunks():
-                if is_first:  # pending prefill -> decoding; the TTFT to its histogram and the calibrator
+                if is_first:  # pending prefill -> decoding; the TTFT to its histogram and the lifecycle
                     is_first = False
-                    worker.num_pending_prefill_tokens -= uncached
-                    worker.num_decoding_requests += 1
+                    lease.on_first_byte()
                     ttft_s = (time.perf_counter() - sent_at) / worker.config.time_scale  # in the worker's seconds
                     wm.ttft_s.observe(ttft_s)
-                    if calibrator is not None and worker.worker_id == plan.decision.worker_id:
-                        predicted_ttft_s = plan.decision.scores.get(worker.worker_id)
-                        if predicted_ttft_s is not None:
-                            calibrator.observe(worker.worker_id, predicted_ttft_s, ttft_s,
-                                               speed_factor_used=plan.speed_factor_used)
+                    hooks.on_first_token(lease, ttft_s)
                 await out.write(chunk)
                 recent.append(chunk)
                 num_recent_bytes += len(chunk)
@@ -424,18 +458,12 @@ class Proxy:
                 request.transport.abort()  # the client sees an incomplete stream, never a clean end
         except ConnectionResetError:
             logger.info("client went away during the stream from worker %s", worker.worker_id)
-        except asyncio.CancelledError:
-            if is_first:  # the client left before the worker's first chunk (its headers come before the prefill)
-                plan.served_by = None
-            raise
         finally:
-            if is_first:
-                worker.num_pending_prefill_tokens -= uncached
-            else:
-                worker.num_decoding_requests -= 1
+            lease.on_last_byte()
         tail = recent[0] if len(recent) == 1 else b"".join(recent)
-        self._check_honesty(worker, wm, predicted, cached_tokens_of(usage_from_sse_tail(tail[-SSE_TAIL_BYTES:])))
-        return out
+        reported = cached_tokens_of(usage_from_sse_tail(tail[-SSE_TAIL_BYTES:]))
+        self._check_honesty(worker, wm, predicted, reported)
+        return out, reported
 
     def _check_honesty(self, worker: WorkerRuntime, wm: WorkerMetrics, predicted: int, reported: int | None) -> None:
         """Count one predicted-vs-reported pair in the proxy's totals and the worker's series; log a mismatch. An

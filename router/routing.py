@@ -8,10 +8,11 @@
    prompt token): ``(num_prompt_tokens - 1) // worker_block_size * worker_block_size`` tokens, then turned into
    tokens, so the predicted cached tokens equal what the worker reports;
 3. a forced worker (``X-SMG-Target-Worker`` / ``x-kvgate-worker``) bypasses the policy;
-4. ``session_sticky``: inner best -> ``store.claim_or_touch(key, best)`` -> pure ``resolve`` -> ``store.move``
-   compare-and-set only when ownership changes (on a lost race, the owner the store returns wins);
-   other policies: ``policy.select(view, snapshot)``;
-5. the chosen worker gets the request's blocks in the index: approximate-mode workers with the index's TTL;
+4. ``session_sticky`` with a session key: ``SessionOwnership.claim`` (``router.ownership``: inner best ->
+   ``store.claim_or_touch(key, best)`` -> pure ``resolve`` -> ``store.move`` compare-and-set only when ownership
+   changes; on a lost race, the owner the store returns wins); otherwise ``policy.select(view, snapshot)``;
+5. the chosen worker gets the request's blocks in the index (through the request's ``IndexTicket``, its one handle
+   on the index): approximate-mode workers with the index's TTL;
    workers that publish events (one dp rank) as *pending* entries (``ModelConfig.enable_pending_blocks``,
    ``pending_blocks_ttl_s``) that its ``BlockStored`` events confirm. Pending rule: the prompt's full blocks in
    the worker's block size (engines cache full blocks only). A request routed behind it is scheduled FCFS and
@@ -23,9 +24,12 @@
    is not re-inserted (a repeated prompt would otherwise re-touch every block and queue one expiry record per
    request): its entries may then expire up to that fraction of the TTL before a per-request refresh would have;
 6. the decision (every candidate's score) goes to a bounded ring for ``/admin/decisions``;
-7. after the answer, ``settle``: when the chosen worker did not serve the request (it refused it, failed before
-   the first byte, or every attempt failed), the pending entries of step 5 are withdrawn, and the worker that
-   served it after a retry gets them, so a refused or rerouted request never inflates a prediction.
+7. after the answer, ``IndexTicket.settle`` (called by ``RequestFlight.finish``): when the chosen worker did not
+   serve the request (it refused it, failed before the first byte, every attempt failed, or the client left before
+   the first byte), the pending entries of step 5 are withdrawn, and the worker that served it after a retry gets
+   them, so a refused or rerouted request never inflates a prediction.
+
+``route`` is the one entry for every policy; it does not suspend unless the session store is awaited.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from router.fleet import CircuitState, Fleet, WorkerRuntime
 from router.index.config import IndexConfig
 from router.index.result import MatchResult
 from router.index.upkeep import ApproxInsert
+from router.ownership import SessionOwnership
 from router.request_view import ParsedRequest, PromptView
 from router.sessions.base import SessionStore
 
@@ -98,8 +103,90 @@ class PolicyHolder:
         self.key_sources = self.sticky.config.key_sources if self.sticky is not None else DEFAULT_KEY_SOURCES
 
 
-class RoutePlan(msgspec.Struct, gc=False):
-    """What the proxy needs to serve one request.
+class IndexTicket:
+    """One request's only handle on its model's index: the match and the pending (or approximate) insertion made
+    when it is routed, the withdrawal or transfer when it is settled (module docstring, steps 2, 5 and 7).
+
+    Attributes:
+        pending: the chosen worker's entries this request inserted, or ``None`` (none, or already withdrawn).
+    """
+
+    __slots__ = ("_index", "_model", "_view", "_memo", "pending")
+
+    def __init__(self, index: IndexLike | None, model: ModelConfig, view: PromptView,
+                 memo: dict[tuple[str, int, int], float]) -> None:
+        self._index = index if view.block_hashes else None
+        self._model = model
+        self._view = view
+        self._memo = memo
+        self.pending: ApproxInsert | None = None
+
+    def match(self) -> MatchResult | None:
+        """Every worker's cached depth of the prompt's blocks, or ``None`` (no index or no block)."""
+        index = self._index
+        return index.match(self._view.block_hashes) if index is not None else None
+
+    def insert_for(self, worker: WorkerRuntime, match: MatchResult | None, now_s: float) -> None:
+        """The chosen worker's entries for the request (module doc, step 5), kept as ``pending``."""
+        if self._index is not None:
+            self.pending = self._insert_for(self._index, worker, match, now_s)
+
+    def _insert(
+        self, index: IndexLike, worker: WorkerRuntime, block_hashes: Sequence[int], match: MatchResult | None,
+        now_s: float, ttl_s: float | None,
+    ) -> ApproxInsert | None:
+        """``index.insert_approximate`` unless the worker holds the chain and it was inserted recently (module doc);
+        returns the insertion (``None`` when skipped)."""
+        num_blocks = len(block_hashes)
+        if not num_blocks:
+            return None
+        memo = self._memo
+        key = (worker.worker_id, block_hashes[-1], num_blocks)
+        last_s = memo.get(key)
+        if last_s is not None and match is not None:
+            held = match.workers.get(worker.worker_id)
+            window_s = (ttl_s if ttl_s is not None else index.config.approx_ttl_s) * REFRESH_FRACTION
+            if held is not None and held.num_gpu_blocks >= num_blocks and 0.0 <= now_s - last_s < window_s:
+                return None
+        inserted = index.insert_approximate(worker.worker_id, block_hashes, now_s, ttl_s=ttl_s)
+        if len(memo) >= MAX_RECENT_INSERTS:
+            memo.clear()
+        memo[key] = now_s
+        return inserted
+
+    def _insert_for(
+        self, index: IndexLike, worker: WorkerRuntime, match: MatchResult | None, now_s: float,
+    ) -> ApproxInsert | None:
+        """The blocks a request sent to ``worker`` makes it hold (module doc, step 5), inserted; ``None`` when the
+        worker needs none (it publishes events and pending entries are off, or it has several dp ranks)."""
+        view = self._view
+        model = self._model
+        if worker.is_approximate:
+            return self._insert(index, worker, view.block_hashes, match, now_s, None)
+        if model.enable_pending_blocks and worker.config.dp_ranks == 1:
+            num_full = view.num_tokens // worker.block_size * worker.block_size // view.block_size
+            return self._insert(index, worker, view.block_hashes[:num_full], match, now_s, model.pending_blocks_ttl_s)
+        return None
+
+    def settle(self, chosen: WorkerRuntime, served_by: WorkerRuntime | None, is_ok: bool, now_s: float) -> None:
+        """After the answer: unless ``chosen`` served the request with a success (``is_ok``: a status below 400),
+        its pending entries are withdrawn so the next prediction for it is not inflated; the worker that served it
+        after a retry gets them instead."""
+        index = self._index
+        if index is None or (served_by is chosen and is_ok):
+            return
+        pending = self.pending
+        if pending is not None:
+            index.withdraw_approximate(pending)
+            self.pending = None
+            hashes = pending.block_hashes
+            self._memo.pop((chosen.worker_id, hashes[-1], len(hashes)), None)
+        if is_ok and served_by is not None and served_by is not chosen:
+            self._insert_for(index, served_by, None, now_s)
+
+
+class RoutePlan(msgspec.Struct, frozen=True, gc=False):
+    """Where one request goes: the routing decision, read only.
 
     Attributes:
         decision: the policy's decision.
@@ -111,11 +198,11 @@ class RoutePlan(msgspec.Struct, gc=False):
         speed_factor_used: the chosen worker's calibration factor at decision time (1.0 without one).
         decision_s: time the decision took, seconds.
         workers_by_id: the fleet's workers by id (``fallbacks`` resolves the ranking in it).
-        pending: the chosen worker's pending index entries this request inserted (``Router.settle`` withdraws them
-            when it does not serve the request), or ``None``.
-        served_by: the worker whose answer was relayed (set by the proxy), or ``None`` before one was.
+        ticket: the request's handle on its index (its pending entries, settled after the answer).
         calibrator: the TTFT calibrator of the policy that decided (observed TTFTs go to it, not to a policy
             installed since), or ``None``.
+        is_session_sticky: the policy that decided keeps sessions on their owner (a retry served elsewhere moves
+            the session there).
     """
 
     decision: Decision
@@ -126,9 +213,9 @@ class RoutePlan(msgspec.Struct, gc=False):
     speed_factor_used: float = 1.0
     decision_s: float = 0.0
     workers_by_id: Mapping[str, WorkerRuntime] = msgspec.field(default_factory=dict)
-    pending: ApproxInsert | None = None
-    served_by: WorkerRuntime | None = None
+    ticket: IndexTicket | None = None
     calibrator: TTFTCalibrator | None = None
+    is_session_sticky: bool = False
 
     def fallbacks(self, max_workers: int) -> list[WorkerRuntime]:
         """Up to ``max_workers`` workers to try after the chosen one: the rest of the decision's ranking, best
@@ -167,7 +254,7 @@ class Router:
     ) -> None:
         self._fleet = fleet
         self._indexes = indexes
-        self._sessions = sessions
+        self.ownership = SessionOwnership(sessions)
         self.holder = holder
         self._clock = clock
         self.recent: deque[DecisionRecord] = deque(maxlen=num_recent_decisions)
@@ -238,70 +325,13 @@ class Router:
                 ))
         return tuple(states), predicted
 
-    def _match(self, model: ModelConfig, view: PromptView) -> MatchResult | None:
-        index = self._indexes.get(model.name)
-        return index.match(view.block_hashes) if index is not None and view.block_hashes else None
-
-    def _insert(
-        self, index: IndexLike, worker: WorkerRuntime, block_hashes: Sequence[int], match: MatchResult | None,
-        now_s: float, ttl_s: float | None,
-    ) -> ApproxInsert | None:
-        """``index.insert_approximate`` unless the worker holds the chain and it was inserted recently (module doc);
-        returns the insertion (``None`` when skipped)."""
-        num_blocks = len(block_hashes)
-        if not num_blocks:
-            return None
-        key = (worker.worker_id, block_hashes[-1], num_blocks)
-        last_s = self._inserted_at_s.get(key)
-        if last_s is not None and match is not None:
-            held = match.workers.get(worker.worker_id)
-            window_s = (ttl_s if ttl_s is not None else index.config.approx_ttl_s) * REFRESH_FRACTION
-            if held is not None and held.num_gpu_blocks >= num_blocks and 0.0 <= now_s - last_s < window_s:
-                return None
-        inserted = index.insert_approximate(worker.worker_id, block_hashes, now_s, ttl_s=ttl_s)
-        if len(self._inserted_at_s) >= MAX_RECENT_INSERTS:
-            self._inserted_at_s.clear()
-        self._inserted_at_s[key] = now_s
-        return inserted
-
-    def _insert_for(
-        self, index: IndexLike, model: ModelConfig, worker: WorkerRuntime, view: PromptView, match: MatchResult | None,
-        now_s: float,
-    ) -> ApproxInsert | None:
-        """The blocks a request sent to ``worker`` makes it hold (module doc, step 5), inserted; ``None`` when the
-        worker needs none (it publishes events and pending entries are off, or it has several dp ranks)."""
-        if worker.is_approximate:
-            return self._insert(index, worker, view.block_hashes, match, now_s, None)
-        if model.enable_pending_blocks and worker.config.dp_ranks == 1:
-            num_full = view.num_tokens // worker.block_size * worker.block_size // view.block_size
-            return self._insert(index, worker, view.block_hashes[:num_full], match, now_s, model.pending_blocks_ttl_s)
-        return None
-
-    def settle(self, plan: RoutePlan, model: ModelConfig, view: PromptView, status: int | None) -> None:
-        """After the answer: when the chosen worker did not serve the request (it refused it with a 4xx/5xx, failed
-        before the first byte, or every attempt failed: ``status`` ``None``), its pending blocks are withdrawn so the
-        next prediction for it is not inflated; the worker that served it after a retry gets them instead."""
-        index = self._indexes.get(model.name)
-        if index is None:
-            return
-        served = plan.served_by
-        is_ok = status is not None and status < 400
-        if served is plan.chosen and is_ok:
-            return
-        pending = plan.pending
-        if pending is not None:
-            index.withdraw_approximate(pending)
-            plan.pending = None
-            hashes = pending.block_hashes
-            self._inserted_at_s.pop((plan.chosen.worker_id, hashes[-1], len(hashes)), None)
-        if is_ok and served is not None and served is not plan.chosen and view.block_hashes:
-            self._insert_for(index, model, served, view, None, self._clock())
-
     def _inputs(
         self, request_id: str, parsed: ParsedRequest, model: ModelConfig, view: PromptView,
         headers: Mapping[str, str], max_inflight_per_worker: int,
-    ) -> tuple[float, float, tuple[WorkerRuntime, ...], MatchResult | None, dict[str, int], RequestView, Snapshot]:
-        """``(t0, now_s, candidates, match, predicted cached tokens by worker, request view, snapshot)``.
+    ) -> tuple[float, float, tuple[WorkerRuntime, ...], IndexTicket, MatchResult | None, dict[str, int], RequestView,
+               Snapshot]:
+        """``(t0, now_s, candidates, index ticket, match, predicted cached tokens by worker, request view,
+        snapshot)``.
 
         Raises:
             NoWorkerError: no worker serves the model.
@@ -311,7 +341,8 @@ class Router:
         candidates = self._fleet.candidates(model.name)
         if not candidates:
             raise NoWorkerError(f"no worker serves model {parsed.model!r}", reason="no_workers")
-        match = self._match(model, view)
+        ticket = IndexTicket(self._indexes.get(model.name), model, view, self._inserted_at_s)
+        match = ticket.match()
         states, predicted = self.states(candidates, view, now_s, max_inflight_per_worker, match)
         if headers or parsed.user is not None or view.opening_hash is not None:
             session_key = derive_session_key(self.holder.key_sources, headers, parsed.user, view.opening_hash)
@@ -319,7 +350,7 @@ class Router:
             session_key = None  # no source has a value
         req = RequestView(request_id, parsed.model, view.num_tokens, parsed.max_tokens or model.default_max_tokens,
                           view.block_size, session_key)
-        return t0, now_s, candidates, match, predicted, req, Snapshot(states, None, now_s)
+        return t0, now_s, candidates, ticket, match, predicted, req, Snapshot(states, None, now_s)
 
     @staticmethod
     def _forced(
@@ -351,61 +382,34 @@ class Router:
                                 reason="forced_worker_unavailable")
         return Decision(forced, "forced", {}, state.num_cached_tokens, (forced,))
 
-    def decide(
-        self, request_id: str, parsed: ParsedRequest, model: ModelConfig, view: PromptView,
-        headers: Mapping[str, str], *, max_inflight_per_worker: int = 0,
-    ) -> RoutePlan:
-        """``route`` without awaiting, for a policy that needs no session store (``holder.sticky`` is ``None``).
-
-        Raises:
-            NoWorkerError, InvalidFieldError: as ``route``.
-            RuntimeError: the live policy is ``session_sticky`` (use ``route``).
-        """
-        if self.holder.sticky is not None:
-            raise RuntimeError("session_sticky needs the session store: await route() instead")
-        t0, now_s, candidates, match, predicted, req, snapshot = self._inputs(
-            request_id, parsed, model, view, headers, max_inflight_per_worker)
-        decision = self._forced(headers, parsed, candidates, snapshot) if headers else None
-        if decision is None:
-            decision = self.holder.policy.select(req, snapshot)
-        return self._plan(t0, now_s, parsed, model, view, match, predicted, req, decision)
-
     async def route(
         self, request_id: str, parsed: ParsedRequest, model: ModelConfig, view: PromptView,
         headers: Mapping[str, str], *, max_inflight_per_worker: int = 0,
     ) -> RoutePlan:
-        """Decide where the request goes.
+        """Decide where the request goes (every policy; the session store is awaited only under
+        ``session_sticky`` with a session key).
 
         Raises:
             NoWorkerError: no worker serves the model, or none is healthy and undrained (503 with the reason).
             InvalidFieldError: a forced worker that does not exist or does not serve the model.
         """
         holder = self.holder
-        t0, now_s, candidates, match, predicted, req, snapshot = self._inputs(
+        sticky = holder.sticky
+        t0, now_s, candidates, ticket, match, predicted, req, snapshot = self._inputs(
             request_id, parsed, model, view, headers, max_inflight_per_worker)
         session_key = req.session_key
         decision = self._forced(headers, parsed, candidates, snapshot) if headers else None
-        if decision is not None:
-            pass
-        elif holder.sticky is not None and session_key is not None:
-            sticky = holder.sticky
-            inner = sticky.select_inner(req, snapshot)
-            if inner.worker_id is None:
-                decision = inner
+        if decision is None:
+            if sticky is not None and session_key is not None:
+                decision = await self.ownership.claim(sticky, session_key, req, snapshot)
             else:
-                entry = await self._sessions.claim_or_touch(session_key, inner.worker_id)
-                decision = sticky.resolve(entry.worker_id, inner, snapshot, is_new=entry.is_new)
-                if decision.reason == "sticky_moved" and decision.worker_id is not None:
-                    if not await self._sessions.move(session_key, entry.worker_id, decision.worker_id):
-                        entry = await self._sessions.claim_or_touch(session_key, decision.worker_id)
-                        decision = sticky.resolve(entry.worker_id, inner, snapshot, is_new=entry.is_new)
-        else:
-            decision = holder.policy.select(req, snapshot)
-        return self._plan(t0, now_s, parsed, model, view, match, predicted, req, decision)
+                decision = holder.policy.select(req, snapshot)
+        return self._plan(t0, now_s, parsed, view, ticket, match, predicted, req, decision, sticky is not None)
 
     def _plan(
-        self, t0: float, now_s: float, parsed: ParsedRequest, model: ModelConfig, view: PromptView,
+        self, t0: float, now_s: float, parsed: ParsedRequest, view: PromptView, ticket: IndexTicket,
         match: MatchResult | None, predicted: dict[str, int], req: RequestView, decision: Decision,
+        is_session_sticky: bool,
     ) -> RoutePlan:
         """The plan for ``decision``: workers in order, pending or approximate index entries, the decision record.
 
@@ -426,11 +430,7 @@ class Router:
                 raise NoWorkerError(f"no worker available for model {parsed.model!r}: the chosen worker was removed",
                                     reason="worker_removed")
             chosen = workers[chosen_id]
-        pending = None
-        if view.block_hashes:
-            index = self._indexes.get(model.name)
-            if index is not None:
-                pending = self._insert_for(index, model, chosen, view, match, now_s)
+        ticket.insert_for(chosen, match, now_s)
         calibrator = self.holder.calibrator
         factor = calibrator.speed_factor(chosen_id) if calibrator is not None else 1.0
         decision_s = time.perf_counter() - t0
@@ -439,4 +439,4 @@ class Router:
             view.num_tokens, predicted[chosen_id], decision.scores, predicted, decision_s, now_s,
         ))
         return RoutePlan(decision, chosen, predicted, view.num_tokens, req.session_key, factor, decision_s, workers,
-                         pending, None, calibrator)
+                         ticket, calibrator, is_session_sticky)
