@@ -12,6 +12,7 @@ from aiohttp import web
 
 from router.app import GATEWAY, Gateway, build_app
 from router.config import GatewayConfig, parse_config
+from router.transport import Transport
 from tests.router.fakes import BLOCK_SIZE, FakeWorker
 
 TOKEN = "test-token"
@@ -57,8 +58,9 @@ def make_config(workers: list[FakeWorker], **overrides: Any) -> GatewayConfig:
 class LoopbackGateway:
     """The gateway app on a loopback port, with a client session while entered."""
 
-    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.app = build_app(config, clock=clock)
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic,
+                 transport: Transport | None = None) -> None:
+        self.app = build_app(config, clock=clock, transport=transport)
         self.runner = web.AppRunner(self.app, handler_cancellation=True)
         self.port = 0
         self.session: aiohttp.ClientSession | None = None
