@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 import aiohttp
@@ -88,16 +88,16 @@ class LoopbackGateway:
 
 class GatewayHarness(LoopbackGateway):
     def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic,
-                 workers: list[FakeWorker] | None = None) -> None:
-        self.workers = workers or []
-        super().__init__(config, clock)
+                 workers: Sequence[FakeWorker] | None = None, transport: Transport | None = None) -> None:
+        self.workers = list(workers or [])
+        super().__init__(config, clock, transport)
 
     async def __aenter__(self) -> Self:
         await super().__aenter__()
         await self.connect_events(self.workers)
         return self
 
-    async def connect_events(self, workers: list[FakeWorker]) -> None:
+    async def connect_events(self, workers: Sequence[FakeWorker]) -> None:
         """Publish empty batches until the gateway's subscriber has seen one from each worker (ZMQ slow joiner)."""
         for w in workers:
             if w.publisher is None:
@@ -137,3 +137,14 @@ def index_holds(gw: Gateway, worker_id: str, num_blocks: int) -> Callable[[], bo
         return sum(stats.num_blocks_by_worker.get(worker_id, {}).values()) >= num_blocks
 
     return check
+
+
+def load_counters(gw: Gateway) -> dict[str, tuple[int, int, int, int]]:
+    """Per worker: (requests in flight, pending prefill tokens, prompt tokens in flight, decoding requests)."""
+    return {w.worker_id: (w.num_inflight_requests, w.num_pending_prefill_tokens, w.num_inflight_prompt_tokens,
+                          w.num_decoding_requests) for w in gw.fleet.workers.values()}
+
+
+def is_idle(gw: Gateway) -> bool:
+    return (gw.admission.num_inflight == 0 and gw.admission.num_waiting == 0
+            and all(c == (0, 0, 0, 0) for c in load_counters(gw).values()))
