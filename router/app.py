@@ -79,7 +79,7 @@ class Gateway:
         policy_config = validate_policy(config.policy)
         self.holder = PolicyHolder(policy_config, build_policy(policy_config))
         self.transport: Transport = transport if transport is not None else AiohttpTransport(config.timeouts)
-        self.fleet = Fleet(config, self.transport, _Hooks(self), clock)  # type: ignore[arg-type]
+        self.fleet = Fleet(config, self.transport, _Hooks(self), clock)
         self.router = Router(
             self.fleet, self.indexes, self.sessions, self.holder,
             num_recent_decisions=config.admin.num_recent_decisions, clock=clock,

@@ -43,6 +43,7 @@ from events.errors import EventsConfigError
 from events.types import EventBatch
 from router.config import CircuitBreakerConfig, GatewayConfig, WorkerConfig, worker_block_size_error
 from router.errors import ConfigError, GatewayError, NotFoundError, TransportError
+from router.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -218,12 +219,6 @@ class WorkerRuntime:
         }
 
 
-class JsonGetter(Protocol):
-    """The part of the transport the fleet uses for health, load and snapshot calls."""
-
-    async def get_json(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, object]: ...
-
-
 class FleetHooks(Protocol):
     """What the fleet tells the rest of the gateway (index, subscriber, sessions, transport)."""
 
@@ -247,7 +242,7 @@ class Fleet:
     """Registry of workers with their health, load and accounting."""
 
     def __init__(
-        self, config: GatewayConfig, getter: JsonGetter, hooks: FleetHooks,
+        self, config: GatewayConfig, getter: Transport, hooks: FleetHooks,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config

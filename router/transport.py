@@ -1,7 +1,8 @@
 """The transport seam between the gateway and its workers.
 
-The proxy talks to workers only through ``Transport`` (``send(request) -> response``, ``aclose()``), like httpx's
-transports: ``AiohttpTransport`` for real workers (one pooled keep-alive connector per worker), and
+The gateway talks to workers only through ``Transport`` (the proxy's ``send(request) -> response``; the fleet's
+``get_json`` for health and load, ``get_with_headers`` for snapshots; ``remove_worker``, ``aclose()``), like
+httpx's transports: ``AiohttpTransport`` for real workers (one pooled keep-alive connector per worker), and
 ``MockTransport`` that answers from an async handler in memory, so proxy tests need no socket.
 
 An ``UpstreamResponse`` is returned once the status and headers arrived (the "first byte"); its body is read
@@ -14,6 +15,9 @@ chunk. A deadline that passes cancels the request's task: while it waits for the
 ``TransportTimeoutError``; while it waits for a body chunk, the read raises ``TransportTimeoutError`` (after the
 first byte); while the task is writing to its client, the cancellation ends the request there (the client's
 response is cut).
+
+aiohttp's errors become the gateway's (``router.errors``: ``TransportConnectError``, ``TransportTimeoutError``,
+``TransportError``) in one function, ``map_aiohttp_error``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 import aiohttp
 import msgspec
@@ -107,6 +111,15 @@ class Transport(Protocol):
         """
         ...
 
+    async def get_json(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, object]:
+        """GET ``url`` on the worker's pool (health and load checks): ``(status, body decoded as JSON, None when
+        empty or not JSON)``.
+
+        Raises:
+            TransportError: connect error or timeout.
+        """
+        ...
+
     async def remove_worker(self, worker_id: str, *, is_idle: Callable[[], bool] | None = None) -> None:
         """Close the worker's pooled connections: at once, or (``is_idle`` given) once ``is_idle()`` turns true,
         so requests in flight are relayed to their end first. A request sent under the same worker id afterwards
@@ -116,6 +129,43 @@ class Transport(Protocol):
     async def aclose(self) -> None:
         """Close every pooled connection."""
         ...
+
+
+Stage = Literal["headers", "body", "get"]
+"""Where an aiohttp error happened: waiting for a request's headers (before the first byte), reading its body
+(after it), or in a plain GET (health, load, snapshot)."""
+
+
+def map_aiohttp_error(exc: BaseException, stage: Stage, worker_id: str, url: str) -> TransportError:
+    """The gateway's error for an aiohttp (or timeout) error, the one place aiohttp's errors are mapped (as httpx's
+    ``map_httpcore_exceptions`` in ``httpx/_transports/default.py`` maps httpcore's)::
+
+        stage     TimeoutError (incl. aiohttp.ServerTimeoutError)   other aiohttp.ClientError
+        headers   TransportTimeoutError, before the first byte       TransportConnectError, before the first byte
+        get       TransportTimeoutError, before the first byte       TransportConnectError, before the first byte
+        body      TransportError, after the first byte               TransportError, after the first byte
+
+    Args:
+        exc: the error caught (a ``TimeoutError`` or an ``aiohttp.ClientError``).
+        stage: where it happened.
+        worker_id: the worker.
+        url: the URL requested.
+
+    Returns:
+        The error to raise ``from exc``.
+    """
+    if stage == "body":
+        return TransportError(f"upstream body broke: {exc!r}", worker_id=worker_id, endpoint=url,
+                              is_before_first_byte=False)
+    if isinstance(exc, TimeoutError):
+        if stage == "headers":
+            message = f"worker {worker_id} timed out before the first byte"
+        else:
+            message = f"GET {url} timed out"
+        return TransportTimeoutError(message, worker_id=worker_id, endpoint=url, is_before_first_byte=True)
+    name = exc.__class__.__name__
+    message = f"worker {worker_id} unreachable: {name}" if stage == "headers" else f"GET {url} failed: {name}"
+    return TransportConnectError(message, worker_id=worker_id, endpoint=url, is_before_first_byte=True)
 
 
 def _json_or_none(body: bytes) -> object:
@@ -161,10 +211,7 @@ class _ChunkIterator:
                 raise
             raise timeout from None
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise TransportError(
-                f"upstream body broke: {exc!r}", worker_id=self._worker_id, endpoint=self._url,
-                is_before_first_byte=False,
-            ) from exc
+            raise map_aiohttp_error(exc, "body", self._worker_id, self._url) from exc
         if not chunk:
             self._total.is_done = True
             raise StopAsyncIteration
@@ -196,10 +243,7 @@ class _AiohttpResponse:
                 raise
             raise timeout from None
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise TransportError(
-                f"upstream body broke: {exc!r}", worker_id=self._worker_id, endpoint=self._url,
-                is_before_first_byte=False,
-            ) from exc
+            raise map_aiohttp_error(exc, "body", self._worker_id, self._url) from exc
         self._total.is_done = True
         return body
 
@@ -370,18 +414,9 @@ class AiohttpTransport:
                 raise
             finally:
                 expiry.is_done = True
-        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             total.is_done = True
-            raise TransportTimeoutError(
-                f"worker {request.worker_id} timed out before the first byte", worker_id=request.worker_id,
-                endpoint=url, is_before_first_byte=True,
-            ) from exc
-        except aiohttp.ClientError as exc:
-            total.is_done = True
-            raise TransportConnectError(
-                f"worker {request.worker_id} unreachable: {exc.__class__.__name__}", worker_id=request.worker_id,
-                endpoint=url, is_before_first_byte=True,
-            ) from exc
+            raise map_aiohttp_error(exc, "headers", request.worker_id, url) from exc
         except BaseException:
             total.is_done = True
             raise
@@ -414,15 +449,8 @@ class AiohttpTransport:
                 async with session.get(url) as resp:
                     body = await resp.read()
                     return resp.status, {k.lower(): v for k, v in resp.headers.items()}, body
-        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise TransportTimeoutError(
-                f"GET {url} timed out", worker_id=worker_id, endpoint=url, is_before_first_byte=True
-            ) from exc
-        except aiohttp.ClientError as exc:
-            raise TransportConnectError(
-                f"GET {url} failed: {exc.__class__.__name__}", worker_id=worker_id, endpoint=url,
-                is_before_first_byte=True,
-            ) from exc
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise map_aiohttp_error(exc, "get", worker_id, url) from exc
 
     async def get_json(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, object]:
         """``get_bytes`` with the body decoded as JSON (``None`` when empty or not JSON)."""
