@@ -15,7 +15,7 @@ The path of a request, module by module::
       router.proxy.Proxy.forward   per attempt (best first, retried before the first byte): ``pre_request`` gives
                                  the attempt's ``WorkerLease`` (router.lease: in-flight counts, pending prefill
                                  tokens, the circuit breaker's verdict), router.transport sends it and the answer
-                                 is relayed byte for byte; ``on_response_header`` when an answer is relayed,
+                                 is relayed byte for byte; ``response_received`` when an answer is relayed,
                                  ``on_first_token`` at a stream's first chunk (the TTFT calibrator is fed here);
                                  every attempt releases its lease; returns the immutable ``ProxyOutcome``
       RequestFlight.finish         settles everything after the answer, once: the last lease released (again:
@@ -25,9 +25,10 @@ The path of a request, module by module::
                                  admission slot is given back
     router.api._handle           the response, or the outcome's error as OpenAI-style JSON (router.errors)
 
-The hooks are named after llm-d's request-control plugin points (pre-request, response-header, response-complete:
-``llm-d-inference-scheduler`` ``pkg/plugins/requestcontrol``): ``pre_request`` and ``on_response_header`` are
-called by the proxy, ``finish`` is the response-complete step.
+The hooks follow the request-control extension points of the Gateway API Inference Extension, which llm-d's
+scheduler plugs into (``pkg/epp/requestcontrol/plugins.go``): PreRequest (``pre_request``), ResponseReceived
+(``response_received``), the first ResponseStreaming (``on_first_token``), and ResponseComplete (``finish``), which
+there too runs after a full answer or after a failure or disconnect.
 
 A client that leaves (the handler is cancelled) ends the flight with an outcome built from what it saw: the worker
 served the request only if its answer began (for a stream: its first chunk) before the client left; the session is
@@ -141,7 +142,7 @@ class RequestFlight:
         self._relayed_status = None
         return lease
 
-    def on_response_header(self, lease: WorkerLease, status: int) -> None:
+    def response_received(self, lease: WorkerLease, status: int) -> None:
         """The answer of ``lease``'s worker, with ``status``, is being relayed (no retry after this)."""
         self._relayed_status = status
 

@@ -274,16 +274,18 @@ class ProxyOutcome(msgspec.Struct, frozen=True, gc=False):
 
 
 class AttemptHooks(Protocol):
-    """What the proxy tells the request's lifecycle (``router.lifecycle.RequestFlight``), named after llm-d's
-    request-control plugin points: ``pre_request`` before each attempt is sent, ``on_response_header`` when an
-    answer is relayed, ``on_first_token`` when a stream's first chunk arrives (the end of the answer is the
-    ``ProxyOutcome`` returned)."""
+    """What the proxy tells the request's lifecycle (``router.lifecycle.RequestFlight``), at the request-control
+    extension points of the Gateway API Inference Extension that llm-d's scheduler plugs into
+    (``pkg/epp/requestcontrol/plugins.go``): ``pre_request`` (PreRequest) before each attempt is sent,
+    ``response_received`` (ResponseReceived) when an answer's headers are accepted for relay, ``on_first_token``
+    (the first ResponseStreaming) when a stream's first chunk arrives; ResponseComplete is the lifecycle's
+    ``finish``, given the ``ProxyOutcome`` returned."""
 
     def pre_request(self, worker: WorkerRuntime, num_uncached_tokens: int) -> WorkerLease:
         """The attempt's lease on ``worker`` (acquired; the proxy releases it when the attempt ends)."""
         ...
 
-    def on_response_header(self, lease: WorkerLease, status: int) -> None:
+    def response_received(self, lease: WorkerLease, status: int) -> None:
         """The answer of ``lease``'s worker, with ``status``, is relayed (no retry after this)."""
         ...
 
@@ -380,7 +382,7 @@ class Proxy:
                     lease.record_failure(self._clock())
                 else:
                     lease.record_success()
-                hooks.on_response_header(lease, status)
+                hooks.response_received(lease, status)
                 headers = response_headers_of(resp.headers, worker.worker_id, predicted,
                                               plan.decision.reason if attempt == 0 else "retry", request_id)
                 if is_stream and resp.status == 200:
