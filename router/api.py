@@ -9,7 +9,7 @@ Routes::
                                                    passed; also with zero workers), else 503
     GET  /metrics                                  Prometheus text format
 
-Every error is an OpenAI-style JSON body (``router.errors`` gives the status); ``add_json_fallbacks`` answers
+Every error is an OpenAI-style JSON body (``router.errors`` gives the status); ``_add_json_fallbacks`` answers
 unknown paths and methods the same way.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -43,8 +42,6 @@ from router.request_view import RequestKind, parse_request
 
 if TYPE_CHECKING:
     from router.app import Gateway
-
-logger = logging.getLogger(__name__)
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway")
 """The app's ``Gateway`` (built and stored by ``router.app.build_app``)."""
@@ -86,7 +83,9 @@ def _add_json_fallbacks(app: web.Application) -> None:
 
 
 async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
-    """The routed endpoints (``completions``, ``chat_completions``): see the module docstring."""
+    """The routed endpoints (``completions``, ``chat_completions``): read the body (limit), ``parse_request``
+    (msgspec, routing fields only), the model's ``ModelTokenizer.view`` (incremental), an admission slot; then the
+    request's ``RequestFlight`` (``router.lifecycle``) routes, forwards and settles it."""
     gw = request.app[GATEWAY]
     t0 = time.perf_counter()
     client_headers = gw.client_headers.read(request.raw_headers, request.headers)
