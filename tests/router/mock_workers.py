@@ -14,12 +14,12 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
+from common.tokenization import encode_chat, encode_prompt, normalize_messages
 from router.config import GatewayConfig
 from router.errors import TransportConnectError
 from router.transport import MockResponse, MockTransport, UpstreamRequest
 from tests.router.fakes import FakeWorker
 from tests.router.harness import GatewayHarness
-from workers.tokenization import encode_chat, encode_prompt, normalize_messages
 
 
 class _Stream(MockResponse):
