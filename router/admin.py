@@ -27,12 +27,12 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
 
 import msgspec
 from aiohttp import web
 
 from policies import PolicyError, build_policy, decode_policy_config, encode_policy_config
+from router.api import error_response
 from router.config import decode_worker
 from router.errors import (
     AuthError,
@@ -43,7 +43,7 @@ from router.errors import (
     NotFoundError,
     unreadable_body_error,
 )
-from router.index import UnknownWorkerError
+from router.gateway import GATEWAY
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +124,6 @@ def _guard(token: str | None, handler: Handler) -> Handler:
     expected = token.encode("utf-8", "surrogateescape") if token is not None else None
 
     async def guarded(request: web.Request) -> web.StreamResponse:
-        from router.app import error_response
-
         try:
             if expected is not None:
                 credentials = _bearer_credentials(_authorization_bytes(request))
@@ -144,49 +142,37 @@ def _guard(token: str | None, handler: Handler) -> Handler:
 
 
 async def list_workers(request: web.Request) -> web.StreamResponse:
-    from router.app import GATEWAY
-
     gw = request.app[GATEWAY]
     now_s = gw.clock()
     return _json({"workers": [w.info(now_s) for w in gw.fleet.workers.values()]})
 
 
 async def add_worker(request: web.Request) -> web.StreamResponse:
-    from router.app import GATEWAY
-
     gw = request.app[GATEWAY]
-    worker = await gw.fleet.add(decode_worker(await _body(request)))
+    worker = await gw.add_worker(decode_worker(await _body(request)))
     await gw.fleet.probe_added(worker)  # the answer tells whether it is reachable
     return _json(worker.info(gw.clock()), status=201)
 
 
 async def remove_worker(request: web.Request) -> web.StreamResponse:
-    from router.app import GATEWAY
-
     gw = request.app[GATEWAY]
-    worker = await gw.fleet.remove(request.match_info["worker_id"])
+    worker = await gw.remove_worker(request.match_info["worker_id"])
     return _json({"removed": worker.worker_id})
 
 
 async def drain_worker(request: web.Request) -> web.StreamResponse:
-    from router.app import GATEWAY
-
     gw = request.app[GATEWAY]
     worker = gw.fleet.set_draining(request.match_info["worker_id"], True)
     return _json(worker.info(gw.clock()))
 
 
 async def undrain_worker(request: web.Request) -> web.StreamResponse:
-    from router.app import GATEWAY
-
     gw = request.app[GATEWAY]
     worker = gw.fleet.set_draining(request.match_info["worker_id"], False)
     return _json(worker.info(gw.clock()))
 
 
 async def list_sessions(request: web.Request) -> web.StreamResponse:
-    from router.app import GATEWAY
-
     gw = request.app[GATEWAY]
     entries = await gw.sessions.list_sessions(_limit(request))
     return _json({"num_sessions": await gw.sessions.num_sessions(),
@@ -194,8 +180,6 @@ async def list_sessions(request: web.Request) -> web.StreamResponse:
 
 
 async def drop_session(request: web.Request) -> web.StreamResponse:
-    from router.app import GATEWAY
-
     gw = request.app[GATEWAY]
     key = request.match_info["key"]
     if not await gw.sessions.drop(key):
@@ -204,8 +188,6 @@ async def drop_session(request: web.Request) -> web.StreamResponse:
 
 
 async def index_stats(request: web.Request) -> web.StreamResponse:
-    from router.app import GATEWAY
-
     gw = request.app[GATEWAY]
     return _json({name: msgspec.to_builtins(index.stats()) for name, index in gw.indexes.items()})
 
@@ -245,26 +227,17 @@ async def clear_index(request: web.Request) -> web.StreamResponse:
     is not a string); an unknown worker is a 404. Answers ``{"cleared": [<worker ids>]}``.
 
     A cleared worker that publishes events is then re-warmed as after a resync the fleet detects
-    (``Fleet.mark_resync``): it is routed on approximate entries meanwhile, and its entries are rebuilt from its
+    (``router.event_path``): it is routed on approximate entries meanwhile, and its entries are rebuilt from its
     snapshot where it serves one (``snapshot_path``, with ``events.warmup_from_snapshot``), else from its new
     events; it turns warm again when the snapshot is applied (or on its first event batch). So its predictions
     recover while it still holds the blocks. A worker without events keeps routing in approximate mode.
     """
-    from router.app import GATEWAY
-
     gw = request.app[GATEWAY]
     worker_id = _clear_target(await _body(request))
     targets = [gw.fleet.get(worker_id)] if worker_id is not None else list(gw.fleet.workers.values())
     cleared = []
     for worker in targets:
-        index = gw.index_for(worker)
-        if index is not None:
-            with suppress(UnknownWorkerError):  # nothing indexed for it yet: nothing to clear
-                index.clear_worker(worker.worker_id)
-            if worker.config.has_events:
-                gw.fleet.mark_resync(worker.worker_id)
-            cleared.append(worker.worker_id)
-        elif worker_id is not None:
+        if gw.events.clear_worker(worker.worker_id) or worker_id is not None:
             cleared.append(worker.worker_id)
     logger.info("admin: index entries of %s cleared; workers publishing events re-warm",
                 ", ".join(cleared) or "no worker")
@@ -272,8 +245,6 @@ async def clear_index(request: web.Request) -> web.StreamResponse:
 
 
 async def get_policy(request: web.Request) -> web.StreamResponse:
-    from router.app import GATEWAY
-
     gw = request.app[GATEWAY]
     calibrator = gw.holder.calibrator
     return _json({
@@ -285,8 +256,6 @@ async def get_policy(request: web.Request) -> web.StreamResponse:
 async def put_policy(request: web.Request) -> web.StreamResponse:
     """Validate, build and install a new policy; on any error the old one keeps serving. The body is a policy
     object, or ``GET /admin/policy``'s answer (the policy under ``"policy"``)."""
-    from router.app import GATEWAY
-
     gw = request.app[GATEWAY]
     raw = await _read(request)
     payload: object = raw
@@ -309,8 +278,6 @@ async def put_policy(request: web.Request) -> web.StreamResponse:
 
 
 async def recent_decisions(request: web.Request) -> web.StreamResponse:
-    from router.app import GATEWAY
-
     gw = request.app[GATEWAY]
     records = list(gw.router.recent)[-_limit(request):]
     records.reverse()

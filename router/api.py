@@ -19,7 +19,6 @@ import asyncio
 import functools
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
@@ -37,14 +36,9 @@ from router.errors import (
     unreadable_body_error,
 )
 from router.fleet import WorkerRuntime
+from router.gateway import GATEWAY
 from router.proxy import REQUEST_ID_HEADER
 from router.request_view import RequestKind, parse_request
-
-if TYPE_CHECKING:
-    from router.app import Gateway
-
-GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway")
-"""The app's ``Gateway`` (built and stored by ``router.app.build_app``)."""
 
 
 def error_response(exc: GatewayError, request_id: str | None = None) -> web.Response:

@@ -201,11 +201,11 @@ def pod_to_worker(config: DiscoveryConfig, pod: Mapping[str, Any]) -> WorkerConf
 
 
 class WorkerRegistry(Protocol):
-    """The part of ``router.fleet.Fleet`` discovery drives."""
+    """What discovery drives: the gateway's worker registration (``router.gateway.Gateway``)."""
 
-    async def add(self, config: WorkerConfig) -> object: ...
+    async def add_worker(self, config: WorkerConfig) -> object: ...
 
-    async def remove(self, worker_id: str) -> object: ...
+    async def remove_worker(self, worker_id: str) -> object: ...
 
 
 class ResourceVersionExpired(Exception):
@@ -246,7 +246,7 @@ class PodDiscovery:
     async def _remove(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
         try:
-            await self._registry.remove(worker_id)
+            await self._registry.remove_worker(worker_id)
         except GatewayError as exc:  # removed meanwhile through the admin API
             logger.info("discovered worker %s already gone: %s", worker_id, exc)
 
@@ -261,7 +261,7 @@ class PodDiscovery:
         if worker is None:
             return
         try:
-            await self._registry.add(worker)
+            await self._registry.add_worker(worker)
         except ConfigError as exc:
             logger.warning("pod %s not added: %s", name, exc.message)
             return

@@ -1,25 +1,20 @@
-"""The workers behind the gateway: registry, health, circuit breakers, load, warm-up and in-flight accounting.
+"""The workers behind the gateway: registry, health, circuit breakers, load and in-flight accounting.
 
 ``Fleet`` owns one ``WorkerRuntime`` per worker, in configuration order (then admin additions). Health and load
 are learned by background loops (``run_health_checks``, ``run_load_polling``) started from the app's
 ``cleanup_ctx``; the request path only reads plain attributes.
 
-Worker lifecycle::
+Worker lifecycle (the index side of it lives in ``router.event_path``)::
 
     added ──(events worker)──► warming ──(snapshot applied | first event batch | ready timeout)──► warm
        └──(no events: approximate mode)──────────────────────────────────────────────────────────► warm
     warm ──(Resync from the subscriber)──► warming (index cleared; routed on approximate entries meanwhile)
     any  ──drain──► draining (no new requests; in-flight streams finish) ──undrain──► back
-    any  ──remove──► gone: subscriber stops, index entries cleared, sessions dropped (their next request is
-                     routed afresh and claims a new owner), pooled connections closed
+    any  ──remove──► gone
 
-Snapshot splice (a worker with one dp rank and a snapshot endpoint, e.g. the reference worker's
-``GET /kv/snapshot``): while the snapshot is fetched, live batches are held (``WorkerRuntime.backlog``). The
-snapshot's ``x-kvgate-last-seq`` header is the seq of the last batch published before it was taken; after it is
-applied, held and later live batches with ``seq <= last_seq`` are dropped (already in the snapshot) and the rest
-applied in order. If the first batch after the snapshot is not ``last_seq + 1`` (the subscriber joined late and
-missed some), the snapshot is fetched again. A worker whose snapshot cannot be had (no endpoint, 404 as on vLLM,
-unreachable) gets its held batches applied and turns warm on its first event batch.
+``Fleet.add`` and ``Fleet.remove`` only register and forget the worker; the gateway (``router.gateway.Gateway``
+``add_worker``/``remove_worker``) wires the rest: event subscription and warm-up, index entries, sessions,
+pooled connections.
 
 Health: ``failure_threshold`` consecutive failed checks mark a worker unhealthy, ``success_threshold``
 consecutive successes mark it healthy again. Circuit breaker (per worker, over proxied requests): closed →
@@ -33,24 +28,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import suppress
 from enum import IntEnum
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any
 
 import msgspec
 
-from events.errors import EventsConfigError
-from events.types import EventBatch
 from router.config import CircuitBreakerConfig, GatewayConfig, WorkerConfig, worker_block_size_error
-from router.errors import ConfigError, GatewayError, NotFoundError, TransportError
+from router.errors import ConfigError, NotFoundError, TransportError
 from router.transport import Transport
 
 logger = logging.getLogger(__name__)
-
-MAX_BACKLOG_BATCHES = 10_000
-"""Live batches held per worker while its snapshot is fetched; past it the snapshot is given up (events only)."""
-MAX_SNAPSHOT_ATTEMPTS = 5
-"""Snapshots fetched again in a row because the first batch after the previous one was not its next seq."""
 
 
 class CircuitState(IntEnum):
@@ -150,10 +137,6 @@ class WorkerRuntime:
         num_decoding_requests: requests past their first byte and not finished.
         load: last polled load, or ``None``.
         start_id: last seen start id.
-        backlog: live event batches held while the snapshot is fetched, or ``None`` when not holding.
-        snapshot_last_seq: while set, live batches with ``seq <= snapshot_last_seq`` are already in the applied
-            snapshot and are dropped; the next one must be ``snapshot_last_seq + 1``.
-        is_warm_on_first_batch: no snapshot could be applied: the first event batch makes the worker warm.
     """
 
     def __init__(self, config: WorkerConfig, block_size: int, breaker: CircuitBreakerConfig) -> None:
@@ -171,13 +154,21 @@ class WorkerRuntime:
         self.num_decoding_requests = 0
         self.load: WorkerLoad | None = None
         self.start_id: str | int | None = None
-        self.backlog: list[EventBatch] | None = None
-        self.snapshot_last_seq: int | None = None
-        self.is_warm_on_first_batch = False
-        self.num_snapshot_refetches = 0
         self.has_logged_bad_load = False
         self._num_health_failures = 0
         self._num_health_successes = 0
+
+    def mark_warm(self) -> None:
+        """The worker's index entries are usable (snapshot applied or first event batch seen)."""
+        if not self.is_warm:
+            self.is_warm = True
+            self.is_approximate = not self.config.has_events
+            logger.info("worker %s index warm", self.worker_id)
+
+    def mark_cold(self) -> None:
+        """The worker's index entries were cleared: route it on approximate entries until it is warm again."""
+        self.is_warm = False
+        self.is_approximate = True
 
     def record_health(self, is_ok: bool, failure_threshold: int, success_threshold: int) -> bool:
         """Fold one health check result in; returns True when ``is_healthy`` changed."""
@@ -219,39 +210,26 @@ class WorkerRuntime:
         }
 
 
-class FleetHooks(Protocol):
-    """What the fleet tells the rest of the gateway (index, subscriber, sessions, transport)."""
-
-    async def on_worker_added(self, worker: WorkerRuntime) -> None: ...
-
-    async def on_worker_removed(self, worker: WorkerRuntime) -> None: ...
-
-    def on_start_id_changed(self, worker: WorkerRuntime, start_id: str | int) -> None: ...
-
-    async def warm_up(self, worker: WorkerRuntime) -> int | None:
-        """Fetch the worker's snapshot and apply it to the index; returns its ``last_seq`` (-1: nothing published
-        before it), or ``None`` when there is no snapshot to be had."""
-        ...
-
-    def apply_batches(self, worker: WorkerRuntime, batches: Sequence[EventBatch]) -> None:
-        """Apply live batches of the worker to its index, in order."""
-        ...
-
-
 class Fleet:
     """Registry of workers with their health, load and accounting."""
 
     def __init__(
-        self, config: GatewayConfig, getter: Transport, hooks: FleetHooks,
-        clock: Callable[[], float] = time.monotonic,
+        self, config: GatewayConfig, getter: Transport, *, clock: Callable[[], float] = time.monotonic,
+        on_start_id_changed: Callable[[WorkerRuntime, str | int], None] | None = None,
     ) -> None:
+        """Args:
+            config: the gateway config (models, health, load polling, circuit breaker, ready timeout).
+            getter: health and load GETs (the transport).
+            clock: monotonic clock in seconds.
+            on_start_id_changed: told each new start id a load answer reports (the event path: the subscriber
+                checks whether the worker's publisher restarted).
+        """
         self._config = config
         self._getter = getter
-        self._hooks = hooks
         self._clock = clock
+        self._on_start_id_changed = on_start_id_changed
         self.workers: dict[str, WorkerRuntime] = {}
         self._by_model: dict[str, tuple[WorkerRuntime, ...]] = {}
-        self._warmups: dict[str, asyncio.Task[None]] = {}
         self.started_at_s = clock()
 
     # -- registry ----------------------------------------------------------------------------------------------
@@ -294,17 +272,12 @@ class Fleet:
                 names.extend(a for a in model.lora_adapters if a not in names)
         return names
 
-    async def add(self, config: WorkerConfig) -> WorkerRuntime:
-        """Register a worker, start its event subscription and its warm-up.
-
-        All or nothing: when starting the worker's event subscription fails (for any reason: an endpoint ZMQ
-        refuses, ZMQ out of sockets after some of its dp ranks were subscribed...), what was started is undone and
-        the worker is not registered.
+    def add(self, config: WorkerConfig) -> WorkerRuntime:
+        """Validate and register a worker (nothing is started: see ``router.gateway.Gateway.add_worker``).
 
         Raises:
-            ConfigError: duplicate id, unknown model, a block size that is not a multiple of its model's, or an
-                events endpoint that cannot be connected.
-            GatewayError: the event subscription failed otherwise (an internal failure, status 500).
+            ConfigError: duplicate id, unknown model, a block size that is not a multiple of its model's, or the
+                bind topology without ``events.bind_endpoint``.
         """
         if config.id in self.workers:
             raise ConfigError(f"worker: id {config.id!r} already exists")
@@ -319,30 +292,10 @@ class Fleet:
         worker = WorkerRuntime(config, self._block_size(config), self._config.circuit_breaker)
         self.workers[config.id] = worker
         self._reindex()
-        try:
-            await self._hooks.on_worker_added(worker)
-        except Exception as exc:  # undo, leave nothing behind
-            del self.workers[config.id]
-            self._reindex()
-            try:
-                await self._hooks.on_worker_removed(worker)
-            except Exception:
-                logger.exception("worker %s: undoing its partial start failed", config.id)
-            if isinstance(exc, EventsConfigError):  # e.g. an events endpoint ZMQ refuses
-                raise ConfigError(f"worker {config.id!r}: events_endpoint: {exc}", param="events_endpoint") from exc
-            logger.error("worker %s: its event subscription could not start (%s: %s); not added", config.id,
-                         type(exc).__name__, exc)
-            raise GatewayError(
-                f"worker {config.id!r} was not added: its event subscription (events_endpoint "
-                f"{config.events_endpoint!r}, dp_ranks {config.dp_ranks}) could not start "
-                f"({type(exc).__name__}: {exc})") from exc
-        if config.has_events:
-            self.start_warmup(worker)
-        logger.info("worker %s added (%s, model %s)", config.id, config.url, config.model)
         return worker
 
-    async def remove(self, worker_id: str) -> WorkerRuntime:
-        """Forget a worker: its index entries, sessions, subscription and connections go at once.
+    def remove(self, worker_id: str) -> WorkerRuntime:
+        """Forget a worker (no new request is routed to it).
 
         Raises:
             NotFoundError: no such worker.
@@ -350,13 +303,6 @@ class Fleet:
         worker = self.get(worker_id)
         del self.workers[worker_id]
         self._reindex()
-        task = self._warmups.pop(worker_id, None)
-        if task is not None:
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
-        await self._hooks.on_worker_removed(worker)
-        logger.info("worker %s removed", worker_id)
         return worker
 
     def set_draining(self, worker_id: str, is_draining: bool) -> WorkerRuntime:
@@ -370,158 +316,13 @@ class Fleet:
         logger.info("worker %s %s", worker_id, "draining" if is_draining else "undrained")
         return worker
 
-    # -- readiness and warm-up ---------------------------------------------------------------------------------
+    # -- readiness ---------------------------------------------------------------------------------------------
 
     def is_ready(self) -> bool:
         """Every worker is warm, or the ready timeout has passed (also true with zero workers)."""
         if self._clock() - self.started_at_s >= self._config.ready_timeout_s:
             return True
         return all(w.is_warm for w in self.workers.values())
-
-    def mark_warm(self, worker_id: str) -> None:
-        """The worker's index entries are usable (snapshot applied or first event batch seen)."""
-        worker = self.workers.get(worker_id)
-        if worker is not None and not worker.is_warm:
-            worker.is_warm = True
-            worker.is_approximate = not worker.config.has_events
-            logger.info("worker %s index warm", worker_id)
-
-    def mark_resync(self, worker_id: str) -> None:
-        """The worker's index was cleared: route it on approximate entries and rebuild from its snapshot."""
-        worker = self.workers.get(worker_id)
-        if worker is None:
-            return
-        worker.is_warm = False
-        worker.is_approximate = True
-        self.start_warmup(worker)
-
-    def _splices(self, worker: WorkerRuntime) -> bool:
-        """Whether the worker's live batches are spliced with its snapshot (module docstring)."""
-        return (
-            self._config.events.warmup_from_snapshot
-            and worker.config.snapshot_path is not None
-            and worker.config.dp_ranks == 1
-        )
-
-    def start_warmup(self, worker: WorkerRuntime) -> None:
-        """(Re)start the worker's warm-up task; live batches are held from now until its snapshot is applied."""
-        old = self._warmups.pop(worker.worker_id, None)
-        if old is not None and not old.done():
-            old.cancel()
-        worker.snapshot_last_seq = None
-        worker.is_warm_on_first_batch = False
-        if self._splices(worker):
-            if worker.backlog is None:
-                worker.backlog = []
-        else:
-            worker.is_warm_on_first_batch = True
-        self._warmups[worker.worker_id] = asyncio.get_running_loop().create_task(
-            self._warmup(worker), name=f"warmup-{worker.worker_id}"
-        )
-
-    def admit(self, worker: WorkerRuntime, batch: EventBatch) -> Sequence[EventBatch]:
-        """A live batch of ``worker`` arrived: the batches to apply to its index now (module docstring).
-
-        Holds the batch while a snapshot is fetched, drops it when the applied snapshot already has it, and
-        fetches a new snapshot when batches between the snapshot and it were missed.
-        """
-        if worker.backlog is not None:
-            worker.backlog.append(batch)
-            if len(worker.backlog) <= MAX_BACKLOG_BATCHES:
-                return ()
-            logger.warning("worker %s: over %d batches held for its snapshot; warming from events only",
-                           worker.worker_id, MAX_BACKLOG_BATCHES)
-            task = self._warmups.pop(worker.worker_id, None)
-            if task is not None:
-                task.cancel()
-            held, worker.backlog = worker.backlog, None
-            worker.is_warm_on_first_batch = True
-            self._mark_warm_on_batch(worker)
-            return held
-        if worker.snapshot_last_seq is not None:
-            verdict = self._after_snapshot(worker, batch)
-            if verdict == "refetch":
-                self.start_warmup(worker)
-                assert worker.backlog is not None  # start_warmup holds batches for a splicing worker
-                worker.backlog.append(batch)
-            if verdict != "apply":
-                return ()
-        self._mark_warm_on_batch(worker)
-        return (batch,)
-
-    @staticmethod
-    def _after_snapshot(worker: WorkerRuntime, batch: EventBatch) -> Literal["apply", "drop", "refetch"]:
-        """A batch after the applied snapshot: in it already, the next one, or past a hole.
-
-        A batch the subscriber does not deliver (no events) also looks like a hole; the refetches are bounded.
-        """
-        last_seq = worker.snapshot_last_seq
-        assert last_seq is not None  # callers check
-        if batch.seq <= last_seq:
-            return "drop"
-        if batch.seq != last_seq + 1 and worker.num_snapshot_refetches < MAX_SNAPSHOT_ATTEMPTS:
-            worker.num_snapshot_refetches += 1
-            logger.info("worker %s: batches %d..%d after its snapshot were not seen; fetching it again",
-                        worker.worker_id, last_seq + 1, batch.seq - 1)
-            return "refetch"
-        worker.snapshot_last_seq = None
-        worker.num_snapshot_refetches = 0
-        return "apply"
-
-    def _mark_warm_on_batch(self, worker: WorkerRuntime) -> None:
-        if not worker.is_warm and worker.is_warm_on_first_batch:
-            self.mark_warm(worker.worker_id)
-
-    def _splice(self, worker: WorkerRuntime, last_seq: int) -> bool:
-        """The snapshot up to ``last_seq`` was applied: apply the held batches after it; False on a hole."""
-        held, worker.backlog = worker.backlog or [], None
-        worker.snapshot_last_seq = last_seq
-        for i, batch in enumerate(held):
-            if worker.snapshot_last_seq is not None:
-                verdict = self._after_snapshot(worker, batch)
-                if verdict == "drop":
-                    continue
-                if verdict == "refetch":
-                    worker.snapshot_last_seq = None
-                    worker.backlog = held[i:]
-                    return False
-            self._hooks.apply_batches(worker, (batch,))
-        return True
-
-    async def _warmup(self, worker: WorkerRuntime) -> None:
-        try:
-            while True:
-                last_seq = await self._hooks.warm_up(worker)
-                if last_seq is None:
-                    break
-                if not self._splices(worker):
-                    self.mark_warm(worker.worker_id)
-                    return
-                if self._splice(worker, last_seq):
-                    self.mark_warm(worker.worker_id)
-                    return
-                logger.info("worker %s: its snapshot misses live batches; fetching it again", worker.worker_id)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("warm-up of worker %s failed; waiting for its events", worker.worker_id)
-        # No usable snapshot: apply what was held and turn warm on events.
-        held, worker.backlog = worker.backlog or [], None
-        worker.snapshot_last_seq = None
-        worker.is_warm_on_first_batch = True
-        if held:
-            self._hooks.apply_batches(worker, held)
-            self.mark_warm(worker.worker_id)
-        logger.info("worker %s: no snapshot; its index warms from its events", worker.worker_id)
-
-    async def aclose(self) -> None:
-        """Cancel warm-up tasks."""
-        tasks, self._warmups = list(self._warmups.values()), {}
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with suppress(asyncio.CancelledError):
-                await task
 
     # -- background loops --------------------------------------------------------------------------------------
 
@@ -583,7 +384,8 @@ class Fleet:
             if load.start_id is not None and load.start_id != worker.start_id:
                 is_restart = worker.start_id is not None
                 worker.start_id = load.start_id
-                self._hooks.on_start_id_changed(worker, load.start_id)
+                if self._on_start_id_changed is not None:
+                    self._on_start_id_changed(worker, load.start_id)
                 if is_restart:
                     logger.warning("worker %s restarted (start id %s)", worker.worker_id, load.start_id)
 

@@ -31,11 +31,17 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from events.counters import EventCounters
+from router.admission import Admission
+from router.fleet import Fleet
+from router.index import PrefixIndex
+from router.sessions.base import SessionStore
 
 logger = logging.getLogger(__name__)
 
@@ -240,3 +246,79 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The text exposition format of every series."""
         return generate_latest(self.registry)
+
+
+def gateway_samples(
+    *, fleet: Fleet, indexes: Mapping[str, PrefixIndex], event_counters: Callable[[], EventCounters | None],
+    sessions: SessionStore, admission: Admission, clock: Callable[[], float],
+) -> list[MetricSample]:
+    """The scrape-time series of the gateway's components (``GatewayMetrics.add_callback``): worker health,
+    drain and circuit states, pending prefill tokens, index sizes and counters, event stream counters (once the
+    subscriber runs: ``event_counters`` returns ``None`` before), session store stats, admission.
+
+    Reading a circuit breaker's state lets an open one turn half-open after its ``open_s``, as a request would.
+    """
+    out: list[MetricSample] = []
+    now_s = clock()
+    for worker in fleet.workers.values():
+        wid = worker.worker_id
+        out.append(("gauge", "kvgate_worker_healthy", "1 when the worker passes health checks.",
+                    {"worker": wid}, float(worker.is_healthy)))
+        out.append(("gauge", "kvgate_worker_draining", "1 while the worker is drained.",
+                    {"worker": wid}, float(worker.is_draining)))
+        worker.breaker.allows(now_s)
+        out.append(("gauge", "kvgate_circuit_state", "Circuit breaker: 0 closed, 1 open, 2 half-open.",
+                    {"worker": wid}, float(worker.breaker.state)))
+        out.append(("gauge", "kvgate_pending_prefill_tokens", "Prompt tokens sent and not yet prefilled.",
+                    {"worker": wid}, float(worker.num_pending_prefill_tokens)))
+    for name, index in indexes.items():
+        stats = index.stats()
+        out.append(("gauge", "kvgate_index_entries", "Indexed blocks per model index.", {"model": name},
+                    float(stats.num_blocks)))
+        out.append(("gauge", "kvgate_index_approx_blocks", "Approximate (unconfirmed) blocks.",
+                    {"model": name}, float(stats.num_approx_blocks)))
+        for wid, media in stats.num_blocks_by_worker.items():
+            for medium, n in media.items():
+                out.append(("gauge", "kvgate_index_blocks", "Blocks held per worker and tier.",
+                            {"worker": wid, "medium": medium}, float(n)))
+        for counter, n in stats.counters.items():
+            out.append(("counter", "kvgate_index_events", "Index event and maintenance counters.",
+                        {"model": name, "counter": counter}, float(n)))
+    counters = event_counters()
+    if counters is not None:
+        for kind, n in counters.drops_by_kind().items():
+            out.append(("counter", "kvgate_event_drops", "Malformed or refused events by kind.",
+                        {"kind": str(kind)}, float(n)))
+        for key, value in _counter_fields(counters).items():
+            out.append(("counter", "kvgate_event_stream", "Event stream counters (batches, gaps, replays...).",
+                        {"counter": key}, float(value)))
+    s = sessions.stats()
+    out.append(("gauge", "kvgate_sessions_live", "Live sessions.", {}, float(s.num_live_sessions)))
+    out.append(("counter", "kvgate_sessions_expired", "Sessions expired.", {}, float(s.num_expired_total)))
+    out.append(("counter", "kvgate_sessions_moved", "Sessions moved.", {}, float(s.num_moved_total)))
+    out.append(("counter", "kvgate_sessions_created", "Sessions created.", {}, float(s.num_created_total)))
+    out.append(("gauge", "kvgate_sessions_store_degraded",
+                "1 while the shared session store is unreachable and the local fallback answers.", {},
+                float(s.is_degraded)))
+    out.append(("counter", "kvgate_sessions_store_fallbacks", "Switches to the local session fallback.", {},
+                float(s.num_fallbacks_total)))
+    out.append(("gauge", "kvgate_admission_inflight", "Admitted requests in flight.", {},
+                float(admission.num_inflight)))
+    out.append(("gauge", "kvgate_admission_waiting", "Requests waiting for admission.", {},
+                float(admission.num_waiting)))
+    return out
+
+
+def _counter_fields(counters: EventCounters) -> dict[str, int]:
+    """Totals of the subscriber's ``EventCounters`` (batches, gaps, replays, disconnects...; resyncs as
+    ``num_resyncs``). Each is a ``Counter`` keyed by worker or endpoint; a plain int is taken as is."""
+    out: dict[str, int] = {}
+    for name in dir(counters):
+        if name.startswith("num_") or name == "resyncs":
+            value = getattr(counters, name, None)
+            key = "num_resyncs" if name == "resyncs" else name
+            if isinstance(value, int) and not isinstance(value, bool):
+                out[key] = value
+            elif isinstance(value, Mapping):
+                out[key] = int(sum(value.values()))
+    return out

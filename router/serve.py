@@ -3,11 +3,11 @@
 Loads the YAML (``router.config.load_config``), warns about models tokenized byte-level, builds the app
 (``router.app.build_app``), binds the listen address and only then starts the app (KV event subscriptions,
 workers, background tasks) and serves it with aiohttp on uvloop when available. An address that cannot be bound
-(a port another process holds) or a start-up that fails stops everything already started and exits with status 2
-and one error line, as a bad config does. ``SIGINT``/``SIGTERM`` stop it cleanly: the listener closes, in-flight
-requests get ``shutdown_timeout_s`` to finish, then every background task is cancelled and awaited
-(``cleanup_ctx``). A client disconnect cancels its handler (``handler_cancellation``), which closes the upstream
-request.
+(a port another process holds) or a start-up that fails stops everything already started (each resource's cleanup
+context in ``router.gateway`` closes it) and exits with status 2 and one error line, as a bad config does.
+``SIGINT``/``SIGTERM`` stop it cleanly: the listener closes, in-flight requests get ``shutdown_timeout_s`` to
+finish, then every background task is cancelled and awaited (``cleanup_ctx``). A client disconnect cancels its
+handler (``handler_cancellation``), which closes the upstream request.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from aiohttp import web
 from common.errors import ListenError
 from common.listen import BACKLOG, bind_tcp, listen_address, zmq_bind_message
 from events.errors import EventsConfigError
-from router.app import GATEWAY, build_app
+from router.app import build_app
 from router.config import GatewayConfig, load_config
 from router.errors import ConfigError, GatewayError
 
@@ -60,21 +60,6 @@ def warn_byte_level_tokenizers(config: GatewayConfig) -> None:
             )
 
 
-async def _undo_partial_start(app: web.Application) -> None:
-    """Close what the app's start-up opened before it failed.
-
-    The start-up context of ``router.app`` releases its parts only once it has started; one that fails half-way
-    (the subscriber's bind endpoint taken, a worker refused) leaves the subscriber, the fleet's warm-up tasks,
-    the session store and the transport open. Each close here is idempotent.
-    """
-    gw = app[GATEWAY]
-    await gw.fleet.aclose()
-    if gw.subscriber is not None:
-        await gw.subscriber.aclose()
-    await gw.sessions.aclose()
-    await gw.transport.aclose()
-
-
 async def serve(config: GatewayConfig, *, host: str | None = None, port: int | None = None) -> None:
     """Run the gateway until SIGINT or SIGTERM.
 
@@ -104,9 +89,8 @@ async def serve(config: GatewayConfig, *, host: str | None = None, port: int | N
     loop = asyncio.get_running_loop()
     try:
         try:
-            await runner.setup()
+            await runner.setup()  # a failure half-way: ``runner.cleanup`` below leaves what was entered
         except BaseException as exc:
-            await _undo_partial_start(app)
             if isinstance(exc, EventsConfigError):  # the subscriber's bind endpoint (workers' are ConfigErrors)
                 raise ConfigError(zmq_bind_message(exc, "events.bind_endpoint")) from exc
             if type(exc) is GatewayError:  # a worker whose event subscription failed otherwise (ZMQ out of sockets)

@@ -15,8 +15,9 @@ from aiohttp import web
 
 pytest.importorskip("kubernetes_asyncio", reason="kubernetes_asyncio not installed (the k8s extra)")
 
-from router.app import GATEWAY, build_app  # noqa: E402
+from router.app import build_app  # noqa: E402
 from router.config import parse_config  # noqa: E402
+from router.gateway import GATEWAY  # noqa: E402
 from router.transport import MockResponse, MockTransport, UpstreamRequest  # noqa: E402
 from tests.discovery.fake_apiserver import FakeApiServer, make_pod  # noqa: E402
 

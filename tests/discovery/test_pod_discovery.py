@@ -21,19 +21,20 @@ pytestmark = pytest.mark.integration
 
 
 class RecordingRegistry:
-    """Fleet stand-in with the fleet's add/remove contract (duplicate id -> ConfigError, unknown -> NotFoundError)."""
+    """Gateway stand-in with its add_worker/remove_worker contract (duplicate id -> ConfigError, unknown ->
+    NotFoundError)."""
 
     def __init__(self, static_ids: tuple[str, ...] = ()) -> None:
         self.workers: dict[str, WorkerConfig | None] = dict.fromkeys(static_ids)
         self.calls: list[tuple[str, str]] = []
 
-    async def add(self, config: WorkerConfig) -> None:
+    async def add_worker(self, config: WorkerConfig) -> None:
         if config.id in self.workers:
             raise ConfigError(f"worker: id {config.id!r} already exists")
         self.workers[config.id] = config
         self.calls.append(("add", config.id))
 
-    async def remove(self, worker_id: str) -> None:
+    async def remove_worker(self, worker_id: str) -> None:
         if worker_id not in self.workers:
             raise NotFoundError(f"no worker {worker_id!r}", param="worker_id")
         del self.workers[worker_id]
@@ -191,7 +192,7 @@ async def test_worker_removed_through_admin_is_tolerated(server):
     registry = RecordingRegistry()
     async with running(server, registry) as discovery:
         await wait_for(lambda: len(server.watch_requests()) == 1)
-        await registry.remove("w-0")  # an operator removed it meanwhile
+        await registry.remove_worker("w-0")  # an operator removed it meanwhile
         server.delete("w-0")
         await wait_for(lambda: discovery.workers == {})
         assert discovery.num_errors == 0

@@ -10,8 +10,9 @@ from typing import Any, Self
 import aiohttp
 from aiohttp import web
 
-from router.app import GATEWAY, Gateway, build_app
+from router.app import build_app
 from router.config import GatewayConfig, parse_config
+from router.gateway import GATEWAY, Gateway
 from router.transport import Transport
 from tests.router.fakes import BLOCK_SIZE, FakeWorker
 

@@ -19,8 +19,8 @@ import aiohttp
 from aiohttp import web
 
 from events.publisher import KVEventPublisher, PublisherConfig
-from router.app import Gateway
 from router.config import GatewayConfig
+from router.gateway import Gateway
 from tests.ports import free_port
 from tests.router.harness import LoopbackGateway, config_with_overrides
 from workers.config import build_config

@@ -114,7 +114,7 @@ async def test_add_whose_subscription_fails_is_rolled_back_then_a_normal_add_wor
 async def test_an_unexpected_admin_failure_is_a_json_500(fleet, monkeypatch):
     w0, _ = fleet
     async with GatewayHarness(make_config([w0])) as h:
-        async def remove(worker_id: str) -> None:
+        def remove(worker_id: str) -> None:
             raise OSError(errno.EMFILE, "Too many open files")
 
         monkeypatch.setattr(h.gw.fleet, "remove", remove)

@@ -165,7 +165,7 @@ async def test_worker_removed_while_the_session_store_answers(workers):
 
         async def claim_then_remove(session_key: str, worker_id: str):  # the admin removes the worker meanwhile
             entry = await claim(session_key, worker_id)
-            await h.gw.fleet.remove(worker_id)
+            await h.gw.remove_worker(worker_id)
             removed.append(worker_id)
             return entry
 

@@ -4,12 +4,11 @@ load kept, so one worker cannot break the cost model for its whole model."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import pytest
 
 from router.config import parse_config
-from router.fleet import Fleet, WorkerLoad, WorkerRuntime
+from router.fleet import Fleet, WorkerLoad
 
 
 class _Getter:
@@ -18,23 +17,6 @@ class _Getter:
 
     async def get_json(self, worker_id: str, url: str, timeout_s: float) -> tuple[int, object]:
         return 200, self.answers.pop(0)
-
-
-class _Hooks:
-    async def on_worker_added(self, worker: WorkerRuntime) -> None:
-        return None
-
-    async def on_worker_removed(self, worker: WorkerRuntime) -> None:
-        return None
-
-    def on_start_id_changed(self, worker: WorkerRuntime, start_id: str | int) -> None:
-        return None
-
-    async def warm_up(self, worker: WorkerRuntime) -> int | None:
-        return None
-
-    def apply_batches(self, worker: WorkerRuntime, batches: Sequence[object]) -> None:
-        return None
 
 
 @pytest.mark.parametrize("bad", [
@@ -52,8 +34,8 @@ async def test_malformed_load_answer_keeps_the_last_good_load(bad: dict[str, obj
     })
     good = {"num_running_requests": 3, "num_waiting_requests": 1, "kv_usage": 0.5}
     getter = _Getter([good, bad, bad])
-    fleet = Fleet(config, getter, _Hooks())  # type: ignore[arg-type]
-    await fleet.add(config.workers[0])
+    fleet = Fleet(config, getter)
+    fleet.add(config.workers[0])
     await fleet.poll_load_once()
     assert fleet.workers["w0"].load == WorkerLoad(3, 1, 0.5)
     with caplog.at_level(logging.WARNING, logger="router.fleet"):
@@ -62,4 +44,3 @@ async def test_malformed_load_answer_keeps_the_last_good_load(bad: dict[str, obj
     assert fleet.workers["w0"].load == WorkerLoad(3, 1, 0.5)
     warnings = [r.getMessage() for r in caplog.records if "malformed load answer" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].startswith("worker w0: malformed load answer ignored (")
-    await fleet.aclose()

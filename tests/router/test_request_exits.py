@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import pytest
 
-from router.app import Gateway
 from router.errors import TransportConnectError
+from router.gateway import Gateway
 from router.transport import MockResponse, MockTransport, UpstreamRequest
 from tests.router.harness import LoopbackGateway, config_with_overrides, wait_until
 

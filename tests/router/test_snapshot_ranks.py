@@ -8,10 +8,10 @@ import pytest
 
 from events.encode import encode_batch
 from events.types import BlockStored
-from router.app import Gateway, _Hooks
 from router.block_hash import hash_token_blocks
 from router.config import parse_config
 from router.fleet import WorkerRuntime
+from router.gateway import Gateway
 from router.transport import MockResponse, MockTransport, UpstreamRequest
 
 TOKENS = list(range(64))
@@ -34,8 +34,8 @@ async def test_snapshot_of_an_unconfigured_rank_is_refused(dp_rank: int, applied
     })
     gw = Gateway(config, transport=MockTransport(handler))
     worker = WorkerRuntime(config.workers[0], 16, config.circuit_breaker)
-    with caplog.at_level(logging.WARNING, logger="router.app"):
-        last_seq = await _Hooks(gw).warm_up(worker)
+    with caplog.at_level(logging.WARNING, logger="router.event_path"):
+        last_seq = await gw.events.warm_from_snapshot(worker, gw.indexes["m"])
     held = gw.indexes["m"].match(hash_token_blocks(TOKENS, 16)).workers
     if applied:
         assert last_seq == 7 and held["w0"].num_gpu_blocks == 4

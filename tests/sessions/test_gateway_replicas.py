@@ -13,8 +13,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.app import GATEWAY, Gateway, build_app
+from router.app import build_app
 from router.config import GatewayConfig, parse_config
+from router.gateway import GATEWAY, Gateway
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,306 @@
+"""The composition root: every component of one gateway, wired once, and the app's start-up and shutdown.
+
+``Gateway(config)`` builds the components and joins them directly (no callbacks back into it)::
+
+    transport ─────────────┬──► Fleet (health, load, breakers)  ──new start id──► EventPath
+                           ├──► Proxy (requests)
+                           └──► EventPath (snapshot fetches) ──► PrefixIndex per model ◄── Router (match, insert)
+    SessionStore ──────────────► Router;  PolicyHolder ──► Router;  GatewayMetrics ◄── scrape-time samples
+    Router, Proxy, Fleet, Admission, GatewayMetrics ──► RequestLifecycle (route, forward, finish)
+
+Adding and removing a worker (``add_worker``/``remove_worker``: admin API, discovery, the config's workers) is
+the one place that touches every component a worker has a part in: fleet registry, pool membership, event
+subscription and warm-up (``router.event_path``), sessions, pooled connections, metrics, calibrator.
+
+Start-up is one aiohttp cleanup context per resource, entered in this order and left in reverse, so a start-up
+that fails half-way leaves only what it entered and that is closed again by the runner's cleanup::
+
+    transport          closed last
+    subscriber         started (binds ``events.bind_endpoint``); closed
+    session store      started (Redis: connects); closed
+    workers            the config's workers added (subscribed, warm-up begun); warm-ups cancelled
+    background loops   health checks, load polling, session reaping, approximate expiry, discovery; cancelled
+                       and awaited
+
+The app keys: ``GATEWAY`` (this object; ``router.api`` and ``router.admin`` read everything through it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import suppress
+from typing import Any
+
+from aiohttp import web
+
+from events.counters import EventCounters
+from events.errors import EventsConfigError
+from events.subscriber import KVEventSubscriber
+from events.types import Medium, normalize_medium
+from policies import build_policy
+from router.admission import Admission
+from router.config import GatewayConfig, WorkerConfig, index_config, validate_policy, validate_sessions
+from router.errors import ConfigError, GatewayError
+from router.event_path import EventPath
+from router.fleet import Fleet, WorkerRuntime
+from router.index import PrefixIndex
+from router.lifecycle import RequestLifecycle
+from router.metrics import GatewayMetrics, gateway_samples
+from router.proxy import ClientHeaderReader, Proxy
+from router.request_view import ModelTokenizer
+from router.routing import PolicyHolder, Router
+from router.sessions.base import SessionStore
+from router.sessions.config import build_session_store
+from router.transport import AiohttpTransport, Transport
+
+logger = logging.getLogger(__name__)
+
+APPROXIMATE_EXPIRY_INTERVAL_S = 1.0
+"""How often approximate index entries past their TTL are dropped."""
+
+
+class Gateway:
+    """Every component of one gateway app (reachable as ``app[GATEWAY]``).
+
+    Attributes:
+        config: the decoded configuration.
+        clock: monotonic clock in seconds.
+        metrics: the per-app Prometheus metrics.
+        tokenizers: one incremental tokenizer per ``models[].name``.
+        indexes: one prefix index per ``models[].name``.
+        sessions: the session store (memory or Redis).
+        holder: the routing policy in force (replaceable through the admin API).
+        transport: the upstream transport (connection pools per worker).
+        events: the event path (subscriber, splice, warm-up) feeding ``indexes``.
+        fleet: the workers with their health, load and accounting.
+        router: picks a worker per request.
+        proxy: forwards a request and relays the answer.
+        admission: the global in-flight limit.
+        lifecycle: runs one request from routing to its settlement (``router.lifecycle``).
+    """
+
+    def __init__(
+        self, config: GatewayConfig, *, transport: Transport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Build every component (nothing starts: see the cleanup contexts).
+
+        Raises:
+            ConfigError: a section that does not validate, or a tokenizer that does not load.
+        """
+        self.config = config
+        self.clock = clock
+        self.metrics = GatewayMetrics()
+        self.tokenizers: dict[str, ModelTokenizer] = {m.name: ModelTokenizer(m) for m in config.models}
+        self.indexes: dict[str, PrefixIndex] = {m.name: PrefixIndex(index_config(config, m)) for m in config.models}
+        self.sessions: SessionStore = build_session_store(validate_sessions(config.sessions), clock)
+        policy_config = validate_policy(config.policy)
+        self.holder = PolicyHolder(policy_config, build_policy(policy_config))
+        self.transport: Transport = transport if transport is not None else AiohttpTransport(config.timeouts)
+        self.events = EventPath(config, self.indexes, self.transport)
+        self.fleet = Fleet(config, self.transport, clock=clock, on_start_id_changed=self.events.on_start_id_changed)
+        self.router = Router(
+            self.fleet, self.indexes, self.sessions, self.holder,
+            num_recent_decisions=config.admin.num_recent_decisions, clock=clock,
+        )
+        self.proxy = Proxy(self.transport, config.retry, self.metrics, clock=clock)
+        self.admission = Admission(config.admission)
+        self.lifecycle = RequestLifecycle(
+            self.router, self.proxy, self.fleet, self.admission, self.metrics,
+            max_inflight_per_worker=config.admission.max_inflight_per_worker, clock=clock,
+        )
+        self.client_headers = ClientHeaderReader()
+        self._request_ids = itertools.count(1)
+        self._id_prefix = f"kvg-{os.getpid():x}-{int(time.time()):x}-"
+        self.metrics.add_callback(functools.partial(
+            gateway_samples, fleet=self.fleet, indexes=self.indexes, event_counters=self._event_counters,
+            sessions=self.sessions, admission=self.admission, clock=clock))
+
+    @property
+    def subscriber(self) -> KVEventSubscriber | None:
+        """The KV event subscriber, once started."""
+        return self.events.subscriber
+
+    def _event_counters(self) -> EventCounters | None:
+        sub = self.events.subscriber
+        return sub.counters if sub is not None else None
+
+    def next_request_id(self) -> str:
+        """A fresh ``x-request-id`` (process id, start time, counter)."""
+        return self._id_prefix + str(next(self._request_ids))
+
+    # -- workers -----------------------------------------------------------------------------------------------
+
+    async def add_worker(self, config: WorkerConfig) -> WorkerRuntime:
+        """Register a worker, subscribe to its events and begin its warm-up.
+
+        All or nothing: when its event subscription fails (for any reason: an endpoint ZMQ refuses, ZMQ out of
+        sockets after some of its dp ranks were subscribed...), what was started is undone and the worker is not
+        registered.
+
+        Raises:
+            ConfigError: duplicate id, unknown model, a block size that is not a multiple of its model's, or an
+                events endpoint that cannot be connected.
+            GatewayError: the event subscription failed otherwise (an internal failure, status 500).
+        """
+        worker = self.fleet.add(config)
+        try:
+            if config.pools:
+                self._update_pools()
+            self.events.add_worker(worker)
+        except Exception as exc:  # undo, leave nothing behind
+            self.fleet.remove(config.id)
+            try:
+                await self._forget(worker)
+            except Exception:
+                logger.exception("worker %s: undoing its partial start failed", config.id)
+            if isinstance(exc, EventsConfigError):  # e.g. an events endpoint ZMQ refuses
+                raise ConfigError(f"worker {config.id!r}: events_endpoint: {exc}", param="events_endpoint") from exc
+            logger.error("worker %s: its event subscription could not start (%s: %s); not added", config.id,
+                         type(exc).__name__, exc)
+            raise GatewayError(
+                f"worker {config.id!r} was not added: its event subscription (events_endpoint "
+                f"{config.events_endpoint!r}, dp_ranks {config.dp_ranks}) could not start "
+                f"({type(exc).__name__}: {exc})") from exc
+        logger.info("worker %s added (%s, model %s)", config.id, config.url, config.model)
+        return worker
+
+    async def remove_worker(self, worker_id: str) -> WorkerRuntime:
+        """Forget a worker: its index entries, sessions, subscription and connections go at once.
+
+        Raises:
+            NotFoundError: no such worker.
+        """
+        worker = self.fleet.remove(worker_id)
+        await self._forget(worker)
+        logger.info("worker %s removed", worker_id)
+        return worker
+
+    async def _forget(self, worker: WorkerRuntime) -> None:
+        """Everything but the fleet's registry entry: warm-up, subscription, index, pools, sessions, pool."""
+        await self.events.remove_worker(worker.worker_id)
+        if worker.config.pools:
+            self._update_pools()
+        num = await self.sessions.drop_worker(worker.worker_id)
+        if num:
+            logger.info("worker %s removed: %d sessions will be routed afresh", worker.worker_id, num)
+        # Its requests in flight are relayed to their end (as after a drain); then its connections close.
+        await self.transport.remove_worker(worker.worker_id, is_idle=lambda: worker.num_inflight_requests == 0)
+        self.metrics.forget_worker(worker.worker_id)
+        calibrator = self.holder.calibrator
+        if calibrator is not None:
+            calibrator.forget(worker.worker_id)
+
+    def _update_pools(self) -> None:
+        """Pool membership from the workers' ``pools`` (tier names, e.g. ``MOONCAKE``), per model index."""
+        for name, index in self.indexes.items():
+            members: dict[Medium, list[str]] = {}
+            for worker in self.fleet.candidates(name):
+                for pool in worker.config.pools:
+                    medium = normalize_medium(pool)
+                    if medium is not None:
+                        members.setdefault(medium, []).append(worker.worker_id)
+            for medium in (Medium.MOONCAKE, Medium.DISK, Medium.CPU):
+                if medium in members or medium == Medium.MOONCAKE:
+                    index.set_pool_members(medium, members.get(medium, ()))
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
+"""The app's ``Gateway`` (stored by ``router.app.build_app``)."""
+
+
+# -- cleanup contexts: one per resource, in start-up order ---------------------------------------------------------
+
+
+async def transport_context(app: web.Application) -> AsyncIterator[None]:
+    """The upstream transport: nothing to open; its pooled connections close last."""
+    try:
+        yield
+    finally:
+        await app[GATEWAY].transport.aclose()
+
+
+async def subscriber_context(app: web.Application) -> AsyncIterator[None]:
+    """The KV event subscriber: started (a bind endpoint that cannot be bound fails the start-up); closed."""
+    events = app[GATEWAY].events
+    await events.start_subscriber()
+    try:
+        yield
+    finally:
+        await events.close_subscriber()
+
+
+async def sessions_context(app: web.Application) -> AsyncIterator[None]:
+    """The session store: started; closed."""
+    sessions = app[GATEWAY].sessions
+    try:
+        await sessions.start()
+        yield
+    finally:
+        await sessions.aclose()
+
+
+async def workers_context(app: web.Application) -> AsyncIterator[None]:
+    """The config's workers: added in order (the ready timeout counts from here); their warm-ups cancelled."""
+    gw = app[GATEWAY]
+    try:
+        gw.fleet.started_at_s = gw.clock()
+        for worker_config in gw.config.workers:
+            await gw.add_worker(worker_config)
+        yield
+    finally:
+        await gw.events.cancel_warmups()
+
+
+async def loops_context(app: web.Application) -> AsyncIterator[None]:
+    """The background loops: started; cancelled and awaited."""
+    gw = app[GATEWAY]
+    loops: list[tuple[str, Coroutine[Any, Any, None]]] = [
+        ("health-checks", gw.fleet.run_health_checks()),
+        ("load-polling", gw.fleet.run_load_polling()),
+        ("session-reaper", _reap_sessions(gw)),
+        ("approximate-expiry", _expire_approximate(gw)),
+    ]
+    if gw.config.discovery is not None:
+        from router.discovery import run_discovery  # kubernetes_asyncio only when discovery runs
+
+        loops.append(("discovery", run_discovery(gw.config, gw)))
+    tasks = [asyncio.create_task(coro, name=name) for name, coro in loops]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with suppress(asyncio.CancelledError):
+                await task
+
+
+CLEANUP_CONTEXTS = (transport_context, subscriber_context, sessions_context, workers_context, loops_context)
+"""The app's cleanup contexts, in start-up order (module docstring)."""
+
+
+async def _expire_approximate(gw: Gateway) -> None:
+    """Drop approximate index entries past their TTL, once a second."""
+    while True:
+        await asyncio.sleep(APPROXIMATE_EXPIRY_INTERVAL_S)
+        now_s = gw.clock()
+        for index in gw.indexes.values():
+            index.expire(now_s)
+
+
+async def _reap_sessions(gw: Gateway) -> None:
+    """Forget expired sessions every ``sessions.reap_interval_s``; a failure is logged and the loop goes on."""
+    interval_s = validate_sessions(gw.config.sessions).reap_interval_s
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await gw.sessions.reap_expired()
+        except Exception:
+            logger.exception("session reaping failed")
