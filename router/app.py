@@ -34,7 +34,7 @@ from router.config import GatewayConfig
 from router.gateway import CLEANUP_CONTEXTS, GATEWAY, Gateway
 from router.transport import Transport
 
-__all__ = ["GATEWAY", "Gateway", "build_app"]
+__all__ = ["build_app"]
 
 
 def build_app(
