@@ -63,6 +63,8 @@ from itertools import repeat
 from operator import and_, or_
 from typing import cast
 
+import numpy as np
+
 from events.types import Medium
 from router.index.config import GroupSpec, IndexConfig
 from router.index.errors import IndexConfigError
@@ -273,13 +275,19 @@ class IndexState:
         log.append(entry_id)
 
     def _compact_log(self) -> None:
-        """Drop stale records from the eviction log (O(log length))."""
-        stamp = self._stamp
-        kind = self._kind
-        live = [i for pos, i in enumerate(self._log) if stamp[i] in (pos, UNSTAMPED) and kind[i] & 1]
-        for pos, entry_id in enumerate(live):
-            stamp[entry_id] = pos
-        self._log = array("q", live)
+        """Drop stale records from the eviction log, and stamp every entry with its record's new position (O(log
+        length), vectorized: a few numpy passes over ``log``, ``stamp`` and ``kind``)."""
+        if not self._log:
+            return
+        ids = np.frombuffer(self._log, dtype=np.int64)
+        stamp = np.frombuffer(self._stamp, dtype=np.int64)  # a view: the writes below go to ``self._stamp``
+        stamps = stamp[ids]
+        is_live = (stamps == np.arange(len(ids))) | (stamps == UNSTAMPED)
+        is_live &= (np.frombuffer(self._kind, dtype=np.uint8)[ids] & 1).astype(bool)
+        live = ids[is_live]
+        stamp[live] = np.arange(len(live))
+        self._log = array("q", live.tobytes())
+        del ids, stamp  # release the buffers: the arrays must stay resizable
 
     def _is_entry_run(self, first: int, num_ids: int) -> bool:
         """Whether ids ``first .. first + num_ids - 1`` are all entries."""

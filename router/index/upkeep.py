@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import heapq
 import logging
+from array import array
 from collections.abc import Sequence
+from itertools import repeat
 from typing import NamedTuple
 
 from events.types import Medium
 from router.index.errors import UnknownWorkerError
 from router.index.match import iter_bits
-from router.index.slots import Slot
-from router.index.state import GPU0, POOL_MEDIA, UNSTAMPED, IndexState
+from router.index.slots import LaneKey, Slot
+from router.index.state import GPU0, NULL_ID, POOL_MEDIA, ROOTED, UNSTAMPED, UNSTAMPED_BYTES, IndexState
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +156,14 @@ class UpkeepMixin(IndexState):
         """Drop engine-hash mappings of blocks the slot no longer holds once they outnumber its holdings."""
         if len(slot.engine) <= 2 * sum(slot.num_held.values()) + 4096:
             return
-        stale = [eh for eh, h in slot.engine.items() if not self._slot_holds_hash(slot, h)]
+        lanes = list(self._lanes.values())
+        get = self._id_of.get
+        mask = slot.mask
+        if len(lanes) == 1:  # inlined ``_slot_holds_hash`` (a sweep visits every mapping of the slot)
+            lane = lanes[0]
+            stale = [eh for eh, h in slot.engine.items() if not lane[get(h, NULL_ID)] & mask]
+        else:
+            stale = [eh for eh, h in slot.engine.items() if not any(lane[get(h, NULL_ID)] & mask for lane in lanes)]
         for engine_hash in stale:
             del slot.engine[engine_hash]
         if slot.spans:
@@ -167,62 +176,160 @@ class UpkeepMixin(IndexState):
 
         An evicted leaf's ancestors that are left without holders and children go with it (possibly below the
         target), so pruning never leaves an entry that nothing would delete again.
+
+        Two passes: the first walks ``log`` and decides what goes (reading the tables only, with the evicted ids in
+        a set), as runs of consecutive ids linked child to parent (a chain evicted leaf first); the second deletes
+        each run with slice writes of the per-id tables and of each lane (one holder set over the run: the common
+        case), so a pass costs a few C-level operations per block instead of a Python call per block and holder.
         """
-        kind = self._kind
-        stamp = self._stamp
-        log = self._log
-        excess = self._num_entries - int(self.config.max_blocks * self.config.prune_target_ratio)
-        skipped: set[int] = set()
+        runs = self._select_prune_runs(self._num_entries - int(self.config.max_blocks * self.config.prune_target_ratio))
         touched: set[Slot] = set()
-        for pos, entry_id in enumerate(log):
-            if excess <= 0:
-                break
-            if stamp[entry_id] not in (pos, UNSTAMPED) or not kind[entry_id] & 1:
-                continue  # a stale record, or gone since
-            if self._has_children(entry_id):
-                skipped.add(entry_id)
-                continue
-            current = entry_id
-            while True:
-                up = self._evict_entry(current, touched)
-                excess -= 1
-                if not kind[up] & 1 or self._has_children(up):
-                    break
-                # The parent is a leaf now. Without holders it goes too, past the target if need be (an entry is
-                # kept only while held or while it has children); a held one goes only above the target, and only
-                # if it is older than the child (skipped).
-                if self._is_held(up) and (excess <= 0 or up not in skipped):
-                    break
-                current = up
+        for hi, lo in runs:
+            self._evict_run(lo, hi, touched)
         self._compact_log()
         for slot in touched:
             self._maybe_sweep_engine(slot)
 
-    def _evict_entry(self, entry_id: int, touched: set[Slot]) -> int:
-        """Delete a leaf entry with all its holdings; returns its parent id."""
-        block_hash = self._hash[entry_id]
-        for lane_key, lane in self._lanes.items():
-            holders = lane[entry_id]
-            if not holders:
+    def _select_prune_runs(self, excess: int) -> list[tuple[int, int]]:
+        """The entries pruning deletes, in deletion order, as runs ``(hi, lo)``: ids ``hi, hi - 1, ..., lo``, each
+        the parent of the one before (``parent[i] == i - 1``). Reads the tables only.
+
+        The walk visits ``log`` oldest first: a record of an entry with children marks it skipped (older than its
+        children); a leaf goes, then its parent while that is a leaf without holders, or a held leaf older than
+        the child (skipped) with the target not reached yet.
+        """
+        kind = self._kind
+        stamp = self._stamp
+        parent = self._parent
+        extra = self._extra_children
+        lanes = list(self._lanes.values())
+        only = lanes[0] if len(lanes) == 1 else None
+        num_ids = self._num_ids
+        gone: set[int] = set()
+        skipped: set[int] = set()
+        runs: list[tuple[int, int]] = []
+        for pos, entry_id in enumerate(self._log):
+            if excess <= 0:
+                break
+            if not kind[entry_id] & 1 or entry_id in gone or stamp[entry_id] not in (pos, UNSTAMPED):
+                continue  # a stale record, or gone since
+            nxt = entry_id + 1
+            if (nxt < num_ids and parent[nxt] == entry_id and nxt not in gone) or (
+                entry_id in extra and self._has_live_extra_child(entry_id, gone)
+            ):
+                skipped.add(entry_id)
                 continue
-            lane[entry_id] = 0
-            self._lane_sizes[lane_key] -= 1
-            for bit in iter_bits(holders):
+            hi = current = entry_id
+            gone.add(current)
+            excess -= 1
+            while True:  # ``current`` goes; walk up
+                up = parent[current]
+                if not kind[up] & 1:  # rooted (the null id) or a dangling key
+                    break
+                nxt = up + 1
+                if (nxt != current and nxt < num_ids and parent[nxt] == up and nxt not in gone) or (
+                    up in extra and self._has_live_extra_child(up, gone)
+                ):
+                    break
+                # The parent is a leaf now. Without holders it goes too, past the target if need be (an entry is
+                # kept only while held or while it has children); a held one goes only above the target, and only
+                # if it is older than the child (skipped).
+                if (excess <= 0 or up not in skipped) and (
+                    only[up] if only is not None else any(lane[up] for lane in lanes)
+                ):
+                    break
+                if up != current - 1:
+                    runs.append((hi, current))
+                    hi = up
+                current = up
+                gone.add(current)
+                excess -= 1
+            runs.append((hi, current))
+        return runs
+
+    def _has_live_extra_child(self, up: int, gone: set[int]) -> bool:
+        value = self._extra_children[up]
+        if type(value) is int:
+            return value not in gone
+        assert isinstance(value, list)
+        return any(child not in gone for child in value)
+
+    def _evict_run(self, lo: int, hi: int, touched: set[Slot]) -> None:
+        """Delete entries ``hi, hi - 1, ..., lo`` (leaf first, ``parent[i] == i - 1`` inside the run; ``hi`` has no
+        children) with all their holdings, as the same number of single evictions would, by slice writes."""
+        num = hi - lo + 1
+        end = hi + 1
+        block_hash_of = self._hash
+        parent = self._parent
+        kind = self._kind
+        up = parent[lo]
+        is_rooted = kind[lo] == ROOTED
+        hashes = block_hash_of[lo:end]
+        gpu0 = self._gpu0
+        for lane_key, lane in self._lanes.items():
+            olds = lane[lo:end]
+            num_empty = olds.count(0)
+            if num_empty == num:
+                continue
+            lane[lo:end] = repeat(0, num)
+            self._lane_sizes[lane_key] -= num - num_empty
+            is_gpu0 = lane is gpu0
+            first = olds[0]
+            if olds.count(first) == num:  # one holder set over the run
+                for bit in iter_bits(first):
+                    slot = self._slots_by_bit[bit]
+                    touched.add(slot)
+                    slot.num_held[lane_key] -= num
+                    self._drop_side_tables(slot, lane_key, hashes, is_gpu0)
+                    # Inside the run every parent has the same holders: only ``lo`` can be a gap.
+                    if is_gpu0 and not is_rooted and not gpu0[up] & slot.mask:
+                        self._add_gaps(slot, -1)
+                continue
+            by_bit: dict[int, list[int]] = {}
+            for offset, holders in enumerate(olds):
+                for bit in iter_bits(holders):
+                    by_bit.setdefault(bit, []).append(offset)
+            for bit, offsets in by_bit.items():
                 slot = self._slots_by_bit[bit]
                 touched.add(slot)
-                slot.num_held[lane_key] -= 1
-                if slot.copies:
-                    slot.copies.pop((lane_key, block_hash), None)
-                if slot.span_held:
-                    slot.span_held.discard((lane_key, block_hash))
-                if lane_key == GPU0:
-                    if self._is_gap(slot.mask, entry_id):
-                        self._add_gaps(slot, -1)
-                    if slot.approx.pop(block_hash, None) is not None:
-                        self._num_approx -= 1
-        up = self._unlink(entry_id)
-        self._counters["num_pruned_blocks"] += 1
-        return up
+                slot.num_held[lane_key] -= len(offsets)
+                self._drop_side_tables(slot, lane_key, [hashes[i] for i in offsets], is_gpu0)
+                if is_gpu0:
+                    mask = slot.mask
+                    # A gap: the block's parent was not held by the slot (inside the run: before this run's writes).
+                    num_gaps = sum(
+                        1
+                        for i in offsets
+                        if (not olds[i - 1] & mask if i else not is_rooted and not gpu0[up] & mask)
+                    )
+                    if num_gaps:
+                        self._add_gaps(slot, -num_gaps)
+        id_of = self._id_of
+        for block_hash in hashes:
+            del id_of[block_hash]
+        block_hash_of[lo:end] = repeat(0, num)
+        parent[lo:end] = array("q", bytes(8 * num))
+        kind[lo:end] = bytes(num)
+        self._stamp[lo:end] = array("q", UNSTAMPED_BYTES * num)
+        self._free_ids.extend(range(hi, lo - 1, -1))
+        self._num_entries -= num
+        self._counters["num_pruned_blocks"] += num
+        if not is_rooted:
+            self._remove_child(up, lo)
+
+    def _drop_side_tables(self, slot: Slot, lane_key: LaneKey, hashes: list[int], is_gpu0: bool) -> None:
+        """Forget the slot's extra copies, offload-span marks and approximate records of evicted blocks."""
+        if slot.copies:
+            for block_hash in hashes:
+                slot.copies.pop((lane_key, block_hash), None)
+        if slot.span_held:
+            for block_hash in hashes:
+                slot.span_held.discard((lane_key, block_hash))
+        if is_gpu0 and slot.approx:
+            approx = slot.approx
+            for block_hash in hashes:
+                if approx.pop(block_hash, None) is not None:
+                    self._num_approx -= 1
 
     # ------------------------------------------------------------------ approximate mode
 
