@@ -3,13 +3,22 @@
 ``block_hash`` is our own chained hash (``router.block_hash``), so a hash identifies a whole prefix and the
 "radix tree" needs no per-node child tables for lookups: one dict maps a block hash to a dense id, and a prompt's
 positions are probed as ``lane[id_of.get(h, 0)]`` in one holder-mask list per (cache group, medium). One entry
-per block regardless of how many workers hold it; a holding is one bit. Modules, one concept each::
+per block regardless of how many workers hold it; a holding is one bit.
 
-    state.py   IndexState   the tables (layout, invariants, gap accounting) and holding / entry primitives
-    ingest.py  IngestMixin  BlockStored / BlockRemoved / AllBlocksCleared / Resync, parking of orphans
-    upkeep.py  UpkeepMixin  clearing workers and tiers, the block cap (LRU), approximate mode (TTL)
-    query.py   QueryMixin   match (jump search on the GPU lane), stats, dumps
-    match.py                pure depth computations (walk, jump search, hybrid hit rules)
+Built by composition: ``PrefixIndex`` owns one ``IndexState`` (the tables) and gives it to collaborators, each
+one concept in its own module, which it calls; nothing inherits from anything::
+
+    PrefixIndex ── state ─────► IndexState   state.py       the tables (layout, invariants, gap counts) and the
+       │                          ▲ ▲ ▲ ▲                   id / entry primitives
+       ├── holdings ─► Holdings ──┘ │ │ │    holdings.py    a slot's bit on entries: copies, approximate
+       │                  ▲ ▲       │ │ │                   confirmation, gap accounting
+       ├── upkeep ───► Upkeep ──────┘ │ │    upkeep.py      clearing workers and tiers, the block cap (pruning,
+       │                  ▲           │ │                   LRU), approximate mode (TTL)
+       ├── ingest ───► Ingest ────────┘ │    ingest.py      BlockStored / BlockRemoved / AllBlocksCleared / Resync,
+       │                                │                   parking of orphans (uses holdings, upkeep)
+       └── query ────► Query ───────────┘    query.py       match (jump search on the GPU lane), stats, dumps
+                                             match.py       pure depth computations (walk, jump search, hybrid)
+                                             invariants.py  ``check_invariants``: every derived table recomputed
 
 Measured by ``python -m benchmarks.index`` (1 M blocks, 64 workers, 1.9 M (block, worker) holdings; figures
 and method in that module's docstring): 143 bytes per (block, worker) holding (tracemalloc), no Python object
@@ -18,19 +27,37 @@ per block (per-id lists and arrays; children lists only at branching blocks).
 
 from __future__ import annotations
 
-from router.index.ingest import IngestMixin
-from router.index.query import QueryMixin
-from router.index.state import COUNTER_NAMES, GPU0, OWN_LOWER_MEDIA, POOL_MEDIA
+from collections.abc import Iterable, Mapping, Sequence
+
+from events.types import EventBatch, Medium, Resync
+from router.index.config import GroupSpec, IndexConfig
+from router.index.holdings import Holdings
+from router.index.ingest import Ingest
+from router.index.invariants import check_invariants
+from router.index.query import Query
+from router.index.result import ChainDump, IndexStats, MatchResult
+from router.index.slots import LaneKey
+from router.index.state import COUNTER_NAMES, GPU0, OWN_LOWER_MEDIA, POOL_MEDIA, IndexState
+from router.index.upkeep import ApproxInsert, Upkeep
 
 __all__ = ["COUNTER_NAMES", "GPU0", "OWN_LOWER_MEDIA", "POOL_MEDIA", "PrefixIndex"]
 
 
-class PrefixIndex(IngestMixin, QueryMixin):
+class PrefixIndex:
     """Per-block holders across workers and tiers, fed by normalized KV events; see ``router.index.state``.
 
     Not thread-safe: the gateway calls it from one event loop (event sinks and the request path alike).
     Every method runs in time proportional to its input (a batch, a prompt, one worker's blocks), except
-    pruning, which is amortized over the stores that triggered it.
+    pruning, which is amortized over the stores that triggered it (it brings the index down to
+    ``max_blocks * prune_target_ratio`` in one pass of slice writes).
+
+    Attributes:
+        config: sizes, caps and TTLs.
+        state: the tables (``IndexState``), shared by the collaborators below.
+        holdings: ``Holdings``, a slot's bit on entries.
+        upkeep: ``Upkeep``, clearing, pruning and approximate mode.
+        ingest: ``Ingest``, event application.
+        query: ``Query``, ``match`` and introspection.
 
     Args:
         config: sizes, caps and TTLs.
@@ -41,3 +68,121 @@ class PrefixIndex(IngestMixin, QueryMixin):
     Raises:
         IndexConfigError: a non-pool medium in ``pool_members``.
     """
+
+    def __init__(
+        self,
+        config: IndexConfig | None = None,
+        *,
+        pool_members: Mapping[Medium, Iterable[str]] | None = None,
+        groups: Mapping[int, GroupSpec] | None = None,
+    ) -> None:
+        self.state = IndexState(config, pool_members=pool_members, groups=groups)
+        self.config = self.state.config
+        self.holdings = Holdings(self.state)
+        self.upkeep = Upkeep(self.state, self.holdings)
+        self.ingest = Ingest(self.state, self.holdings, self.upkeep)
+        self.query = Query(self.state)
+
+    # ------------------------------------------------------------------ events
+
+    def apply(self, batch: EventBatch) -> None:
+        """Apply one batch of a worker's events, in order. Never raises for bad events: they are counted."""
+        self.ingest.apply(batch)
+
+    def apply_resync(self, resync: Resync) -> None:
+        """Forget what is known about a worker's own tiers: the resynced dp rank's, or every rank's when
+        ``resync.dp_rank`` is ``None`` (pool-tier holdings stay)."""
+        self.ingest.apply_resync(resync)
+
+    # ------------------------------------------------------------------ approximate mode
+
+    def insert_approximate(
+        self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0, ttl_s: float | None = None
+    ) -> ApproxInsert | None:
+        """Record that a routing decision sent these blocks to a worker; see ``Upkeep.insert_approximate``.
+
+        Raises:
+            ValueError: ``ttl_s`` is not positive.
+        """
+        return self.upkeep.insert_approximate(worker_id, block_hashes, now_s, dp_rank, ttl_s)
+
+    def withdraw_approximate(self, inserted: ApproxInsert) -> int:
+        """Undo one ``insert_approximate``; returns how many blocks went (``Upkeep.withdraw_approximate``)."""
+        return self.upkeep.withdraw_approximate(inserted)
+
+    def expire(self, now_s: float) -> int:
+        """Drop approximate blocks whose TTL ended at or before ``now_s``; returns how many went."""
+        return self.upkeep.expire(now_s)
+
+    # ------------------------------------------------------------------ workers and configuration
+
+    def clear_worker(self, worker_id: str, medium: Medium | None = None) -> None:
+        """Drop a worker's holdings (all dp ranks) on one medium, or on every medium including pools.
+
+        Raises:
+            UnknownWorkerError: the worker was never seen.
+        """
+        self.upkeep.clear_worker(worker_id, medium)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker entirely (removed from the fleet); a no-op for an unknown worker."""
+        self.upkeep.remove_worker(worker_id)
+
+    def clear(self) -> None:
+        """Drop every block of every worker (workers, pools and groups stay configured)."""
+        self.upkeep.clear()
+
+    def set_pool_members(self, medium: Medium, worker_ids: Iterable[str]) -> None:
+        """Declare which workers are attached to a shared pool tier (replaces the previous set).
+
+        Raises:
+            IndexConfigError: ``medium`` is not a pool tier.
+        """
+        self.state.set_pool_members(medium, worker_ids)
+
+    def set_group_spec(self, group_idx: int, spec: GroupSpec) -> None:
+        """Declare a cache group or change its kind (hybrid models); events of undeclared groups are refused.
+
+        Raises:
+            IndexConfigError: a negative group index.
+        """
+        self.state.set_group_spec(group_idx, spec)
+
+    # ------------------------------------------------------------------ queries
+
+    def match(self, block_hashes: Sequence[int]) -> MatchResult:
+        """How far each worker holds the prompt's prefix, per tier (``Query.match``).
+
+        Args:
+            block_hashes: ``[n]`` the prompt's block hashes, root-most first (a ``router.block_hash`` chain).
+        """
+        return self.query.match(block_hashes)
+
+    def num_blocks(self) -> int:
+        """Indexed blocks (entries)."""
+        return self.state.num_entries
+
+    def stats(self) -> IndexStats:
+        """Sizes per worker and tier, and the counters."""
+        return self.query.stats()
+
+    def dump_worker(self, worker_id: str) -> list[ChainDump]:
+        """A worker's chains (group 0), each from its first held block to a held leaf, sorted.
+
+        Raises:
+            UnknownWorkerError: the worker was never seen.
+        """
+        return self.query.dump_worker(worker_id)
+
+    def holder_mask(self, block_hash: int, lane_key: LaneKey = GPU0) -> int:
+        """Slot bits holding a block on one lane (0 when unknown); for tests and debugging."""
+        return self.state.holder_mask(block_hash, lane_key)
+
+    def check_invariants(self) -> None:
+        """Recompute the derived structures from scratch and compare (for tests and debugging; O(index)).
+
+        Raises:
+            RuntimeError: the id tables, children, dangling keys, the eviction log, ``num_held`` or the gap
+                counts disagree with the parent links and the lanes.
+        """
+        check_invariants(self.state)

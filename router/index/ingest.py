@@ -45,22 +45,35 @@ from router.block_hash import (
     split_extra_keys,
     tokens_to_bytes,
 )
+from router.index.holdings import Holdings
 from router.index.slots import LaneKey, Slot
-from router.index.upkeep import UpkeepMixin
+from router.index.state import IndexState
+from router.index.upkeep import Upkeep
 
 logger = logging.getLogger(__name__)
 
 
-class IngestMixin(UpkeepMixin):
-    """Event application of ``PrefixIndex``."""
+class Ingest:
+    """Event application of ``PrefixIndex``.
+
+    Args:
+        state: the index tables.
+        holdings: holding and dropping blocks on them.
+        upkeep: clearing slots and pruning at the block cap.
+    """
+
+    def __init__(self, state: IndexState, holdings: Holdings, upkeep: Upkeep) -> None:
+        self.state = state
+        self.holdings = holdings
+        self.upkeep = upkeep
 
     def apply(self, batch: EventBatch) -> None:
         """Apply one batch of a worker's events, in order. Never raises for bad events: they are counted."""
-        slot = self._slot(batch.worker_id, batch.dp_rank)
-        counters = self._counters
+        slot = self.state.slot(batch.worker_id, batch.dp_rank)
+        counters = self.state.counters
         counters["num_batches"] += 1
         counters["num_events"] += len(batch.events)
-        groups = self._groups
+        groups = self.state.groups
         for event in batch.events:
             try:
                 if type(event) is BlockStored:
@@ -74,31 +87,31 @@ class IngestMixin(UpkeepMixin):
                     else:
                         self._refuse_group(slot, event.group_idx, len(event.block_hashes))
                 elif type(event) is AllBlocksCleared:
-                    self._clear_slot(slot, event.medium, include_pool=False)
+                    self.upkeep.clear_slot(slot, event.medium, include_pool=False)
                 else:
                     self._refuse(slot, "num_malformed_events", f"an event of type {type(event).__name__}")
             except (ValueError, TypeError, OverflowError) as exc:
                 self._refuse(slot, "num_malformed_events", f"a malformed event ({exc})")
-        if self._num_entries > self.config.max_blocks:
-            self._prune()
-        elif len(self._log) > 2 * self._num_entries + 65536:
-            self._compact_log()
+        if self.state.num_entries > self.state.config.max_blocks:
+            self.upkeep.prune()
+        elif len(self.state.log) > 2 * self.state.num_entries + 65536:
+            self.state.compact_log()
 
     def apply_resync(self, resync: Resync) -> None:
         """Forget what is known about a worker's own tiers: the resynced dp rank's, or every rank's when
         ``resync.dp_rank`` is ``None`` (pool-tier holdings stay)."""
-        self._counters["num_resyncs"] += 1
+        self.state.counters["num_resyncs"] += 1
         rank = resync.dp_rank
         logger.info("resync of worker %s (%s, %s): clearing its index entries", resync.worker_id, resync.reason,
                     "every dp rank" if rank is None else f"dp rank {rank}")
-        for slot in self._worker_slots(resync.worker_id):
+        for slot in self.state.worker_slots(resync.worker_id):
             if rank is None or slot.dp_rank == rank:
-                self._clear_slot(slot, None, include_pool=False)
+                self.upkeep.clear_slot(slot, None, include_pool=False)
 
     def _refuse(self, slot: Slot, counter: str, detail: str, num: int = 1) -> None:
         """Add ``num`` to ``counter`` for one refused event (or part of one) and log it: a warning the first time
         per slot and counter, debug after (a worker repeating a bad event cannot flood the log)."""
-        self._counters[counter] += num
+        self.state.counters[counter] += num
         if counter in slot.warned:
             logger.debug("kv events of worker %s rank %d: refused %s", slot.worker_id, slot.dp_rank, detail)
             return
@@ -117,7 +130,7 @@ class IngestMixin(UpkeepMixin):
             slot,
             "num_unknown_group_events",
             f"an event of {num_blocks} blocks in cache group {group_idx}, not declared for this model "
-            f"(groups {sorted(self._groups)}; declare hybrid groups in the index config)",
+            f"(groups {sorted(self.state.groups)}; declare hybrid groups in the index config)",
         )
 
     def _store_with_parked(self, slot: Slot, event: BlockStored) -> None:
@@ -130,7 +143,7 @@ class IngestMixin(UpkeepMixin):
                 for engine_hash in mapped:
                     waiting = slot.parked.pop(engine_hash, None)
                     if waiting:
-                        self._counters["num_parked_blocks_applied"] += sum(len(e.block_hashes) for e in waiting)
+                        self.state.counters["num_parked_blocks_applied"] += sum(len(e.block_hashes) for e in waiting)
                         stack.extend(waiting)
             if not stack:
                 return
@@ -138,17 +151,17 @@ class IngestMixin(UpkeepMixin):
 
     def _store(self, slot: Slot, event: BlockStored) -> Sequence[int]:
         """Apply one store; returns the engine hashes it mapped (to release parked children)."""
-        counters = self._counters
+        counters = self.state.counters
         num_event_blocks = len(event.block_hashes)
         if num_event_blocks == 0:
             return ()
         lane_key: LaneKey = (event.group_idx, event.medium)
-        event_block_size = event.block_size or self._block_size
-        if event_block_size < 0 or event_block_size % self._block_size:
+        event_block_size = event.block_size or self.state.block_size
+        if event_block_size < 0 or event_block_size % self.state.block_size:
             counters["num_block_size_mismatch_blocks"] += num_event_blocks
-            logger.debug("block size %d is not a multiple of %d", event.block_size, self._block_size)
+            logger.debug("block size %d is not a multiple of %d", event.block_size, self.state.block_size)
             return ()
-        factor = event_block_size // self._block_size
+        factor = event_block_size // self.state.block_size
         if not event.token_ids:
             return self._store_by_engine_hash(slot, event, lane_key, factor)
         num_skipped = event.num_skipped_blocks if event_block_size == event.block_size else 0
@@ -185,7 +198,7 @@ class IngestMixin(UpkeepMixin):
             list[int],
             hash_block_bytes(
                 tokens_to_bytes(token_ids),
-                self._block_size,
+                self.state.block_size,
                 namespace,
                 BlockHash(parent_hash) if parent_hash is not None else None,
             ),
@@ -212,7 +225,7 @@ class IngestMixin(UpkeepMixin):
                     return ()
                 engine_hashes = engine_hashes[:num_kept]
                 ours = ours[: num_kept * factor]
-        self._hold(slot, lane_key, ours, first_parent, parent_hash is None and not num_skipped)
+        self.holdings.hold(slot, lane_key, ours, first_parent, parent_hash is None and not num_skipped)
         if factor == 1:
             engine.update(zip(engine_hashes, ours, strict=True))
         else:
@@ -233,20 +246,20 @@ class IngestMixin(UpkeepMixin):
         engine = slot.engine
         for position, (engine_hash, block_hash) in enumerate(zip(engine_hashes, targets, strict=True)):
             known = engine.get(engine_hash)
-            if known is not None and known != block_hash and self._slot_holds_hash(slot, known):
+            if known is not None and known != block_hash and self.state.slot_holds_hash(slot, known):
                 return position
         return len(engine_hashes)
 
     def _store_by_engine_hash(self, slot: Slot, event: BlockStored, lane_key: LaneKey, factor: int) -> Sequence[int]:
         targets: list[int] = []
         span_marked: list[int] = []
-        parent = self._parent
-        kind = self._kind
+        parent = self.state.parent
+        kind = self.state.kind
         for engine_hash in event.block_hashes:
             block_hash = slot.engine.get(engine_hash)
-            entry_id = self._entry_id(block_hash) if block_hash is not None else None
+            entry_id = self.state.find_entry(block_hash) if block_hash is not None else None
             if entry_id is None:
-                self._counters["num_unresolved_offload_blocks"] += factor
+                self.state.counters["num_unresolved_offload_blocks"] += factor
                 continue
             targets.append(entry_id)
             if factor > 1:
@@ -254,24 +267,24 @@ class IngestMixin(UpkeepMixin):
                 ancestor = entry_id
                 for _ in range(factor - 1):
                     ancestor = parent[ancestor]
-                    if not kind[ancestor] & 1 or not self._slot_holds(slot, ancestor):
-                        self._counters["num_unresolved_offload_blocks"] += 1
+                    if not kind[ancestor] & 1 or not self.state.slot_holds(slot, ancestor):
+                        self.state.counters["num_unresolved_offload_blocks"] += 1
                         break
                     span_marked.append(ancestor)
         for entry_id in targets:
-            self._hold_one(slot, lane_key, entry_id)
+            self.holdings.hold_one(slot, lane_key, entry_id)
         for entry_id in span_marked:
-            self._hold_one(slot, lane_key, entry_id)
-            slot.span_held.add((lane_key, self._hash[entry_id]))
-        self._counters["num_blocks_stored"] += len(targets) + len(span_marked)
+            self.holdings.hold_one(slot, lane_key, entry_id)
+            slot.span_held.add((lane_key, self.state.hash_of[entry_id]))
+        self.state.counters["num_blocks_stored"] += len(targets) + len(span_marked)
         return ()
 
     def _park(self, slot: Slot, event: BlockStored) -> None:
         num_blocks = len(event.block_hashes)
-        self._counters["num_orphan_blocks"] += num_blocks
-        cap = self.config.max_parked_events_per_worker
+        self.state.counters["num_orphan_blocks"] += num_blocks
+        cap = self.state.config.max_parked_events_per_worker
         if cap == 0 or event.parent_block_hash is None:
-            self._counters["num_parked_blocks_dropped"] += num_blocks
+            self.state.counters["num_parked_blocks_dropped"] += num_blocks
             return
         slot.parked.setdefault(event.parent_block_hash, []).append(event)
         slot.parked_order.append((event.parent_block_hash, event))
@@ -283,37 +296,37 @@ class IngestMixin(UpkeepMixin):
             waiting.remove(old)
             if not waiting:
                 del slot.parked[engine_hash]
-            self._counters["num_parked_blocks_dropped"] += len(old.block_hashes)
+            self.state.counters["num_parked_blocks_dropped"] += len(old.block_hashes)
 
     def _remove(self, slot: Slot, event: BlockRemoved) -> None:
         lane_key: LaneKey = (event.group_idx, event.medium)
-        counters = self._counters
-        parent = self._parent
-        block_hash_of = self._hash
-        id_of = self._id_of
+        counters = self.state.counters
+        parent = self.state.parent
+        block_hash_of = self.state.hash_of
+        id_of = self.state.id_of
         for engine_hash in event.block_hashes:
             block_hash = slot.engine.get(engine_hash)
             if block_hash is None:
                 counters["num_unknown_removals"] += 1
                 continue
-            entry_id = self._entry_id(block_hash)
+            entry_id = self.state.find_entry(block_hash)
             targets = [] if entry_id is None else [(entry_id, block_hash)]
             factor = slot.spans.get((event.medium, engine_hash), 1) if slot.spans else 1
             for _ in range(factor - 1 if targets else 0):
                 ancestor = parent[targets[-1][0]]
-                if not self._kind[ancestor] & 1 or (lane_key, block_hash_of[ancestor]) not in slot.span_held:
+                if not self.state.kind[ancestor] & 1 or (lane_key, block_hash_of[ancestor]) not in slot.span_held:
                     break
                 targets.append((ancestor, block_hash_of[ancestor]))
             dropped = False
             for target, target_hash in targets:
                 if id_of.get(target_hash) == target:  # (still the same entry)
-                    dropped = self._drop(slot, lane_key, target) or dropped
+                    dropped = self.holdings.drop(slot, lane_key, target) or dropped
             if dropped:
                 counters["num_blocks_removed"] += 1
             else:
                 counters["num_removals_not_held"] += 1
-            if not self._slot_holds_hash(slot, block_hash):
+            if not self.state.slot_holds_hash(slot, block_hash):
                 del slot.engine[engine_hash]
                 if factor > 1:
                     del slot.spans[(event.medium, engine_hash)]
-        self._maybe_sweep_engine(slot)
+        self.upkeep.maybe_sweep_engine(slot)

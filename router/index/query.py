@@ -23,8 +23,15 @@ from router.index.result import ChainDump, IndexStats, MatchResult, WorkerMatch
 from router.index.state import GPU0, NULL_ID, OWN_LOWER_MEDIA, POOL_MEDIA, IndexState
 
 
-class QueryMixin(IndexState):
-    """``match`` and introspection of ``PrefixIndex``."""
+class Query:
+    """``match`` and introspection of ``PrefixIndex``.
+
+    Args:
+        state: the index tables it reads (never changes).
+    """
+
+    def __init__(self, state: IndexState) -> None:
+        self.state = state
 
     def match(self, block_hashes: Sequence[int]) -> MatchResult:
         """How far each worker holds the prompt's prefix, per tier.
@@ -38,22 +45,22 @@ class QueryMixin(IndexState):
             continuation (``WorkerMatch``); for a worker with several dp ranks, the rank with the longest one.
         """
         num_blocks = len(block_hashes)
-        if not num_blocks or not self._slots:
+        if not num_blocks or not self.state.slots:
             return MatchResult({}, num_blocks)
-        if len(self._groups) > 1 or self._groups[0].kind is not GroupKind.FULL:
+        if len(self.state.groups) > 1 or self.state.groups[0].kind is not GroupKind.FULL:
             return self._match_hybrid(block_hashes)
-        sizes = self._lane_sizes
+        sizes = self.state.lane_sizes
         if sum(sizes.values()) == sizes[GPU0]:  # one group: every lane but GPU0 is empty (no lower tier, no pool)
             gpu_depths = self._gpu_depths(block_hashes)
             return self._result(gpu_depths, gpu_depths, gpu_depths, num_blocks)
         lower = [
             lane
-            for (g, medium), lane in self._lanes.items()
+            for (g, medium), lane in self.state.lanes.items()
             if g == 0 and medium in OWN_LOWER_MEDIA and sizes[(g, medium)]
         ]
         pools = [
-            (lane, self._pool_masks.get(medium, 0))
-            for (g, medium), lane in self._lanes.items()
+            (lane, self.state.pool_masks.get(medium, 0))
+            for (g, medium), lane in self.state.lanes.items()
             if g == 0 and medium in POOL_MEDIA and sizes[(g, medium)]
         ]
         if not lower and not pools:
@@ -70,12 +77,12 @@ class QueryMixin(IndexState):
     def _gpu_depths(self, hashes: Sequence[int]) -> dict[int, int]:
         """Contiguous GPU depth (group 0) per slot bit holding ``hashes[0]``: jump search for slots without
         gaps, a walk with early exit for the others. ``hashes`` is non-empty."""
-        get = self._id_of.get
-        gpu = self._gpu0
+        get = self.state.id_of.get
+        gpu = self.state.gpu0
         first = gpu[get(hashes[0], NULL_ID)]
         if not first:
             return {}
-        dirty = first & self._dirty_mask
+        dirty = first & self.state.dirty_mask
         depths = jump_depths(get, gpu, hashes, first ^ dirty) if first ^ dirty else {}
         if dirty:
             masks = map(gpu.__getitem__, map(get, hashes, repeat(NULL_ID)))
@@ -90,8 +97,8 @@ class QueryMixin(IndexState):
         group: int = 0,
     ) -> Iterator[int]:
         """Per position, the slots holding the block on GPU, on their own lower tiers, or through a pool."""
-        ids = map(self._id_of.get, hashes, repeat(NULL_ID))
-        gpu = self._lanes.get((group, Medium.GPU))
+        ids = map(self.state.id_of.get, hashes, repeat(NULL_ID))
+        gpu = self.state.lanes.get((group, Medium.GPU))
         if not lower and not pools:
             return map(gpu.__getitem__, ids) if gpu is not None else iter([0] * len(hashes))
         own = lower if gpu is None else [gpu, *lower]
@@ -110,7 +117,7 @@ class QueryMixin(IndexState):
     def _result(self, gpu: dict[int, int], own: dict[int, int], pool: dict[int, int], num_blocks: int) -> MatchResult:
         best: dict[str, WorkerMatch] = {}
         if gpu is own is pool:  # GPU only: the best rank is the deepest, then the lowest
-            slots_by_bit = self._slots_by_bit
+            slots_by_bit = self.state.slots_by_bit
             for bit, depth in gpu.items():
                 slot = slots_by_bit.get(bit)
                 if slot is None:
@@ -120,7 +127,7 @@ class QueryMixin(IndexState):
                     best[slot.worker_id] = WorkerMatch(slot.worker_id, slot.dp_rank, depth)
             return MatchResult(best, num_blocks)
         for bit, total in pool.items():
-            slot = self._slots_by_bit.get(bit)
+            slot = self.state.slots_by_bit.get(bit)
             if slot is None:
                 continue
             num_gpu = gpu.get(bit, 0)
@@ -137,18 +144,20 @@ class QueryMixin(IndexState):
 
     def _match_hybrid(self, block_hashes: Sequence[int]) -> MatchResult:
         num_blocks = len(block_hashes)
-        groups = sorted(self._groups)
-        specs = [self._groups[g] for g in groups]
+        groups = sorted(self.state.groups)
+        specs = [self.state.groups[g] for g in groups]
         per_level: list[dict[int, int]] = []
         for level in range(3):
             bitsets_by_group = []
             for group in groups:
                 lower = [
-                    lane for (g, m), lane in self._lanes.items() if g == group and m in OWN_LOWER_MEDIA and level >= 1
+                    lane
+                    for (g, m), lane in self.state.lanes.items()
+                    if g == group and m in OWN_LOWER_MEDIA and level >= 1
                 ]
                 pools = [
-                    (lane, self._pool_masks.get(m, 0))
-                    for (g, m), lane in self._lanes.items()
+                    (lane, self.state.pool_masks.get(m, 0))
+                    for (g, m), lane in self.state.lanes.items()
                     if g == group and m in POOL_MEDIA and level >= 2
                 ]
                 masks = list(self._level_masks(block_hashes, lower, pools, group))
@@ -160,7 +169,7 @@ class QueryMixin(IndexState):
                     for bit in bits
                     if (
                         length := hybrid_prefix_len(
-                            [b.get(bit, 0) for b in bitsets_by_group], specs, num_blocks, self._block_size
+                            [b.get(bit, 0) for b in bitsets_by_group], specs, num_blocks, self.state.block_size
                         )
                     )
                 }
@@ -169,20 +178,16 @@ class QueryMixin(IndexState):
 
     # ------------------------------------------------------------------ introspection
 
-    def num_blocks(self) -> int:
-        """Indexed blocks (entries)."""
-        return self._num_entries
-
     def stats(self) -> IndexStats:
         """Sizes per worker and tier, and the counters."""
         by_worker: dict[str, dict[str, int]] = {}
-        for slot in self._slots.values():
+        for slot in self.state.slots.values():
             sizes = by_worker.setdefault(slot.worker_id, {})
             for (_, medium), count in slot.num_held.items():
                 sizes[medium.value] = sizes.get(medium.value, 0) + count
-        counters = dict(self._counters)
-        counters["num_parked_events"] = sum(len(w) for s in self._slots.values() for w in s.parked.values())
-        return IndexStats(self._num_entries, self._num_approx, by_worker, counters)
+        counters = dict(self.state.counters)
+        counters["num_parked_events"] = sum(len(w) for s in self.state.slots.values() for w in s.parked.values())
+        return IndexStats(self.state.num_entries, self.state.num_approx, by_worker, counters)
 
     def dump_worker(self, worker_id: str) -> list[ChainDump]:
         """A worker's chains (group 0), each from its first held block to a held leaf, sorted.
@@ -190,17 +195,17 @@ class QueryMixin(IndexState):
         Raises:
             UnknownWorkerError: the worker was never seen.
         """
-        slots = self._worker_slots(worker_id)
+        slots = self.state.worker_slots(worker_id)
         if not slots:
             raise UnknownWorkerError(worker_id)
-        group0 = [(medium, lane) for (g, medium), lane in self._lanes.items() if g == 0]
+        group0 = [(medium, lane) for (g, medium), lane in self.state.lanes.items() if g == 0]
         chains: list[ChainDump] = []
-        parent = self._parent
-        block_hash_of = self._hash
+        parent = self.state.parent
+        block_hash_of = self.state.hash_of
         for slot in sorted(slots, key=lambda s: s.dp_rank):
             mask = slot.mask
             candidates = set(slot.engine.values()) | {h for _, h in slot.span_held} | set(slot.approx)
-            candidate_ids = {i for i in map(self._entry_id, candidates) if i is not None}
+            candidate_ids = {i for i in map(self.state.find_entry, candidates) if i is not None}
             held = {i for i in candidate_ids if any(lane[i] & mask for _, lane in group0)}
             parents = {parent[i] for i in held}
             for leaf in held - parents:

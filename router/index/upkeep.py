@@ -4,6 +4,14 @@ Eviction order for the block cap: oldest entry first (``log`` order: creation, o
 the block, ``router.index.state``), leaves only; a parent becomes a leaf when its last child goes
 and is pruned next if it was older than that child. A parent no worker holds goes with its last child even once
 the target is reached: an entry without holders or children is never kept.
+
+Pruning is amortized: it runs when a store takes the index over ``max_blocks`` and brings it down to
+``max_blocks * prune_target_ratio`` in one pass, so each stored block pays for at most one eviction. The pass
+first walks ``log`` and decides what goes (reading the tables only), as runs of consecutive ids evicted leaf
+first (a chain stored in one go); then it deletes each run by slice writes of the per-id tables and of each lane
+(one holder set over the run: the common case) and ``log`` is compacted with numpy. The result, down to the
+order in which ids are freed, is that of evicting one entry at a time. Ingest at the cap (pruning all along) runs
+at about 0.8x the rate below it in ``python -m router.index.bench`` (the "ingest at the cap" row).
 Approximate blocks expire in expiry order (a heap of insert records); a record whose block was refreshed,
 confirmed by an event or dropped since is skipped.
 """
@@ -19,6 +27,7 @@ from typing import NamedTuple
 
 from events.types import Medium
 from router.index.errors import UnknownWorkerError
+from router.index.holdings import Holdings
 from router.index.match import iter_bits
 from router.index.slots import LaneKey, Slot
 from router.index.state import GPU0, NULL_ID, POOL_MEDIA, ROOTED, UNSTAMPED, UNSTAMPED_BYTES, IndexState
@@ -40,33 +49,42 @@ class ApproxInsert(NamedTuple):
     expiry_s: float
 
 
-class UpkeepMixin(IndexState):
-    """Clearing, pruning and approximate mode of ``PrefixIndex``."""
+class Upkeep:
+    """Clearing, pruning and approximate mode of ``PrefixIndex``.
+
+    Args:
+        state: the index tables.
+        holdings: holding and dropping blocks on them.
+    """
+
+    def __init__(self, state: IndexState, holdings: Holdings) -> None:
+        self.state = state
+        self.holdings = holdings
 
     # ------------------------------------------------------------------ clearing
 
-    def _clear_slot(self, slot: Slot, medium: Medium | None, *, include_pool: bool) -> None:
+    def clear_slot(self, slot: Slot, medium: Medium | None, *, include_pool: bool) -> None:
         """Drop a slot's holdings on one medium, or on all its own media (and the pool ones if asked).
 
         Visits ``slot.engine.values()``, ``slot.span_held`` and ``slot.approx`` only: O(the slot's blocks).
         """
-        self._counters["num_worker_clears"] += 1
+        self.state.counters["num_worker_clears"] += 1
         lane_keys = [
             key
-            for key in self._lanes
+            for key in self.state.lanes
             if (key[1] == medium if medium is not None else include_pool or key[1] not in POOL_MEDIA)
         ]
         candidates = set(slot.engine.values())
         candidates.update(h for _, h in slot.span_held)
         candidates.update(slot.approx)
-        candidate_ids = [i for i in map(self._id_of.get, candidates) if i is not None]
+        candidate_ids = [i for i in map(self.state.id_of.get, candidates) if i is not None]
         mask = slot.mask
         keep = ~mask
         freed: list[int] = []
         for lane_key in lane_keys:
             if not slot.num_held.get(lane_key):
                 continue
-            lane = self._lanes[lane_key]
+            lane = self.state.lanes[lane_key]
             num_emptied = 0
             num_cleared = 0
             for entry_id in candidate_ids:
@@ -94,7 +112,7 @@ class UpkeepMixin(IndexState):
                         if not holders:
                             freed.append(entry_id)
                             num_emptied += 1
-            self._lane_sizes[lane_key] -= num_emptied
+            self.state.lane_sizes[lane_key] -= num_emptied
             slot.num_held[lane_key] = 0
         cleared = set(lane_keys)
         if slot.copies:
@@ -102,9 +120,9 @@ class UpkeepMixin(IndexState):
         if slot.span_held:
             slot.span_held = {key for key in slot.span_held if key[0] not in cleared}
         if GPU0 in cleared:
-            self._num_approx -= len(slot.approx)
+            self.state.num_approx -= len(slot.approx)
             slot.approx.clear()
-            self._reset_gaps(slot)
+            self.state.reset_gaps(slot)
         if medium is None:
             slot.parked.clear()
             slot.parked_order.clear()
@@ -112,11 +130,11 @@ class UpkeepMixin(IndexState):
             slot.engine.clear()
             slot.spans.clear()
         else:
-            mapped_hashes = {h for h in candidates if self._slot_holds_hash(slot, h)}
+            mapped_hashes = {h for h in candidates if self.state.slot_holds_hash(slot, h)}
             slot.engine = {eh: h for eh, h in slot.engine.items() if h in mapped_hashes}
             slot.spans = {key: k for key, k in slot.spans.items() if key[1] in slot.engine}
         for entry_id in freed:
-            self._maybe_delete_entry(entry_id)
+            self.state.maybe_delete_entry(entry_id)
 
     def clear_worker(self, worker_id: str, medium: Medium | None = None) -> None:
         """Drop a worker's holdings (all dp ranks) on one medium, or on every medium including pools.
@@ -124,40 +142,40 @@ class UpkeepMixin(IndexState):
         Raises:
             UnknownWorkerError: the worker was never seen.
         """
-        slots = self._worker_slots(worker_id)
+        slots = self.state.worker_slots(worker_id)
         if not slots:
             raise UnknownWorkerError(worker_id)
         for slot in slots:
-            self._clear_slot(slot, medium, include_pool=True)
+            self.clear_slot(slot, medium, include_pool=True)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker entirely (removed from the fleet); a no-op for an unknown worker."""
-        for slot in self._worker_slots(worker_id):
-            self._clear_slot(slot, None, include_pool=True)
+        for slot in self.state.worker_slots(worker_id):
+            self.clear_slot(slot, None, include_pool=True)
             slot.is_live = False
-            del self._slots[(slot.worker_id, slot.dp_rank)]
-            del self._slots_by_bit[slot.bit]
-            self._free_bits.append(slot.bit)
-        self._recompute_pool_masks()
+            del self.state.slots[(slot.worker_id, slot.dp_rank)]
+            del self.state.slots_by_bit[slot.bit]
+            self.state.free_bits.append(slot.bit)
+        self.state.recompute_pool_masks()
 
     def clear(self) -> None:
         """Drop every block of every worker (workers, pools and groups stay configured)."""
-        self._reset_tables(self._lanes)
-        self._dirty_mask = 0
-        for slot in self._slots.values():
+        self.state.reset_tables(self.state.lanes)
+        self.state.dirty_mask = 0
+        for slot in self.state.slots.values():
             slot.is_live = False
             fresh = Slot(slot.worker_id, slot.dp_rank, slot.bit)
-            self._slots[(slot.worker_id, slot.dp_rank)] = fresh
-            self._slots_by_bit[slot.bit] = fresh
-        self._approx_queue.clear()
-        self._num_approx = 0
+            self.state.slots[(slot.worker_id, slot.dp_rank)] = fresh
+            self.state.slots_by_bit[slot.bit] = fresh
+        self.state.approx_queue.clear()
+        self.state.num_approx = 0
 
-    def _maybe_sweep_engine(self, slot: Slot) -> None:
+    def maybe_sweep_engine(self, slot: Slot) -> None:
         """Drop engine-hash mappings of blocks the slot no longer holds once they outnumber its holdings."""
         if len(slot.engine) <= 2 * sum(slot.num_held.values()) + 4096:
             return
-        lanes = list(self._lanes.values())
-        get = self._id_of.get
+        lanes = list(self.state.lanes.values())
+        get = self.state.id_of.get
         mask = slot.mask
         if len(lanes) == 1:  # inlined ``_slot_holds_hash`` (a sweep visits every mapping of the slot)
             lane = lanes[0]
@@ -171,7 +189,7 @@ class UpkeepMixin(IndexState):
 
     # ------------------------------------------------------------------ the block cap
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
         """Evict least recently stored leaves (``log`` order) down to the target size, then compact ``log``.
 
         An evicted leaf's ancestors that are left without holders and children go with it (possibly below the
@@ -182,13 +200,14 @@ class UpkeepMixin(IndexState):
         each run with slice writes of the per-id tables and of each lane (one holder set over the run: the common
         case), so a pass costs a few C-level operations per block instead of a Python call per block and holder.
         """
-        runs = self._select_prune_runs(self._num_entries - int(self.config.max_blocks * self.config.prune_target_ratio))
+        config = self.state.config
+        runs = self._select_prune_runs(self.state.num_entries - int(config.max_blocks * config.prune_target_ratio))
         touched: set[Slot] = set()
         for hi, lo in runs:
             self._evict_run(lo, hi, touched)
-        self._compact_log()
+        self.state.compact_log()
         for slot in touched:
-            self._maybe_sweep_engine(slot)
+            self.maybe_sweep_engine(slot)
 
     def _select_prune_runs(self, excess: int) -> list[tuple[int, int]]:
         """The entries pruning deletes, in deletion order, as runs ``(hi, lo)``: ids ``hi, hi - 1, ..., lo``, each
@@ -198,17 +217,17 @@ class UpkeepMixin(IndexState):
         children); a leaf goes, then its parent while that is a leaf without holders, or a held leaf older than
         the child (skipped) with the target not reached yet.
         """
-        kind = self._kind
-        stamp = self._stamp
-        parent = self._parent
-        extra = self._extra_children
-        lanes = list(self._lanes.values())
+        kind = self.state.kind
+        stamp = self.state.stamp
+        parent = self.state.parent
+        extra = self.state.extra_children
+        lanes = list(self.state.lanes.values())
         only = lanes[0] if len(lanes) == 1 else None
-        num_ids = self._num_ids
+        num_ids = self.state.num_ids
         gone: set[int] = set()
         skipped: set[int] = set()
         runs: list[tuple[int, int]] = []
-        for pos, entry_id in enumerate(self._log):
+        for pos, entry_id in enumerate(self.state.log):
             if excess <= 0:
                 break
             if not kind[entry_id] & 1 or entry_id in gone or stamp[entry_id] not in (pos, UNSTAMPED):
@@ -248,7 +267,7 @@ class UpkeepMixin(IndexState):
         return runs
 
     def _has_live_extra_child(self, up: int, gone: set[int]) -> bool:
-        value = self._extra_children[up]
+        value = self.state.extra_children[up]
         if type(value) is int:
             return value not in gone
         assert isinstance(value, list)
@@ -259,38 +278,38 @@ class UpkeepMixin(IndexState):
         children) with all their holdings, as the same number of single evictions would, by slice writes."""
         num = hi - lo + 1
         end = hi + 1
-        block_hash_of = self._hash
-        parent = self._parent
-        kind = self._kind
+        block_hash_of = self.state.hash_of
+        parent = self.state.parent
+        kind = self.state.kind
         up = parent[lo]
         is_rooted = kind[lo] == ROOTED
         hashes = block_hash_of[lo:end]
-        gpu0 = self._gpu0
-        for lane_key, lane in self._lanes.items():
+        gpu0 = self.state.gpu0
+        for lane_key, lane in self.state.lanes.items():
             olds = lane[lo:end]
             num_empty = olds.count(0)
             if num_empty == num:
                 continue
             lane[lo:end] = repeat(0, num)
-            self._lane_sizes[lane_key] -= num - num_empty
+            self.state.lane_sizes[lane_key] -= num - num_empty
             is_gpu0 = lane is gpu0
             first = olds[0]
             if olds.count(first) == num:  # one holder set over the run
                 for bit in iter_bits(first):
-                    slot = self._slots_by_bit[bit]
+                    slot = self.state.slots_by_bit[bit]
                     touched.add(slot)
                     slot.num_held[lane_key] -= num
                     self._drop_side_tables(slot, lane_key, hashes, is_gpu0)
                     # Inside the run every parent has the same holders: only ``lo`` can be a gap.
                     if is_gpu0 and not is_rooted and not gpu0[up] & slot.mask:
-                        self._add_gaps(slot, -1)
+                        self.state.add_gaps(slot, -1)
                 continue
             by_bit: dict[int, list[int]] = {}
             for offset, holders in enumerate(olds):
                 for bit in iter_bits(holders):
                     by_bit.setdefault(bit, []).append(offset)
             for bit, offsets in by_bit.items():
-                slot = self._slots_by_bit[bit]
+                slot = self.state.slots_by_bit[bit]
                 touched.add(slot)
                 slot.num_held[lane_key] -= len(offsets)
                 self._drop_side_tables(slot, lane_key, [hashes[i] for i in offsets], is_gpu0)
@@ -303,19 +322,19 @@ class UpkeepMixin(IndexState):
                         if (not olds[i - 1] & mask if i else not is_rooted and not gpu0[up] & mask)
                     )
                     if num_gaps:
-                        self._add_gaps(slot, -num_gaps)
-        id_of = self._id_of
+                        self.state.add_gaps(slot, -num_gaps)
+        id_of = self.state.id_of
         for block_hash in hashes:
             del id_of[block_hash]
         block_hash_of[lo:end] = repeat(0, num)
         parent[lo:end] = array("q", bytes(8 * num))
         kind[lo:end] = bytes(num)
-        self._stamp[lo:end] = array("q", UNSTAMPED_BYTES * num)
-        self._free_ids.extend(range(hi, lo - 1, -1))
-        self._num_entries -= num
-        self._counters["num_pruned_blocks"] += num
+        self.state.stamp[lo:end] = array("q", UNSTAMPED_BYTES * num)
+        self.state.free_ids.extend(range(hi, lo - 1, -1))
+        self.state.num_entries -= num
+        self.state.counters["num_pruned_blocks"] += num
         if not is_rooted:
-            self._remove_child(up, lo)
+            self.state.remove_child(up, lo)
 
     def _drop_side_tables(self, slot: Slot, lane_key: LaneKey, hashes: list[int], is_gpu0: bool) -> None:
         """Forget the slot's extra copies, offload-span marks and approximate records of evicted blocks."""
@@ -329,7 +348,7 @@ class UpkeepMixin(IndexState):
             approx = slot.approx
             for block_hash in hashes:
                 if approx.pop(block_hash, None) is not None:
-                    self._num_approx -= 1
+                    self.state.num_approx -= 1
 
     # ------------------------------------------------------------------ approximate mode
 
@@ -361,11 +380,11 @@ class UpkeepMixin(IndexState):
         self.expire(now_s)
         if not block_hashes:
             return None
-        slot = self._slot(worker_id, dp_rank)
+        slot = self.state.slot(worker_id, dp_rank)
         hashes = list(block_hashes)
-        ids, _, is_consistent = self._link(hashes, 0, True)
-        expiry = now_s + (self.config.approx_ttl_s if ttl_s is None else ttl_s)
-        lane = self._gpu0
+        ids, _, is_consistent = self.state.link(hashes, 0, True)
+        expiry = now_s + (self.state.config.approx_ttl_s if ttl_s is None else ttl_s)
+        lane = self.state.gpu0
         mask = slot.mask
         approx = slot.approx
         num_new = 0
@@ -380,20 +399,20 @@ class UpkeepMixin(IndexState):
             approx[block_hash] = expiry
             num_new += 1
             num_filled += not old
-        self._lane_sizes[GPU0] += num_filled
+        self.state.lane_sizes[GPU0] += num_filled
         slot.num_held[GPU0] = slot.num_held.get(GPU0, 0) + num_new
-        self._gaps_after_chain_hold(slot, ids, olds, is_consistent)
-        self._num_approx += num_new
-        self._counters["num_approx_blocks_inserted"] += num_new
-        self._approx_seq += 1
+        self.holdings.gaps_after_chain_hold(slot, ids, olds, is_consistent)
+        self.state.num_approx += num_new
+        self.state.counters["num_approx_blocks_inserted"] += num_new
+        self.state.approx_seq += 1
         record = tuple(hashes)
-        heapq.heappush(self._approx_queue, (expiry, self._approx_seq, slot, record))
-        if self._num_approx > self.config.approx_max_blocks:
-            target = int(self.config.approx_max_blocks * self.config.prune_target_ratio)
-            while self._num_approx > target and self._approx_queue:
-                self._expire_record(*heapq.heappop(self._approx_queue))
-        if self._num_entries > self.config.max_blocks:
-            self._prune()
+        heapq.heappush(self.state.approx_queue, (expiry, self.state.approx_seq, slot, record))
+        if self.state.num_approx > self.state.config.approx_max_blocks:
+            target = int(self.state.config.approx_max_blocks * self.state.config.prune_target_ratio)
+            while self.state.num_approx > target and self.state.approx_queue:
+                self._expire_record(*heapq.heappop(self.state.approx_queue))
+        if self.state.num_entries > self.state.config.max_blocks:
+            self.prune()
         return ApproxInsert(slot, record, expiry)
 
     def withdraw_approximate(self, inserted: ApproxInsert) -> int:
@@ -401,12 +420,12 @@ class UpkeepMixin(IndexState):
         its blocks that are still approximate with its expiry. A block an event has confirmed since, or a later
         insertion refreshed (another request still pending), stays. Returns how many blocks went."""
         num_dropped = self._drop_approx(inserted.expiry_s, inserted.slot, inserted.block_hashes)
-        self._counters["num_approx_blocks_withdrawn"] += num_dropped
+        self.state.counters["num_approx_blocks_withdrawn"] += num_dropped
         return num_dropped
 
     def expire(self, now_s: float) -> int:
         """Drop approximate blocks whose TTL ended at or before ``now_s``; returns how many went."""
-        queue = self._approx_queue
+        queue = self.state.approx_queue
         num_expired = 0
         while queue and queue[0][0] <= now_s:
             num_expired += self._expire_record(*heapq.heappop(queue))
@@ -414,7 +433,7 @@ class UpkeepMixin(IndexState):
 
     def _expire_record(self, expiry: float, seq: int, slot: Slot, hashes: tuple[int, ...]) -> int:
         num_expired = self._drop_approx(expiry, slot, hashes)
-        self._counters["num_approx_blocks_expired"] += num_expired
+        self.state.counters["num_approx_blocks_expired"] += num_expired
         return num_expired
 
     def _drop_approx(self, expiry: float, slot: Slot, hashes: tuple[int, ...]) -> int:
@@ -424,7 +443,7 @@ class UpkeepMixin(IndexState):
         num_dropped = 0
         for block_hash in hashes:
             if slot.approx.get(block_hash) == expiry:
-                entry_id = self._entry_id(block_hash)
-                if entry_id is not None and self._drop(slot, GPU0, entry_id):
+                entry_id = self.state.find_entry(block_hash)
+                if entry_id is not None and self.holdings.drop(slot, GPU0, entry_id):
                     num_dropped += 1
         return num_dropped

@@ -334,7 +334,7 @@ def test_block_cap_prunes_a_parent_left_without_holders_with_its_last_child():
     assert index.num_blocks() == 2 and depths(index) == {}
     index.insert_approximate("b", other, now_s=2.0)  # 4 > 3: prune 1
     assert index.num_blocks() == 2
-    assert HASHES[0] not in index._id_of and HASHES[1] not in index._id_of
+    assert HASHES[0] not in index.state.id_of and HASHES[1] not in index.state.id_of
     assert index.stats().counters["num_pruned_blocks"] == 2
     assert depths(index, HASHES[:2]) == {}
     assert depths(index, other) == {"b": (2, 0, 0)}
@@ -352,9 +352,9 @@ def test_storing_a_dangling_parent_ends_the_gap_of_its_held_child():
     assert index.num_blocks() == 0
     index.apply(batch("w0", stored(3, 4)))  # w0 still maps 1002 to block 2: block 3 hangs under a dangling key
     assert index.num_blocks() == 1 and depths(index) == {}
-    assert index._slots[("w0", 0)].num_gaps == 1
+    assert index.state.slots[("w0", 0)].num_gaps == 1
     index.apply(batch("w0", stored(0, 3)))  # blocks 0 and 1 are new, block 2 was the dangling key
-    assert index._slots[("w0", 0)].num_gaps == 0 and index._dirty_mask == 0
+    assert index.state.slots[("w0", 0)].num_gaps == 0 and index.state.dirty_mask == 0
     assert index.num_blocks() == 4
     assert depths(index) == {"w0": (4, 0, 0)}
     index.check_invariants()
@@ -490,7 +490,7 @@ def test_clear_is_complete_even_for_a_block_no_engine_hash_names(caplog):
     index = make_index()
     index.apply(batch("w0", stored(0, 3)))
     index.apply(batch("w1", stored(0, 2)))
-    del index._slots[("w0", 0)].engine[1002]  # break the slot invariant by hand
+    del index.state.slots[("w0", 0)].engine[1002]  # break the slot invariant by hand
     with caplog.at_level("ERROR", logger="router.index.upkeep"):
         index.apply(batch("w0", AllBlocksCleared()))
     assert depths(index) == {"w1": (2, 0, 0)}
@@ -543,7 +543,9 @@ def test_config_groups_from_yaml_mapping():
     raw = {"block-size": 16, "groups": [{"kind": "full"}, {"kind": "sliding_window", "sliding-window-tokens": 4096}]}
     config = msgspec.convert(raw, IndexConfig)
     assert config.groups == (GroupSpec(GroupKind.FULL), GroupSpec(GroupKind.SLIDING_WINDOW, 4096))
-    assert PrefixIndex(config)._groups == {0: GroupSpec(GroupKind.FULL), 1: GroupSpec(GroupKind.SLIDING_WINDOW, 4096)}
+    assert PrefixIndex(config).state.groups == {
+        0: GroupSpec(GroupKind.FULL), 1: GroupSpec(GroupKind.SLIDING_WINDOW, 4096)
+    }
     with pytest.raises(msgspec.ValidationError, match=r"sliding-window-tokens > 0 - at `\$.groups\[0\]`"):
         msgspec.convert({"groups": [{"kind": "sliding_window"}]}, IndexConfig)
 
@@ -551,16 +553,16 @@ def test_config_groups_from_yaml_mapping():
 def test_a_chain_freed_leaf_first_is_reused_as_one_run_of_ids():
     index = make_index()
     index.apply(batch("w0", stored(0, 6)))
-    assert [index._id_of[h] for h in HASHES[:6]] == [1, 2, 3, 4, 5, 6]
+    assert [index.state.id_of[h] for h in HASHES[:6]] == [1, 2, 3, 4, 5, 6]
     index.apply(batch("w0", BlockRemoved(tuple(range(1000, 1006)))))  # root first: the leaf's removal cascades
-    assert index.num_blocks() == 0 and index._free_ids == [6, 5, 4, 3, 2, 1]
+    assert index.num_blocks() == 0 and index.state.free_ids == [6, 5, 4, 3, 2, 1]
     other = tuple(range(500, 500 + 6 * BS))
     other_hashes = hash_token_blocks(list(other), BS)
     index.apply(batch("w1", BlockStored((1, 2, 3, 4), None, other[: 4 * BS], BS)))
-    assert [index._id_of[h] for h in other_hashes[:4]] == [1, 2, 3, 4]  # ascending: parent links implicit
+    assert [index.state.id_of[h] for h in other_hashes[:4]] == [1, 2, 3, 4]  # ascending: parent links implicit
     index.apply(batch("w1", BlockStored((5, 6), 4, other[4 * BS :], BS)))
-    assert [index._id_of[h] for h in other_hashes] == [1, 2, 3, 4, 5, 6] and index._free_ids == []
-    assert index._extra_children == {}
+    assert [index.state.id_of[h] for h in other_hashes] == [1, 2, 3, 4, 5, 6] and index.state.free_ids == []
+    assert index.state.extra_children == {}
     assert depths(index, other_hashes) == {"w1": (6, 0, 0)}
     assert depths(index) == {}
     index.check_invariants()

@@ -28,7 +28,7 @@ def linear_gpu_depths(index: PrefixIndex, hashes: list[int]) -> dict[str, int]:
     depths, _ = prefix_depths(map(index.holder_mask, hashes))
     best: dict[str, int] = {}
     for bit, depth in depths.items():
-        worker = index._slots_by_bit[bit].worker_id
+        worker = index.state.slots_by_bit[bit].worker_id
         best[worker] = max(best.get(worker, 0), depth)
     return best
 
@@ -108,7 +108,7 @@ def test_match_agrees_with_linear_walk_on_random_fleets(seed: int, num_workers: 
             hashes = hash_token_blocks(tokens, BLOCK_SIZE)
             assert match_gpu_depths(index, hashes) == linear_gpu_depths(index, hashes), step
             first = index.holder_mask(hashes[0])
-            num_jump_answers += bool(first & ~index._dirty_mask)
+            num_jump_answers += bool(first & ~index.state.dirty_mask)
     assert num_jump_answers > 0
 
 
@@ -129,18 +129,18 @@ def test_mid_chain_removal_makes_a_gap_and_restoring_the_block_closes_it() -> No
     hashes = hash_token_blocks(tokens, BLOCK_SIZE)
     store(index, "a", tokens, 0, 8)
     store(index, "b", tokens, 0, 5)
-    slot_a = index._slots[("a", 0)]
-    assert slot_a.num_gaps == 0 and index._dirty_mask == 0
+    slot_a = index.state.slots[("a", 0)]
+    assert slot_a.num_gaps == 0 and index.state.dirty_mask == 0
     assert match_gpu_depths(index, hashes) == {"a": 8, "b": 5}
 
     index.apply(EventBatch("a", 0, 1, 0.0, (BlockRemoved((hashes[3] ^ 0x5A5A,)),)))
     assert slot_a.num_gaps == 1  # block 4 is held, its parent (block 3) is not
-    assert index._dirty_mask == slot_a.mask
+    assert index.state.dirty_mask == slot_a.mask
     assert match_gpu_depths(index, hashes) == {"a": 3, "b": 5}
     index.check_invariants()
 
     store(index, "a", tokens, 3, 4)  # block 3 again, chained to block 2
-    assert slot_a.num_gaps == 0 and index._dirty_mask == 0
+    assert slot_a.num_gaps == 0 and index.state.dirty_mask == 0
     assert match_gpu_depths(index, hashes) == {"a": 8, "b": 5}
     index.check_invariants()
 
@@ -153,7 +153,7 @@ def test_store_under_a_parent_held_only_on_cpu_is_a_gap() -> None:
     cpu = BlockStored(tuple(engine[:3]), None, tuple(tokens[:6]), BLOCK_SIZE, medium=Medium.CPU)
     index.apply(EventBatch("a", 0, 0, 0.0, (cpu,)))
     store(index, "a", tokens, 3, 6)
-    assert index._slots[("a", 0)].num_gaps == 1
+    assert index.state.slots[("a", 0)].num_gaps == 1
     result = index.match(hashes).workers["a"]
     assert (result.num_gpu_blocks, result.num_cpu_blocks) == (0, 6)  # GPU or CPU at every position
     index.check_invariants()

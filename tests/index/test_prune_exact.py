@@ -65,7 +65,9 @@ def test_a_chain_with_mixed_holders_and_a_gap_goes_whole_leaf_first():
     assert ids(index, B_HASHES) == [7, 8, 9] and ids(index, C_HASHES) == [10]
     assert index.num_blocks() == 4 and index.state.free_ids == [6, 5, 4, 3, 2, 1]
     assert index.state.slots[("w0", 0)].num_gaps == 0 and index.state.dirty_mask == 0
-    assert index.stats().by_worker == {"w0": {"GPU": 0}, "w1": {"GPU": 0}, "w2": {"GPU": 3}, "w3": {"GPU": 1}}
+    assert index.stats().num_blocks_by_worker == {
+        "w0": {"GPU": 0}, "w1": {"GPU": 0}, "w2": {"GPU": 3}, "w3": {"GPU": 1}
+    }
     index.check_invariants()
     # Freed leaf first, the ids are reused as one ascending run.
     index.apply(batch("w4", stored(0, 2)))
