@@ -224,36 +224,40 @@ class Upkeep:
         lanes = list(self.state.lanes.values())
         only = lanes[0] if len(lanes) == 1 else None
         num_ids = self.state.num_ids
-        gone: set[int] = set()
-        skipped: set[int] = set()
+        gone = bytearray(num_ids)  # 1 for an entry this pass deletes (flags per id: cheaper than sets here)
+        skipped = bytearray(num_ids)  # 1 for an entry whose record came with children (older than them)
         runs: list[tuple[int, int]] = []
+        unstamped = UNSTAMPED
         for pos, entry_id in enumerate(self.state.log):
             if excess <= 0:
                 break
-            if not kind[entry_id] & 1 or entry_id in gone or stamp[entry_id] not in (pos, UNSTAMPED):
-                continue  # a stale record, or gone since
+            if gone[entry_id] or not kind[entry_id] & 1:
+                continue  # gone since
+            record_pos = stamp[entry_id]
+            if record_pos != pos and record_pos != unstamped:
+                continue  # a stale record
             nxt = entry_id + 1
-            if (nxt < num_ids and parent[nxt] == entry_id and nxt not in gone) or (
+            if (nxt < num_ids and parent[nxt] == entry_id and not gone[nxt]) or (
                 entry_id in extra and self._has_live_extra_child(entry_id, gone)
             ):
-                skipped.add(entry_id)
+                skipped[entry_id] = 1
                 continue
             hi = current = entry_id
-            gone.add(current)
+            gone[current] = 1
             excess -= 1
             while True:  # ``current`` goes; walk up
                 up = parent[current]
                 if not kind[up] & 1:  # rooted (the null id) or a dangling key
                     break
                 nxt = up + 1
-                if (nxt != current and nxt < num_ids and parent[nxt] == up and nxt not in gone) or (
+                if (nxt != current and nxt < num_ids and parent[nxt] == up and not gone[nxt]) or (
                     up in extra and self._has_live_extra_child(up, gone)
                 ):
                     break
                 # The parent is a leaf now. Without holders it goes too, past the target if need be (an entry is
                 # kept only while held or while it has children); a held one goes only above the target, and only
                 # if it is older than the child (skipped).
-                if (excess <= 0 or up not in skipped) and (
+                if (excess <= 0 or not skipped[up]) and (
                     only[up] if only is not None else any(lane[up] for lane in lanes)
                 ):
                     break
@@ -261,17 +265,17 @@ class Upkeep:
                     runs.append((hi, current))
                     hi = up
                 current = up
-                gone.add(current)
+                gone[current] = 1
                 excess -= 1
             runs.append((hi, current))
         return runs
 
-    def _has_live_extra_child(self, up: int, gone: set[int]) -> bool:
+    def _has_live_extra_child(self, up: int, gone: bytearray) -> bool:
         value = self.state.extra_children[up]
         if type(value) is int:
-            return value not in gone
+            return not gone[value]
         assert isinstance(value, list)
-        return any(child not in gone for child in value)
+        return any(not gone[child] for child in value)
 
     def _evict_run(self, lo: int, hi: int, touched: set[Slot]) -> None:
         """Delete entries ``hi, hi - 1, ..., lo`` (leaf first, ``parent[i] == i - 1`` inside the run; ``hi`` has no
