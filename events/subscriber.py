@@ -133,8 +133,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename
     ``SubscriberConfig.default_block_size``."""
 
 
-class SubscriberConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
-    """Configuration of the subscriber."""
+class SubscriberConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Configuration of the subscriber (the gateway's ``events.subscriber`` section; keys are the field names)."""
 
     bind_endpoint: str | None = None
     """Bound topology: address our SUB binds (e.g. ``tcp://*:5557``); ``None`` for the connect topology only."""

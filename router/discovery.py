@@ -51,82 +51,18 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol
-
-import msgspec
+from typing import Any, Protocol
 
 from router.config import GatewayConfig, WorkerConfig, decode_worker
+from router.discovery_config import OWNED_WORKER_KEYS as _OWNED_WORKER_KEYS  # noqa: F401
+from router.discovery_config import DiscoveryConfig as DiscoveryConfig
+from router.discovery_config import decode_discovery_config as decode_discovery_config
 from router.errors import ConfigError, GatewayError
 
 logger = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT_NAMESPACE_PATH = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 """Where Kubernetes mounts the pod's namespace next to the service-account token."""
-
-_OWNED_WORKER_KEYS = frozenset({"id", "url", "model", "events_endpoint", "replay_endpoint"})
-
-
-class DiscoveryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``discovery:`` section (see the module docstring for the YAML)."""
-
-    label_selector: str
-    """Label selector of the worker pods (``app=vllm,tier=decode``); must not be empty."""
-    kind: Literal["kubernetes"] = "kubernetes"
-    """Discovery backend; Kubernetes pods are the only one."""
-    namespace: str = ""
-    """Namespace to watch; empty means ``$POD_NAMESPACE``, else the service account's namespace."""
-    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8000
-    """Worker HTTP port (OpenAI API, health, load)."""
-    port_annotation: str = ""
-    """Pod annotation whose value overrides ``port`` for that pod; empty disables it."""
-    events_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = 5557
-    """ZMQ PUB port of the worker's KV events; ``None``: the workers publish none (approximate mode)."""
-    replay_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
-    """ZMQ ROUTER port of the worker's replay endpoint, or ``None``."""
-    model: str = ""
-    """Served model of a pod that names none through ``model_label``/``model_annotation``."""
-    model_label: str = ""
-    """Pod label naming the served model; empty disables it."""
-    model_annotation: str = ""
-    """Pod annotation naming the served model; empty disables it."""
-    worker: dict[str, Any] = msgspec.field(default_factory=dict)
-    """Further ``workers[]`` keys for every discovered worker (``pools``, ``dp_ranks``, ``load_path``...)."""
-    kubeconfig: str = ""
-    """Path of a kubeconfig (development); empty uses the in-cluster service account."""
-    watch_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
-    """Server-side timeout of one watch request, in seconds; the watch then resumes from the last resourceVersion."""
-    backoff_initial_s: Annotated[float, msgspec.Meta(gt=0)] = 0.5
-    """Wait after the first failed list or watch, in seconds."""
-    backoff_max_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
-    """Cap of the doubling wait between failed attempts, in seconds."""
-
-    def __post_init__(self) -> None:
-        if not self.label_selector.strip():
-            raise ValueError("label_selector must not be empty (it would select every pod)")
-        if self.backoff_max_s < self.backoff_initial_s:
-            raise ValueError("backoff_max_s must be >= backoff_initial_s")
-        owned = sorted(_OWNED_WORKER_KEYS & set(self.worker))
-        if owned:
-            raise ValueError(f"worker: {', '.join(owned)} come from the pod and cannot be set here")
-
-
-def decode_discovery_config(obj: object) -> DiscoveryConfig:
-    """Decode the ``discovery:`` section.
-
-    Raises:
-        ConfigError: naming the bad key and the reason.
-    """
-    try:
-        config = msgspec.convert(obj, DiscoveryConfig)
-    except (msgspec.ValidationError, ValueError, TypeError) as exc:
-        raise ConfigError(f"discovery: {exc}") from exc
-    probe = {"id": "probe", "url": "http://127.0.0.1:1", "model": config.model or "probe", **config.worker}
-    try:
-        decode_worker(probe)
-    except ConfigError as exc:
-        raise ConfigError(f"discovery.worker: {exc.message}") from exc
-    return config
-
 
 def resolve_namespace(config: DiscoveryConfig, environ: Mapping[str, str] | None = None,
                       namespace_path: str = SERVICE_ACCOUNT_NAMESPACE_PATH) -> str:
@@ -386,8 +322,7 @@ async def run_discovery(config: GatewayConfig, registry: WorkerRegistry) -> None
         logger.error("worker discovery not running: %s", exc.message)
 
 
-async def _run(section: dict[str, Any], registry: WorkerRegistry) -> None:
-    discovery_config = decode_discovery_config(section)
+async def _run(discovery_config: DiscoveryConfig, registry: WorkerRegistry) -> None:
     namespace = resolve_namespace(discovery_config)
     try:
         from kubernetes_asyncio import client

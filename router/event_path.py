@@ -39,12 +39,10 @@ import logging
 from collections.abc import Mapping
 from contextlib import suppress
 
-import msgspec
-
 from events.counters import EventCounters
 from events.decode import EventDecoder
 from events.publisher import offset_endpoint
-from events.subscriber import KVEventSubscriber, SubscriberConfig, WorkerSpec
+from events.subscriber import KVEventSubscriber, WorkerSpec
 from events.types import EventBatch, Resync
 from router.config import GatewayConfig
 from router.errors import GatewayError
@@ -98,9 +96,7 @@ class EventPath:
         Raises:
             EventsConfigError: the bind endpoint cannot be bound (the subscriber is closed again).
         """
-        events = self._config.events
-        sub_config = msgspec.convert({**events.subscriber, "bind-endpoint": events.bind_endpoint}, SubscriberConfig)
-        subscriber = KVEventSubscriber(sub_config, self.on_event)
+        subscriber = KVEventSubscriber(self._config.events.subscriber_config(), self.on_event)
         try:
             await subscriber.start()
         except BaseException:

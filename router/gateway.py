@@ -45,7 +45,7 @@ from events.subscriber import KVEventSubscriber
 from events.types import Medium, normalize_medium
 from policies import build_policy
 from router.admission import Admission
-from router.config import GatewayConfig, WorkerConfig, index_config, validate_policy, validate_sessions
+from router.config import GatewayConfig, WorkerConfig, index_config
 from router.errors import ConfigError, GatewayError
 from router.event_path import EventPath
 from router.fleet import Fleet, WorkerRuntime
@@ -99,9 +99,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.tokenizers: dict[str, ModelTokenizer] = {m.name: ModelTokenizer(m) for m in config.models}
         self.indexes: dict[str, PrefixIndex] = {m.name: PrefixIndex(index_config(config, m)) for m in config.models}
-        self.sessions: SessionStore = build_session_store(validate_sessions(config.sessions), clock)
-        policy_config = validate_policy(config.policy)
-        self.holder = PolicyHolder(policy_config, build_policy(policy_config))
+        self.sessions: SessionStore = build_session_store(config.sessions, clock)
+        self.holder = PolicyHolder(config.policy, build_policy(config.policy))
         self.transport: Transport = transport if transport is not None else AiohttpTransport(config.timeouts)
         self.events = EventPath(config, self.indexes, self.transport)
         self.fleet = Fleet(config, self.transport, clock=clock, on_start_id_changed=self.events.on_start_id_changed)
@@ -297,7 +296,7 @@ async def _expire_approximate(gw: Gateway) -> None:
 
 async def _reap_sessions(gw: Gateway) -> None:
     """Forget expired sessions every ``sessions.reap_interval_s``; a failure is logged and the loop goes on."""
-    interval_s = validate_sessions(gw.config.sessions).reap_interval_s
+    interval_s = gw.config.sessions.reap_interval_s
     while True:
         await asyncio.sleep(interval_s)
         try:

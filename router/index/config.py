@@ -1,14 +1,16 @@
 """Configuration of the prefix index and of cache groups (hybrid models).
 
-Cache groups are declared here, never learned from events: a ``BlockStored`` or ``BlockRemoved`` whose
-``group_idx`` the index does not declare is refused and counted (``num_unknown_group_events``). A model without
-``groups`` has one full-attention group, 0. Example (YAML ``index`` section, a Gemma-style model whose engine
-publishes group 0 for full attention and group 1 for a 4,096-token sliding window)::
+Keys are snake_case, the field names (the gateway still accepts the old kebab-case spellings for one release,
+``router.config_base``). Cache groups are declared here, never learned from events: a ``BlockStored`` or
+``BlockRemoved`` whose ``group_idx`` the index does not declare is refused and counted
+(``num_unknown_group_events``). A model without ``groups`` has one full-attention group, 0. Example (YAML ``index``
+section, a Gemma-style model whose engine publishes group 0 for full attention and group 1 for a 4,096-token
+sliding window)::
 
     index:
       groups:
         - {kind: full}
-        - {kind: sliding_window, sliding-window-tokens: 4096}
+        - {kind: sliding_window, sliding_window_tokens: 4096}
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class GroupKind(StrEnum):
     RECURRENT = "recurrent"
 
 
-class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One KV-cache group.
 
     Attributes:
@@ -54,7 +56,7 @@ class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename=
         if self.kind is GroupKind.SLIDING_WINDOW and (
             self.sliding_window_tokens is None or self.sliding_window_tokens <= 0
         ):
-            raise IndexConfigError("a sliding_window group needs sliding-window-tokens > 0")
+            raise IndexConfigError("a sliding_window group needs sliding_window_tokens > 0")
 
     def num_window_blocks(self, block_size: int) -> int:
         """Blocks a sliding-window group needs at the end of a prefix (0 for other kinds)."""
@@ -63,7 +65,7 @@ class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename=
         return -(-(self.sliding_window_tokens - 1) // block_size)
 
 
-class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Settings of one ``PrefixIndex``.
 
     Attributes:
@@ -96,18 +98,18 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, renam
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
-            raise IndexConfigError(f"block-size must be positive, got {self.block_size}")
+            raise IndexConfigError(f"block_size must be positive, got {self.block_size}")
         if self.max_blocks <= 0:
-            raise IndexConfigError(f"max-blocks must be positive, got {self.max_blocks}")
+            raise IndexConfigError(f"max_blocks must be positive, got {self.max_blocks}")
         if not 0.0 < self.prune_target_ratio <= 1.0:
-            raise IndexConfigError(f"prune-target-ratio must be in (0, 1], got {self.prune_target_ratio}")
+            raise IndexConfigError(f"prune_target_ratio must be in (0, 1], got {self.prune_target_ratio}")
         if not math.isfinite(self.approx_ttl_s):  # msgspec's gt=0 lets infinity through
-            raise IndexConfigError(f"approx-ttl-s must be a finite number, got {self.approx_ttl_s}")
+            raise IndexConfigError(f"approx_ttl_s must be a finite number, got {self.approx_ttl_s}")
         if not self.approx_ttl_s > 0.0:
-            raise IndexConfigError(f"approx-ttl-s must be positive, got {self.approx_ttl_s}")
+            raise IndexConfigError(f"approx_ttl_s must be positive, got {self.approx_ttl_s}")
         if self.approx_max_blocks <= 0:
-            raise IndexConfigError(f"approx-max-blocks must be positive, got {self.approx_max_blocks}")
+            raise IndexConfigError(f"approx-max_blocks must be positive, got {self.approx_max_blocks}")
         if self.max_parked_events_per_worker < 0:
             raise IndexConfigError(
-                f"max-parked-events-per-worker must be >= 0, got {self.max_parked_events_per_worker}"
+                f"max_parked_events_per_worker must be >= 0, got {self.max_parked_events_per_worker}"
             )

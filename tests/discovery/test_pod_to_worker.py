@@ -98,7 +98,8 @@ def test_gateway_config_validates_discovery_at_load():
     from router.config import parse_config
 
     base = {"models": [{"name": "llama"}], "admin": {"token": "t"}, "policy": {"name": "round_robin"}}
-    assert parse_config({**base, "discovery": {"label_selector": "app=w"}}).discovery == {"label_selector": "app=w"}
+    assert parse_config({**base, "discovery": {"label_selector": "app=w"}}).discovery == decode_discovery_config(
+        {"label_selector": "app=w"})
     assert parse_config(base).discovery is None
     with pytest.raises(ConfigError, match="discovery"):
         parse_config({**base, "discovery": {"label_selector": "app=w", "port": "http"}})

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from policies.config import CacheAwareConfig, SessionStickyConfig
 from router.config import parse_config, validate_sessions
 from router.discovery import decode_discovery_config, pod_to_worker
 from router.serve import warn_byte_level_tokenizers
@@ -105,7 +106,8 @@ def test_default_render_objects_and_gateway_config(tmp_path, monkeypatch):
     monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "t")
     config = parse_config(raw)  # the gateway's own loader accepts what the chart renders
     assert [m.name for m in config.models] == ["meta-llama/Llama-3.1-8B-Instruct"]
-    assert config.policy == {"name": "session_sticky", "inner": {"name": "cache_aware"}}
+    assert raw["policy"] == {"name": "session_sticky", "inner": {"name": "cache_aware"}}
+    assert config.policy == SessionStickyConfig(inner=CacheAwareConfig())
     discovery = decode_discovery_config(config.discovery)
     assert (discovery.namespace, discovery.label_selector, discovery.port, discovery.events_port,
             discovery.replay_port, discovery.model_label) == (NAMESPACE, "app=vllm", 8000, 5557, None,
@@ -233,7 +235,7 @@ def test_dev_redis_in_chart(tmp_path, monkeypatch):
     assert base64.b64decode(objs[("Secret", "r-kvgate-admin")]["data"]["token"]) == b"dev-only-token"
     assert ("PodDisruptionBudget", "r-kvgate") in objs
     monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "t")
-    assert parse_config(gateway_yaml(objs)).sessions["store"] == "redis"
+    assert parse_config(gateway_yaml(objs)).sessions.store == "redis"
 
 
 def test_service_monitor_only_when_the_crd_api_is_served(tmp_path):
@@ -269,7 +271,9 @@ def test_small_floats_reach_the_gateway_as_numbers(tmp_path, monkeypatch):
     monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "t")
     config = parse_config(raw)
     assert config.retry.backoff_initial_s == 5e-5
-    assert config.policy["inner"]["decode_s_per_sequence"] == 2e-5
+    assert raw["policy"]["inner"]["decode_s_per_sequence"] == 2e-5
+    assert isinstance(config.policy, SessionStickyConfig)
+    assert config.policy.inner == CacheAwareConfig(decode_s_per_sequence=2e-5)
 
 
 def test_replay_port_defaults_to_none_like_vllm(tmp_path):

@@ -87,10 +87,13 @@ STRUCTS: dict[str, type[msgspec.Struct]] = {
 """Schema definition -> the struct that decodes that section in the gateway."""
 
 LEFT_OUT = {
-    "index": {"block-size"},  # taken from each model's block_size (router.config.index_config)
+    "index": {"block_size"},  # taken from each model's block_size (router.config.index_config)
     "discoveredWorker": set(_OWNED_WORKER_KEYS),  # from the pod; the gateway refuses them in discovery.worker
 }
 """Struct keys a section's schema leaves out on purpose (the gateway refuses or overrides them there)."""
+
+DEPRECATED_SECTIONS = ("subscriber", "index", "indexGroup")
+"""Sections whose kebab-case keys of earlier releases the gateway still accepts (with a warning), and so the schema."""
 
 CARRIED = {
     ("gatewayConfig", "policy"): "policy",
@@ -106,7 +109,7 @@ DEF_OF_STRUCT = {cls.__name__: name for name, cls in STRUCTS.items() if name != 
 
 
 def struct_keys(cls: type[msgspec.Struct]) -> set[str]:
-    """The YAML keys of a struct: its fields as encoded (kebab-case where it renames), and its tag field."""
+    """The YAML keys of a struct: its fields as encoded (snake_case), and its tag field."""
     keys = {f.encode_name for f in msgspec.structs.fields(cls)}
     tag_field = cls.__struct_config__.tag_field
     return keys | {tag_field} if tag_field else keys
@@ -200,12 +203,31 @@ def compare_field(where: str, our_schema: dict[str, Any], their_schema: dict[str
     return problems
 
 
+def current(definition: str) -> dict[str, Any]:
+    """A section's properties without the deprecated spellings."""
+    return {k: v for k, v in DEFS[definition]["properties"].items() if not v.get("deprecated")}
+
+
 @pytest.mark.parametrize("definition", sorted(STRUCTS))
 def test_section_keys_equal_the_struct_fields(definition):
     schema = DEFS[definition]
     assert schema["additionalProperties"] is False
     expected = struct_keys(STRUCTS[definition]) - LEFT_OUT.get(definition, set())
-    assert set(schema["properties"]) == expected
+    assert set(current(definition)) == expected
+
+
+@pytest.mark.parametrize("definition", sorted(STRUCTS))
+def test_deprecated_keys_are_the_old_spellings_with_the_same_schema(definition):
+    """The kebab-case keys of earlier releases stay valid for one release where the gateway still accepts them:
+    each is the old spelling of a current key, with that key's schema."""
+    properties = DEFS[definition]["properties"]
+    deprecated = {k: v for k, v in properties.items() if v.get("deprecated")}
+    if definition not in DEPRECATED_SECTIONS:
+        assert deprecated == {}
+        return
+    assert set(deprecated) == {k.replace("_", "-") for k in current(definition) if "_" in k}
+    for old, schema in deprecated.items():
+        assert schema["allOf"] == [properties[old.replace("-", "_")]]
 
 
 @pytest.mark.parametrize("definition", sorted(STRUCTS))
@@ -215,7 +237,7 @@ def test_section_types_enums_and_ranges_follow_the_struct(definition):
     their_defs = full["$defs"]
     their_props = their_defs[full["$ref"].rsplit("/", 1)[1]]["properties"]
     problems = []
-    for key, our_schema in DEFS[definition]["properties"].items():
+    for key, our_schema in current(definition).items():
         if (definition, key) in CARRIED:
             if resolve(our_schema)[0] != CARRIED[(definition, key)]:
                 problems.append(f"{key}: must use #/definitions/{CARRIED[(definition, key)]}")
@@ -285,9 +307,10 @@ TYPOS = [  # (values, the key the error must name) - the two from the bug report
     pytest.param({"gateway": {"models": [{"name": "m", "blocksize": 32}]}}, "blocksize", id="models-blocksize"),
     pytest.param({"gateway": {"extraConfig": {"timeouts": {"conect_s": 2}}}}, "conect_s", id="timeouts-conect_s"),
     pytest.param({"gateway": {"policy": {"inner": {"temperatur": 0.1}}}}, "temperatur", id="policy-inner-key"),
-    pytest.param({"gateway": {"extraConfig": {"events": {"subscriber": {"replay_timeout_s": 1}}}}},
-                 "replay_timeout_s", id="subscriber-snake-case"),
-    pytest.param({"gateway": {"extraConfig": {"index": {"block-size": 32}}}}, "block-size", id="index-block-size"),
+    pytest.param({"gateway": {"extraConfig": {"events": {"subscriber": {"replay_timout_s": 1}}}}},
+                 "replay_timout_s", id="subscriber-key"),
+    pytest.param({"gateway": {"extraConfig": {"index": {"block_size": 32}}}}, "block_size", id="index-block-size"),
+    pytest.param({"gateway": {"extraConfig": {"index": {"block-size": 32}}}}, "block-size", id="index-old-block-size"),
     pytest.param({"gateway": {"extraConfig": {"sesions": {"max_num_sessions": 10}}}}, "sesions", id="top-level"),
     pytest.param({"gateway": {"workers": [{"id": "w", "url": "http://w:8000", "model": "m", "event_endpoint": "x"}]}},
                  "event_endpoint", id="workers-key"),
@@ -315,7 +338,7 @@ BAD_VALUES = [  # (values, a word the error names)
     pytest.param({"gateway": {"extraConfig": {"timeouts": {"connect_s": 0}}}}, "connect_s", id="zero-timeout"),
     pytest.param({"gateway": {"extraConfig": {"sessions": {"store": "disk"}}}}, "store", id="sessions-store"),
     pytest.param({"gateway": {"extraConfig": {"index": {"groups": [{"kind": "sliding_window"}]}}}},
-                 "sliding-window-tokens", id="sliding-window-needs-tokens"),
+                 "sliding_window_tokens", id="sliding-window-needs-tokens"),
     pytest.param({"gateway": {"policy": {"inner": {"name": "session_sticky"}}}}, "name", id="sticky-inside-sticky"),
     pytest.param({"gateway": {"policy": {"key_sources": ["cookie"]}}}, "key_sources", id="key-source"),
     pytest.param({"gateway": {"extraConfig": {"listen": {"max_body_bytes": 1.5}}}}, "max_body_bytes",
@@ -358,7 +381,7 @@ def every_key_values() -> dict[str, Any]:
     """Chart values that set every key of every gateway section the schema covers, at the gateway's defaults."""
     model = _plain(ModelConfig(name="m"))
     worker = _plain(WorkerConfig(id="w", url="http://w:8000", model="m"))
-    index = {k: v for k, v in _plain(IndexConfig()).items() if k != "block-size"}
+    index = {k: v for k, v in _plain(IndexConfig()).items() if k != "block_size"}
     index["groups"] = _plain([GroupSpec(), GroupSpec(kind=GroupKind.SLIDING_WINDOW, sliding_window_tokens=4096)])
     events = _plain(EventsConfig())
     events["subscriber"] = _plain(SubscriberConfig())
@@ -388,3 +411,27 @@ def test_every_gateway_key_at_its_default_passes_schema_and_gateway(tmp_path, mo
     config = parse_config(raw)
     assert decode_discovery_config(config.discovery).worker == values["discovery"]["worker"]
     assert len(index_config(config, config.models[0]).groups) == 2
+
+
+OLD_STYLE_VALUES = {"gateway": {"extraConfig": {
+    "events": {"subscriber": {"replay-timeout-s": 3.0, "max-pending-batches": 8}},
+    "index": {"max-blocks": 4096,
+              "groups": [{"kind": "full"}, {"kind": "sliding_window", "sliding-window-tokens": 64}]},
+}}}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("helm", HELMS)
+def test_old_kebab_case_keys_still_render_and_load_with_a_warning(tmp_path, monkeypatch, caplog, helm):
+    result = run_helm(_render_args("template", _write(tmp_path, OLD_STYLE_VALUES)), tmp_path, helm)
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    raw = gateway_yaml({(d["kind"], d["metadata"]["name"]): d for d in docs})
+    monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "t")
+    with caplog.at_level("WARNING"):
+        config = parse_config(raw)
+    assert (config.events.subscriber.replay_timeout_s, config.events.subscriber.max_pending_batches) == (3.0, 8)
+    assert config.index.max_blocks == 4096 and config.index.groups[1].sliding_window_tokens == 64
+    assert sorted(r.getMessage().split()[2] for r in caplog.records if r.name == "router.config") == [
+        "events.subscriber.max-pending-batches", "events.subscriber.replay-timeout-s",
+        "index.groups[].sliding-window-tokens", "index.max-blocks"]

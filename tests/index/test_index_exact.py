@@ -540,13 +540,13 @@ def test_config_validation():
 
 
 def test_config_groups_from_yaml_mapping():
-    raw = {"block-size": 16, "groups": [{"kind": "full"}, {"kind": "sliding_window", "sliding-window-tokens": 4096}]}
+    raw = {"block_size": 16, "groups": [{"kind": "full"}, {"kind": "sliding_window", "sliding_window_tokens": 4096}]}
     config = msgspec.convert(raw, IndexConfig)
     assert config.groups == (GroupSpec(GroupKind.FULL), GroupSpec(GroupKind.SLIDING_WINDOW, 4096))
     assert PrefixIndex(config).state.groups == {
         0: GroupSpec(GroupKind.FULL), 1: GroupSpec(GroupKind.SLIDING_WINDOW, 4096)
     }
-    with pytest.raises(msgspec.ValidationError, match=r"sliding-window-tokens > 0 - at `\$.groups\[0\]`"):
+    with pytest.raises(msgspec.ValidationError, match=r"sliding_window_tokens > 0 - at `\$.groups\[0\]`"):
         msgspec.convert({"groups": [{"kind": "sliding_window"}]}, IndexConfig)
 
 

@@ -80,7 +80,7 @@ def test_policy_shown_is_the_default_policy(example):
     default = GatewayConfig(models=(ModelConfig(name="m"),)).policy
     assert decode_policy_config(example.policy) == decode_policy_config(default)
     assert decode_policy_config(example.policy) == SessionStickyConfig(inner=CacheAwareConfig())
-    assert example.policy["inner"]["max_kv_usage"] is None
+    assert example.policy.inner.max_kv_usage is None
 
 
 def test_sessions_shown_are_the_defaults(example):

@@ -1,0 +1,214 @@
+"""The fleet's entries in the gateway's config: the served models (``models[]``) and the workers (``workers[]``).
+
+Split from ``router.config`` so that the sections built on a worker entry (the admin API's ``POST /admin/workers``,
+``discovery.worker``) decode it with exactly the YAML's rules without importing the whole tree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+import msgspec
+
+from events.errors import EventsConfigError
+from events.publisher import offset_endpoint
+from events.types import Medium, normalize_medium
+from router.config_base import ConfigStruct, check_positive
+from router.errors import ConfigError
+
+__all__ = [
+    "MAX_DP_RANKS",
+    "ModelConfig",
+    "Topology",
+    "WorkerConfig",
+    "decode_worker",
+    "worker_block_size_error",
+]
+
+MAX_DP_RANKS = 256
+"""Most data-parallel ranks one worker may declare (``workers[].dp_ranks``). Each rank of a worker that publishes
+events is one ZMQ subscription of the gateway (a SUB socket and its monitor); the subscriber's ZMQ context holds
+about 340 of them in all (ZMQ's default of 1,023 sockets), so a larger fleet-wide total is refused when the worker
+is added (nothing of it stays registered)."""
+
+
+
+class ModelConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A model the fleet serves, and how the gateway tokenizes and hashes its prompts.
+
+    Tokens must equal the worker's, so the gateway uses the worker's own tokenization module with the same
+    settings: ``tokenizer_path`` (a ``tokenizer.json``) or the byte-level default, and ``chat_template``.
+
+    Attributes:
+        name: the OpenAI ``model`` name clients send.
+        tokenizer_path: path to a ``tokenizer.json``; ``None`` for the byte-level default.
+        chat_template: path to a Jinja chat template, or ``None`` for the tokenization module's default.
+        block_size: tokens per block of the engine's prefix cache.
+        lora_adapters: model names that select a LoRA adapter on this base model; a request naming one is
+            hashed in that adapter's namespace (vLLM feeds the adapter name into its block hash).
+        honor_cache_salt: hash a request's ``cache_salt`` field into its namespace (vLLM semantics).
+        default_max_tokens: ``max_tokens`` assumed when a request sends none, in tokens.
+        enable_pending_blocks: when a request goes to a worker that publishes events, insert its full prompt
+            blocks into the index as pending entries for that worker (``PrefixIndex.insert_approximate``), so a
+            request routed right behind it predicts what the worker will have cached by the time it schedules
+            that request, before the worker's events arrive (``router.routing``, step 5).
+        pending_blocks_ttl_s: seconds a pending block lives unless the worker's ``BlockStored`` confirms it
+            (then it is the event's and stops expiring); cover the queueing plus prefill time of a request.
+    """
+
+    name: str
+    tokenizer_path: str | None = None
+    chat_template: str | None = None
+    block_size: int = 16
+    lora_adapters: tuple[str, ...] = ()
+    honor_cache_salt: bool = True
+    default_max_tokens: int = 256
+    enable_pending_blocks: bool = True
+    pending_blocks_ttl_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("name must not be empty")
+        check_positive("block_size", self.block_size)
+        check_positive("default_max_tokens", self.default_max_tokens)
+        check_positive("pending_blocks_ttl_s", self.pending_blocks_ttl_s)
+        if self.tokenizer_path is not None and not Path(self.tokenizer_path).exists():
+            raise ValueError(f"tokenizer_path {self.tokenizer_path!r} does not exist")
+
+
+Topology = Literal["connect", "bind"]
+
+
+class WorkerConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One worker (an engine process) behind the gateway.
+
+    Attributes:
+        id: unique worker id; in the ``bind`` topology it must equal the ``<worker>`` of the topic
+            ``kv@<worker>@<model>`` the worker publishes with.
+        url: OpenAI HTTP base URL, ``http(s)://host[:port]``, e.g. ``http://127.0.0.1:8001``; request paths
+            (``/v1/completions``, ``health_path``...) are appended to it, so it takes no path, query or fragment (a
+            trailing ``/`` is dropped).
+        model: served model (one of ``models[].name``).
+        events_endpoint: ZMQ PUB endpoint the gateway connects to (``connect`` topology), e.g.
+            ``tcp://127.0.0.1:5557``. ``None`` with the ``connect`` topology means the worker publishes no
+            events: the gateway routes it in approximate mode.
+        replay_endpoint: ZMQ ROUTER endpoint serving replays after a sequence gap, or ``None``.
+        topology: ``connect`` (gateway SUB connects to the worker's PUB) or ``bind`` (the worker's PUB connects
+            to ``events.bind_endpoint``).
+        dp_ranks: number of data-parallel ranks publishing events, 1..``MAX_DP_RANKS``. Rank ``r`` publishes on the
+            port of ``events_endpoint`` (and serves replays on the port of ``replay_endpoint``) plus ``r``, vLLM's
+            convention; every rank's port must be at most 65535.
+        pools: shared pools (``MOONCAKE`` tier, or an engine's name for it) this worker is attached to; a worker's
+            own tiers (``CPU``, ``DISK``) are refused.
+        block_size: the worker's block size in tokens, a multiple of its model's ``block_size``; ``None`` takes the
+            model's.
+        load_path: the worker's load endpoint (polled; returns load and start id), or ``None``.
+        snapshot_path: endpoint returning the worker's cached blocks as KV events (warm-up), or ``None``.
+        health_path: active health check path. The three paths are appended to ``url``, so each starts with ``/``.
+        time_scale: wall seconds per second of the worker's own clock, for a simulated worker run with
+            ``kvgate worker --time-scale X`` (1 for real engines). The TTFT the gateway observes (wall time) is
+            divided by it before it calibrates the cost model, whose constants are in the worker's seconds.
+    """
+
+    id: str
+    url: str
+    model: str
+    events_endpoint: str | None = None
+    replay_endpoint: str | None = None
+    topology: Topology = "connect"
+    dp_ranks: int = 1
+    pools: tuple[str, ...] = ()
+    block_size: int | None = None
+    load_path: str | None = "/load"
+    snapshot_path: str | None = "/kv/snapshot"
+    health_path: str = "/health"
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_positive("time_scale", self.time_scale)
+        if not self.id:
+            raise ValueError("id must not be empty")
+        msgspec.structs.force_setattr(self, "url", _base_url(self.url))
+        if not 1 <= self.dp_ranks <= MAX_DP_RANKS:
+            raise ValueError(f"dp_ranks must be in 1..{MAX_DP_RANKS}, got {self.dp_ranks}")
+        if self.topology == "connect":  # the bind topology has no per-worker events endpoint
+            _check_rank_ports("events_endpoint", self.events_endpoint, self.dp_ranks)
+        _check_rank_ports("replay_endpoint", self.replay_endpoint, self.dp_ranks)
+        if self.block_size is not None:
+            check_positive("block_size", self.block_size)
+        for pool in self.pools:
+            if normalize_medium(pool) is not Medium.MOONCAKE:  # a worker's own tiers are never shared
+                raise ValueError(f"pools: {pool!r} is not a shared pool tier; the shared tier is MOONCAKE (also "
+                                 f"named EXTERNAL, STORAGE or L3)")
+        for name, path in (("load_path", self.load_path), ("snapshot_path", self.snapshot_path),
+                           ("health_path", self.health_path)):
+            if path is not None and not path.startswith("/"):  # appended to url, which has no trailing "/"
+                raise ValueError(f"{name} must start with '/', got {path!r}")
+
+    @property
+    def has_events(self) -> bool:
+        """Whether the worker publishes KV events the gateway can read."""
+        return self.topology == "bind" or self.events_endpoint is not None
+
+
+def _base_url(url: str) -> str:
+    """``url`` checked as a worker's base URL (``http(s)://host[:port]``), without a trailing ``/``.
+
+    Raises:
+        ValueError: another scheme, no host, a bad port, or a path, query or fragment (the message names ``url``).
+    """
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"url must start with http:// or https://, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (parsing the port raises ValueError for a non-numeric one)
+    except ValueError as exc:
+        raise ValueError(f"url {url!r} does not parse: {exc}") from exc
+    if not parts.hostname:
+        raise ValueError(f"url {url!r} names no host")
+    if parts.path not in ("", "/") or "?" in url or "#" in url:
+        raise ValueError(f"url must be a base URL, http(s)://host[:port], without a path, query or fragment "
+                         f"(request paths such as /v1/completions are appended to it), got {url!r}")
+    return url.removesuffix("/")
+
+
+def _check_rank_ports(name: str, endpoint: str | None, dp_ranks: int) -> None:
+    """Refuse an endpoint that the last data-parallel rank cannot use.
+
+    Rank ``r`` uses ``events.publisher.offset_endpoint(endpoint, r)`` (vLLM's data-parallel convention: the port
+    plus ``r``, or a ``_dp<r>`` suffix for ``ipc://`` and ``inproc://``); ``tcp://host:*`` is used as is by every
+    rank.
+
+    Raises:
+        ValueError: naming the key, the endpoint and why (e.g. the last rank's port over 65535).
+    """
+    try:
+        offset_endpoint(endpoint, dp_ranks - 1)
+    except EventsConfigError as exc:
+        raise ValueError(f"{name} {endpoint!r} with dp_ranks {dp_ranks}: {exc}") from exc
+
+
+def worker_block_size_error(worker: WorkerConfig, model: ModelConfig) -> str | None:
+    """Why ``worker`` cannot serve ``model`` with its block size, or ``None`` when it can.
+
+    The model's prefix index hashes blocks of the model's ``block_size``; a worker's block events are split into
+    whole index blocks, so a worker's ``block_size`` must be a multiple of it (else every event is refused).
+    """
+    if worker.block_size is None or worker.block_size % model.block_size == 0:
+        return None
+    return (f"block_size {worker.block_size} is not a multiple of the block_size {model.block_size} of its model "
+            f"{model.name!r} (models[].block_size): its events could not be indexed")
+
+
+def decode_worker(obj: object) -> WorkerConfig:
+    """Decode one worker (admin API payload) with the same rules as the YAML.
+
+    Raises:
+        ConfigError: naming the bad key and the reason.
+    """
+    try:
+        return msgspec.convert(obj, WorkerConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"worker: {exc}") from exc
