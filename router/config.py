@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import yaml
@@ -25,7 +25,12 @@ from events.subscriber import SubscriberConfig
 from policies import PolicyConfigError, decode_policy_config
 from policies.config import CacheAwareConfig, PolicyConfig, SessionStickyConfig
 from router.config_base import (
+    AtLeastOne,
     ConfigStruct,
+    Count,
+    NonNegativeSeconds,
+    Port,
+    PositiveSeconds,
     check_finite,
     check_non_negative,
     check_positive,
@@ -90,8 +95,8 @@ class ListenConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
     """
 
     host: str = "127.0.0.1"
-    port: int = 8080
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    port: Port = 8080
+    max_body_bytes: AtLeastOne = DEFAULT_MAX_BODY_BYTES
     body_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -156,10 +161,10 @@ class RetryConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only
         backoff_max_s: cap of the wait.
     """
 
-    max_retries: int = 2
-    backoff_initial_s: float = 0.01
-    backoff_multiplier: float = 2.0
-    backoff_max_s: float = 0.5
+    max_retries: Count = 2
+    backoff_initial_s: NonNegativeSeconds = 0.01
+    backoff_multiplier: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0
+    backoff_max_s: NonNegativeSeconds = 0.5
 
     def __post_init__(self) -> None:
         check_non_negative("max_retries", self.max_retries)
@@ -185,11 +190,11 @@ class AdmissionConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_
         retry_after_s: the ``Retry-After`` value sent with 429, in seconds.
     """
 
-    max_inflight_requests: int = 0
-    max_inflight_per_worker: int = 0
-    queue_size: int = 256
-    queue_timeout_s: float = 30.0
-    retry_after_s: float = 1.0
+    max_inflight_requests: Count = 0
+    max_inflight_per_worker: Count = 0
+    queue_size: Count = 256
+    queue_timeout_s: PositiveSeconds = 30.0
+    retry_after_s: PositiveSeconds = 1.0
 
     def __post_init__(self) -> None:
         check_non_negative("max_inflight_requests", self.max_inflight_requests)
@@ -209,10 +214,10 @@ class HealthConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
         success_threshold: consecutive successes that mark an unhealthy worker healthy.
     """
 
-    interval_s: float = 5.0
-    timeout_s: float = 2.0
-    failure_threshold: int = 3
-    success_threshold: int = 2
+    interval_s: PositiveSeconds = 5.0
+    timeout_s: PositiveSeconds = 2.0
+    failure_threshold: AtLeastOne = 3
+    success_threshold: AtLeastOne = 2
 
     def __post_init__(self) -> None:
         check_positive("interval_s", self.interval_s)
@@ -231,8 +236,8 @@ class CircuitBreakerConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True
     """
 
     enabled: bool = True
-    failure_threshold: int = 5
-    open_s: float = 10.0
+    failure_threshold: AtLeastOne = 5
+    open_s: PositiveSeconds = 10.0
 
     def __post_init__(self) -> None:
         check_positive("failure_threshold", self.failure_threshold)
@@ -247,8 +252,8 @@ class LoadPollConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_o
         timeout_s: a poll slower than this is skipped.
     """
 
-    interval_s: float = 1.0
-    timeout_s: float = 1.0
+    interval_s: PositiveSeconds = 1.0
+    timeout_s: PositiveSeconds = 1.0
 
     def __post_init__(self) -> None:
         check_positive("interval_s", self.interval_s)
@@ -269,7 +274,7 @@ class AdminConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only
     token: str | None = None
     token_env: str = "KVGATE_ADMIN_TOKEN"
     disable_auth: bool = False
-    num_recent_decisions: int = 256
+    num_recent_decisions: AtLeastOne = 256
 
     def __post_init__(self) -> None:
         check_positive("num_recent_decisions", self.num_recent_decisions)
@@ -327,7 +332,7 @@ class GatewayConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_on
     circuit_breaker: CircuitBreakerConfig = msgspec.field(default_factory=CircuitBreakerConfig)
     load_poll: LoadPollConfig = msgspec.field(default_factory=LoadPollConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
-    ready_timeout_s: float = 30.0
+    ready_timeout_s: PositiveSeconds = 30.0
     index: IndexConfig = msgspec.field(default_factory=IndexConfig)
     session_key_sources: tuple[Literal["x-session-id", "x-smg-routing-key", "user", "opening_blocks"], ...] = (
         "x-session-id", "x-smg-routing-key", "user")

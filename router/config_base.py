@@ -10,11 +10,17 @@ snake_case form is a field of its section is renamed before decoding, and each s
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 __all__ = [
+    "AtLeastOne",
+    "Count",
+    "NonNegativeSeconds",
+    "Port",
+    "PositiveFactor",
+    "PositiveSeconds",
     "ConfigStruct",
     "DeprecatedKey",
     "check_finite",
@@ -23,6 +29,20 @@ __all__ = [
     "non_finite_value",
     "rename_deprecated_keys",
 ]
+
+
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0.0)]
+"""A duration in seconds, > 0 (and finite: ``parse_config`` and ``__post_init__`` refuse NaN and infinity)."""
+NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0.0)]
+"""A duration in seconds, >= 0 (and finite)."""
+PositiveFactor = Annotated[float, msgspec.Meta(gt=0.0)]
+"""A dimensionless factor, > 0 (and finite)."""
+AtLeastOne = Annotated[int, msgspec.Meta(ge=1)]
+"""A count or size, >= 1."""
+Count = Annotated[int, msgspec.Meta(ge=0)]
+"""A count, >= 0 (0 often meaning "unlimited" or "off": each field says)."""
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+"""A TCP port, 0..65535 (0: the system picks a free one)."""
 
 
 class ConfigStruct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -15,7 +15,7 @@ import msgspec
 from events.errors import EventsConfigError
 from events.publisher import offset_endpoint
 from events.types import Medium, normalize_medium
-from router.config_base import ConfigStruct, check_positive
+from router.config_base import AtLeastOne, ConfigStruct, PositiveFactor, PositiveSeconds, check_positive
 from router.errors import ConfigError
 
 __all__ = [
@@ -61,12 +61,12 @@ class ModelConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only
     name: str
     tokenizer_path: str | None = None
     chat_template: str | None = None
-    block_size: int = 16
+    block_size: AtLeastOne = 16
     lora_adapters: tuple[str, ...] = ()
     honor_cache_salt: bool = True
-    default_max_tokens: int = 256
+    default_max_tokens: AtLeastOne = 256
     enable_pending_blocks: bool = True
-    pending_blocks_ttl_s: float = 10.0
+    pending_blocks_ttl_s: PositiveSeconds = 10.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -120,11 +120,11 @@ class WorkerConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
     topology: Topology = "connect"
     dp_ranks: int = 1
     pools: tuple[str, ...] = ()
-    block_size: int | None = None
+    block_size: AtLeastOne | None = None
     load_path: str | None = "/load"
     snapshot_path: str | None = "/kv/snapshot"
     health_path: str = "/health"
-    time_scale: float = 1.0
+    time_scale: PositiveFactor = 1.0
 
     def __post_init__(self) -> None:
         check_positive("time_scale", self.time_scale)
