@@ -22,8 +22,9 @@ SSE framing (as vLLM): each chunk is ``data: <json>\\n\\n``; the stream ends wit
 vLLM's rule ``block_size * min(hit_blocks, (prompt_tokens - 1) // block_size)`` (``workers.kv.manager``).
 
 Snapshot: the body is an ``events/encode.py`` batch (msgpack, vLLM wire shape, decodable by ``events/decode.py``)
-holding ``AllBlocksCleared`` then ``BlockStored`` runs for the GPU tier then the CPU tier, parents first: CPU blocks
-also on GPU token-less, CPU-only blocks with parent and tokens (``KVCacheManager.snapshot_events``). Headers:
+holding ``AllBlocksCleared`` then ``BlockStored`` runs for the GPU tier, the CPU tier, then the shared pool (every
+tier the worker has), parents first: lower-tier blocks also on GPU token-less, the others with parent and tokens
+(``KVCacheManager.snapshot_events``). Headers:
 ``x-kvgate-last-seq`` is the seq of the last batch published on the live stream *before* the snapshot was taken
 (-1: none yet), ``x-kvgate-start-id`` the worker's start id. A subscriber splices: apply the snapshot, then apply
 live batches with ``seq > last_seq`` (drop those ``<= last_seq``; replay ``last_seq + 1 ..`` if it missed any).

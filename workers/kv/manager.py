@@ -527,6 +527,9 @@ class KVCacheManager:
                               the GPU stores above), least recently used first, as live store events are
             BlockStored CPU   runs of the CPU-only blocks (evicted from GPU), parents before children, with parent
                               and tokens from the blocks' metas, so they resolve without a GPU store
+            BlockStored MOONCAKE  the same two shapes for the shared pool's blocks this worker stored or read
+                              (``PoolTier.snapshot_metas``); a CPU run whose parent is only in the pool is parked
+                              by the gateway until the pool run that maps its parent
 
         Applying them to an empty index reproduces every tier's state. A CPU-only run whose parent is on no tier
         stays unresolved (parked by the gateway), as no lookup of the worker can reach it either.
@@ -534,30 +537,36 @@ class KVCacheManager:
         events: list[KVEvent] = [AllBlocksCleared()]
         events.extend(stored_events(self.gpu.cached_metas(), self.block_size, Medium.GPU))
         if self.cpu is not None and self.cpu.num_stored_blocks:
-            on_gpu = self.gpu.get_cached_block
-            resident: list[EngineBlockHash] = []
-            cpu_only: list[BlockMeta] = []
-            for meta in self.cpu.stored_metas():
-                if on_gpu(meta.block_hash) is None:
-                    cpu_only.append(meta)
-                else:
-                    resident.append(engine_hash_of(meta))
-            if resident:
-                events.append(
-                    BlockStored(
-                        block_hashes=tuple(resident),
-                        parent_block_hash=None,
-                        token_ids=(),
-                        block_size=self.block_size,
-                        medium=Medium.CPU,
-                    )
-                )
-            events.extend(stored_events(chain_order(cpu_only), self.block_size, Medium.CPU))
+            events.extend(self._tier_snapshot(self.cpu.stored_metas(), Medium.CPU))
+        if self.pool is not None:
+            events.extend(self._tier_snapshot(self.pool.snapshot_metas(), Medium.MOONCAKE))
         if self.groups.is_hybrid:
             for i, event in enumerate(events):
                 if isinstance(event, BlockStored) and event.medium is Medium.GPU:
                     events[i] = msgspec.structs.replace(event, kv_cache_spec_kind=SpecKind.FULL_ATTENTION)
             events.extend(self.groups.snapshot_events())
+        return events
+
+    def _tier_snapshot(self, metas: Sequence[BlockMeta], medium: Medium) -> list[KVEvent]:
+        """A lower tier's blocks as stores: one token-less event for those also on GPU (in ``metas``' order),
+        then runs of the others with parent and tokens, parents first (``snapshot_events``)."""
+        on_gpu = self.gpu.get_cached_block
+        resident: list[EngineBlockHash] = []
+        lower_only: list[BlockMeta] = []
+        for meta in metas:
+            if on_gpu(meta.block_hash) is None:
+                lower_only.append(meta)
+            else:
+                resident.append(engine_hash_of(meta))
+        events: list[KVEvent] = []
+        if resident:
+            events.append(
+                BlockStored(
+                    block_hashes=tuple(resident), parent_block_hash=None, token_ids=(), block_size=self.block_size,
+                    medium=medium,
+                )
+            )  # fmt: skip
+        events.extend(stored_events(chain_order(lower_only), self.block_size, medium))
         return events
 
     def free_blocks_by_medium(self) -> dict[str, int]:

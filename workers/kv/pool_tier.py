@@ -13,7 +13,8 @@ The store seam (``PoolStore``) has two implementations:
 * ``SimPoolClient`` over a ``SimPool``: an in-process dict shared by every worker of the process that names the
   same pool (``sim_pool(name)``), with a block capacity and LRU eviction. It reports its evictions to the
   worker that stored each block, which publishes ``BlockRemoved`` (MOONCAKE). This is what tests and
-  single-process fleets use: no sockets, no shared memory.
+  single-process fleets use: no sockets, no shared memory. Every attached worker hears every eviction; each
+  publishes ``BlockRemoved`` for the keys it announced or listed in its snapshot.
 * ``MooncakePoolStore``: a real Mooncake Store client (``mooncake.store.MooncakeDistributedStore``, optional
   extra ``mooncake``) talking to a ``mooncake_master``. Mooncake evicts on its own and does not tell clients,
   so no ``BlockRemoved`` is published for it; a lease taken by the lookup (``batch_is_exist``) keeps blocks
@@ -27,6 +28,11 @@ already in the pool, stored by any worker, is skipped (rule 2); a store once sch
 GPU copy is evicted meanwhile: its value is taken when the job is prepared (rule 3). A completed store emits
 one ``BlockStored`` (MOONCAKE) per job, token-less when all its blocks are still in the GPU prefix index (else
 with parent and tokens). Puts are best effort (a full pool refuses them): only blocks put are announced.
+
+Snapshot (``snapshot_metas``): the blocks this worker stored and announced, plus the pool blocks it read for a
+restore (at most ``max_known_fetched`` of them, least recently read dropped first), so that a cold gateway index
+fed the worker's snapshot resolves every announced block's parent chain (a block another worker stored is
+reachable through the pool by every member, so announcing it here predicts the same hits).
 
 Restores: ``fetch`` reads the blocks into host memory when the request is admitted (its GPU targets are
 reserved then), so a pool eviction after admission cannot break the restore; blocks it cannot read shorten
@@ -95,11 +101,12 @@ class SimPool:
         self.capacity_blocks = capacity_blocks
         self._data: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
         self._listeners: dict[int, Callable[[list[str]], None]] = {}
+        """Every attached client's eviction callback: each gets every evicted key (a worker forgets what it knew)."""
         self._next_client = 0
         self.num_evicted = 0
 
     def attach(self, on_evict: Callable[[list[str]], None] | None = None) -> SimPoolClient:
-        """A client for one worker; ``on_evict`` gets the keys it stored when the pool evicts them."""
+        """A client for one worker; ``on_evict`` gets every key the pool evicts (the worker keeps what it knew)."""
         self._next_client += 1
         if on_evict is not None:
             self._listeners[self._next_client] = on_evict
@@ -136,9 +143,9 @@ class SimPoolClient:
                 evicted.setdefault(owner, []).append(old)
                 pool.num_evicted += 1
             data[k] = (v, self.client_id)
-        for owner, gone in evicted.items():
-            listener = pool._listeners.get(owner)
-            if listener is not None:
+        if evicted:
+            gone = [k for keys_of_owner in evicted.values() for k in keys_of_owner]
+            for listener in list(pool._listeners.values()):
                 listener(gone)
         return [True] * len(keys)
 
@@ -251,15 +258,19 @@ class PoolTier:
         block_size: int,
         emit: Callable[[KVEvent], None],
         on_gpu: Callable[[Sequence[BlockHash]], bool] | None = None,
+        max_known_fetched: int = 1 << 18,
     ) -> None:
-        """Wrap ``store``; events go to ``emit``; ``on_gpu`` picks the store event's shape (module docstring)."""
+        """Wrap ``store``; events go to ``emit``; ``on_gpu`` picks the store event's shape; ``max_known_fetched``
+        bounds the fetched blocks kept for snapshots (module docstring)."""
         self.store = store
         self.block_size = block_size
         self._emit = emit
         self._on_gpu = on_gpu
         self._in_flight: set[BlockHash] = set()
         self._jobs: dict[int, tuple[list[BlockHash], list[BlockMeta], list[bytes]]] = {}
-        self._stored_here: dict[str, EngineBlockHash] = {}
+        self._stored_here: dict[str, BlockMeta] = {}
+        self._fetched: OrderedDict[str, BlockMeta] = OrderedDict()
+        self._max_known_fetched = max_known_fetched
         self.num_stores_skipped_in_flight = 0
         self.num_stores_skipped_stored = 0
         self.num_stores_failed = 0
@@ -267,8 +278,14 @@ class PoolTier:
         self.num_blocks_fetched = 0
 
     def on_evict(self, keys: list[str]) -> None:
-        """The pool evicted blocks this worker stored: ``BlockRemoved`` (MOONCAKE)."""
-        hashes = [h for k in keys if (h := self._stored_here.pop(k, None)) is not None]
+        """The pool evicted ``keys``: ``BlockRemoved`` (MOONCAKE) for those this worker stored or fetched."""
+        hashes: list[EngineBlockHash] = []
+        for k in keys:
+            stored = self._stored_here.pop(k, None)
+            fetched = self._fetched.pop(k, None)
+            meta = stored if stored is not None else fetched
+            if meta is not None:
+                hashes.append(engine_hash_of(meta))
         if hashes:
             self._emit(BlockRemoved(block_hashes=tuple(hashes), medium=self.medium))
 
@@ -324,7 +341,7 @@ class PoolTier:
             return
         self.num_blocks_stored += len(hashes)
         engine_hashes = tuple(map(engine_hash_of, metas))
-        self._stored_here.update(zip(keys, engine_hashes, strict=True))
+        self._stored_here.update(zip(keys, metas, strict=True))
         emit_tier_stored(
             self._emit,
             metas,
@@ -343,7 +360,19 @@ class PoolTier:
                 break
             n += 1
         self.num_blocks_fetched += n
+        known = self._fetched
+        for meta in metas[:n]:
+            key = pool_key(meta.block_hash)
+            if key not in self._stored_here:
+                known[key] = meta
+                known.move_to_end(key)
+        while len(known) > self._max_known_fetched:
+            known.popitem(last=False)
         return n
+
+    def snapshot_metas(self) -> list[BlockMeta]:
+        """The pool blocks this worker knows of (stored here, then fetched), for ``/kv/snapshot``."""
+        return [*self._stored_here.values(), *(m for k, m in self._fetched.items() if k not in self._stored_here)]
 
     def block_counts(self) -> dict[str, int]:
         """For the load endpoint: ``num_used_blocks`` and ``num_free_blocks`` of the whole pool where the store
@@ -359,3 +388,4 @@ class PoolTier:
     def reset(self) -> None:
         """Forget what this worker announced (the shared pool itself is not cleared by one worker)."""
         self._stored_here.clear()
+        self._fetched.clear()
