@@ -160,6 +160,11 @@ class ByteTokenizer:
                 ids.extend(part.encode("utf-8"))
         return ids
 
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """Texts of the special tokens, in id order."""
+        return self._specials
+
     def decode(self, token_ids: Sequence[int]) -> str:
         """Bytes back to text; special ids and out-of-range ids are dropped."""
         return bytes(t for t in token_ids if 0 <= t < NUM_BYTE_TOKENS).decode("utf-8", errors="replace")
@@ -212,6 +217,14 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of ``text`` without added BOS/EOS (added-token texts in ``text`` are recognized)."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, encoded in parallel by the library (which releases the GIL meanwhile)."""
+        return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def definition(self) -> dict[str, Any]:
+        """The tokenizer's ``tokenizer.json`` document (normalizer, pre-tokenizer, model, added tokens)."""
+        return dict(json.loads(self._tok.to_str()))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` with special tokens skipped."""

@@ -107,7 +107,7 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         if model is None:
             raise UnknownModelError(f"the model {parsed.model!r} does not exist", param="model",
                                     code="model_not_found")
-        view = gw.tokenizers[model.name].view(parsed)
+        view = await gw.tokenizers[model.name].view_async(parsed)
         if view.num_tokens == 0:
             raise InvalidFieldError("the prompt has no tokens", param="prompt")
         per_worker = gw.config.admission.max_inflight_per_worker

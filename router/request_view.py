@@ -16,6 +16,15 @@ is kept in a bounded LRU (``PrefixStateCache``). A new turn finds its longest ca
 only the segments after it, and hashes only the blocks after the cached chain (continuing from its last hash).
 So turn ``k`` of a conversation costs O(new tokens) plus O(num blocks) pointer copies, not O(prompt).
 
+Incremental text prompts (``/v1/completions``): ``router.text_prefix`` keeps checkpoints of earlier prompts cut at
+line starts, where the tokenizer's encoding composes (``common.line_split``); a prompt that extends one is
+tokenized from there only. A tokenizer that does not compose there gets its whole prompts tokenized (an exact
+repeat is served from a cache of whole prompts).
+
+Long text is tokenized off the event loop (``ModelTokenizer.view_async``): ``plan`` reads the caches and says what
+to encode, the library encodes in a worker thread (in parallel slices cut at line starts), ``ViewPlan.finish``
+hashes and writes the caches on the loop.
+
 Cached-token rule (vLLM ``KVCacheManager.get_computed_blocks``): the cache hit is capped at ``num_tokens - 1``
 tokens so the last prompt token is always computed; in blocks, ``(num_tokens - 1) // block_size``. A full-prompt
 hit therefore reports ``((n - 1) // block_size) * block_size`` cached tokens; ``cacheable_blocks`` is that cap.
@@ -23,8 +32,10 @@ hit therefore reports ``((n - 1) // block_size) * block_size`` cached tokens; ``
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -32,6 +43,7 @@ import xxhash
 
 from common.errors import InvalidRequestError as TokenizerInvalidRequestError
 from common.errors import TokenizerLoadError
+from common.line_split import composes_at_line_starts, last_line_start, line_start_slices
 from common.tokenization import (
     ChatMessage,
     ChatTemplate,
@@ -40,9 +52,11 @@ from common.tokenization import (
     encode_prompt,
     load_tokenizer,
 )
-from router.block_hash import BlockHash, Namespace, hash_token_blocks, make_namespace, tokens_to_bytes
+from router.block_hash import BlockHash, Namespace, make_namespace
 from router.config import ModelConfig
 from router.errors import InvalidFieldError, InvalidJSONError
+from router.prompt_state import EMPTY_STATE, SEED_MASK, PromptState, extend_state, with_opening_hash
+from router.text_prefix import TextCheckpoint, TextPrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -237,67 +251,6 @@ def _from_completion(body: _CompletionBody) -> ParsedRequest:
     )
 
 
-class PromptState(msgspec.Struct, frozen=True, gc=False):
-    """Tokenized and hashed prefix of a prompt.
-
-    Attributes:
-        num_tokens: tokens in the prefix.
-        block_hashes: chained hashes of its full blocks, root-most first (``num_tokens // block_size`` items).
-        tail: the tokens after the last full block (fewer than ``block_size``).
-        opening_hash: identity of the conversation's opening (system prompt and first user message): the
-            chained hash of its last full block, else an xxh3-64 of its tokens seeded by the namespace; ``None``
-            until the opening is complete.
-    """
-
-    num_tokens: int
-    block_hashes: tuple[BlockHash, ...]
-    tail: tuple[int, ...]
-    opening_hash: int | None = None
-
-
-EMPTY_STATE = PromptState(0, (), ())
-
-_SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
-"""xxh3 seeds are unsigned 64-bit: ``hash()`` values are masked to it."""
-
-
-def extend_state(
-    state: PromptState, token_ids: list[int] | tuple[int, ...], block_size: int, namespace: Namespace
-) -> PromptState:
-    """Append ``token_ids`` to ``state``, hashing only the blocks they complete.
-
-    Args:
-        state: the prefix so far.
-        token_ids: the new tokens.
-        block_size: tokens per block.
-        namespace: chain seed (used when ``state`` has no full block yet).
-
-    Returns:
-        The extended state.
-    """
-    if not token_ids:
-        return state
-    combined = state.tail + tuple(token_ids) if state.tail else tuple(token_ids)
-    num_full = len(combined) // block_size * block_size
-    if num_full == 0:
-        return PromptState(state.num_tokens + len(token_ids), state.block_hashes, combined, state.opening_hash)
-    parent = state.block_hashes[-1] if state.block_hashes else None
-    new_hashes = hash_token_blocks(combined[:num_full], block_size, namespace, parent)
-    return PromptState(
-        state.num_tokens + len(token_ids), state.block_hashes + tuple(new_hashes), combined[num_full:],
-        state.opening_hash,
-    )
-
-
-def with_opening_hash(state: PromptState, namespace: Namespace) -> PromptState:
-    """``state`` with ``opening_hash`` set from its current end (see ``PromptState``)."""
-    if state.block_hashes:
-        opening: int = state.block_hashes[-1]
-    else:
-        opening = xxhash.xxh3_64_intdigest(tokens_to_bytes(state.tail), namespace)
-    return PromptState(state.num_tokens, state.block_hashes, state.tail, opening)
-
-
 class PrefixStateCache:
     """Bounded LRU of conversation prefix states (see module docstring).
 
@@ -356,11 +309,64 @@ class PromptView(msgspec.Struct, frozen=True, gc=False):
         return max(0, (self.num_tokens - 1) // self.block_size)
 
 
+OFF_LOOP_CHARS = 32_768
+"""A prompt with more text to tokenize than this (characters) is tokenized in a worker thread: the ``tokenizers``
+library releases the GIL while it encodes, so the event loop keeps serving meanwhile (``view_async``)."""
+
+SLICE_CHARS = 49_152
+"""Text longer than this is cut at line starts (``common.line_split``) into slices the library encodes in
+parallel, when the tokenizer composes there."""
+
+
+def _joined(parts: list[list[int]]) -> list[int]:
+    if len(parts) == 1:
+        return parts[0]
+    out: list[int] = []
+    for p in parts:
+        out.extend(p)
+    return out
+
+
+class ViewPlan:
+    """What one prompt still needs tokenized, and how its ids fold into the ``PromptView``.
+
+    Attributes:
+        texts: the texts to encode, in order (slices of groups, see ``finish``).
+        num_chars: their total length in characters.
+    """
+
+    __slots__ = ("_finish", "_group_sizes", "num_chars", "texts")
+
+    def __init__(self, groups: list[list[str]], finish: Callable[[list[list[int]]], PromptView]) -> None:
+        self.texts = [t for g in groups for t in g]
+        self.num_chars = sum(len(t) for t in self.texts)
+        self._group_sizes = [len(g) for g in groups]
+        self._finish = finish
+
+    def finish(self, ids: Sequence[list[int]]) -> PromptView:
+        """The view, from ``ids[i] = encode(texts[i])``; the slices of each group are joined first."""
+        grouped: list[list[int]] = []
+        i = 0
+        for n in self._group_sizes:
+            grouped.append(_joined(list(ids[i: i + n])) if n else [])
+            i += n
+        return self._finish(grouped)
+
+
 class ModelTokenizer:
     """Tokenizer, chat template, namespaces and prefix caches of one model."""
 
-    def __init__(self, config: ModelConfig, *, max_cached_prefixes: int = 4096, max_cached_blocks: int = 4_000_000):
+    def __init__(self, config: ModelConfig, *, max_cached_prefixes: int = 4096, max_cached_blocks: int = 4_000_000,
+                 text_anchor_chars: int = 2048, max_cached_text_chars: int = 64_000_000):
         """Load the model's tokenizer and template exactly as the worker does.
+
+        Args:
+            config: the model.
+            max_cached_prefixes: chat prefix states kept (``PrefixStateCache``).
+            max_cached_blocks: block hashes kept in them.
+            text_anchor_chars: text prompts up to this length are tokenized whole; longer ones incrementally
+                (``router.text_prefix``).
+            max_cached_text_chars: characters kept in text checkpoints.
 
         Raises:
             ConfigError: the tokenizer or template cannot be loaded.
@@ -378,10 +384,15 @@ class ModelTokenizer:
         self.block_size = config.block_size
         self.tokenizer: Tokenizer = tokenizer
         self.template: ChatTemplate = template
+        self.composes_at_line_starts = composes_at_line_starts(tokenizer)
+        """Text may be tokenized in pieces cut at line starts (``common.line_split``)."""
+        self._encode_batch: Callable[[Sequence[str]], list[list[int]]] | None = getattr(tokenizer, "encode_batch",
+                                                                                         None)
         self._namespaces: dict[tuple[str | None, str | None], Namespace] = {}
         self._base_namespace = make_namespace(None, None)
         """The namespace of the base model without a cache salt (most requests)."""
         self.prefixes = PrefixStateCache(max_cached_prefixes, max_cached_blocks)
+        self.texts = TextPrefixCache(max_cached_prefixes // 4, max_cached_text_chars, text_anchor_chars)
         self._prompts = PrefixStateCache(256, max_cached_blocks // 4)
 
     def namespace(self, model: str, cache_salt: str | None) -> Namespace:
@@ -396,6 +407,13 @@ class ModelTokenizer:
             ns = self._namespaces[key] = make_namespace(lora, salt)
         return ns
 
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """``[tokenizer.encode(t) for t in texts]``, in parallel where the tokenizer offers it."""
+        if self._encode_batch is not None and len(texts) > 1:
+            return self._encode_batch(texts)
+        encode = self.tokenizer.encode
+        return [encode(t) for t in texts]
+
     def view(self, parsed: ParsedRequest) -> PromptView:
         """Tokenize and hash ``parsed``'s prompt, reusing cached prefixes.
 
@@ -403,6 +421,49 @@ class ModelTokenizer:
             InvalidFieldError: the template or tokenizer refuses the input (e.g. token ids out of range), or
                 ``cache_salt`` is ``""`` while ``honor_cache_salt`` is on (vLLM refuses an empty salt with a 400,
                 so no worker ever caches under it).
+        """
+        try:
+            plan = self.plan(parsed)
+            return plan.finish(self.encode_many(plan.texts) if plan.texts else [])
+        except TokenizerInvalidRequestError as exc:
+            raise InvalidFieldError(exc.message, param=exc.param) from exc
+        except ValueError as exc:
+            raise InvalidFieldError(str(exc), param="prompt") from exc
+
+    async def view_async(self, parsed: ParsedRequest, off_loop_chars: int = OFF_LOOP_CHARS) -> PromptView:
+        """``view``, with the encoding in a worker thread when it has more than ``off_loop_chars`` characters
+        (the first turn of a long conversation): the loop is held only for the lookups and the hashing.
+
+        Raises:
+            InvalidFieldError: as ``view``.
+        """
+        try:
+            plan = self.plan(parsed)
+            if plan.num_chars > off_loop_chars:
+                ids = await asyncio.get_running_loop().run_in_executor(None, self.encode_many, plan.texts)
+            else:
+                ids = self.encode_many(plan.texts) if plan.texts else []
+            return plan.finish(ids)
+        except TokenizerInvalidRequestError as exc:
+            raise InvalidFieldError(exc.message, param=exc.param) from exc
+        except ValueError as exc:
+            raise InvalidFieldError(str(exc), param="prompt") from exc
+
+    def _pieces(self, text: str, start: int = 0, end: int | None = None) -> list[str]:
+        """``text[start:end]``, cut at line starts into ``SLICE_CHARS`` slices where the tokenizer composes."""
+        stop = len(text) if end is None else end
+        if stop <= start:
+            return []
+        if stop - start <= SLICE_CHARS or not self.composes_at_line_starts:
+            return [text[start:stop]]
+        return [text[b:e] for b, e in line_start_slices(text, start, stop, SLICE_CHARS)]
+
+    def plan(self, parsed: ParsedRequest) -> ViewPlan:
+        """What ``parsed``'s prompt needs tokenized (``ViewPlan``); the caches are read now, written at ``finish``.
+
+        Raises:
+            InvalidFieldError: an empty ``cache_salt`` (see ``view``).
+            InvalidRequestError, ValueError: token ids out of range (``view`` translates them).
         """
         if parsed.cache_salt is None and parsed.model == self.config.name:
             ns = self._base_namespace
@@ -412,62 +473,99 @@ class ModelTokenizer:
                                         param="cache_salt")
             ns = self.namespace(parsed.model, parsed.cache_salt)
         bs = self.block_size
-        try:
-            if parsed.kind == "chat":
-                return self._chat_view(parsed.messages, ns, parsed.add_generation_prompt)
-            prompt = parsed.prompt
-            assert prompt is not None  # parse_request guarantees it for completions
-            if isinstance(prompt, str):
-                key = xxhash.xxh3_64_intdigest(prompt.encode("utf-8", "surrogatepass"), hash((ns, bs)) & _SEED_MASK)
-                state = self._prompts.get(key)
-                if state is None:
-                    state = extend_state(EMPTY_STATE, self.tokenizer.encode(prompt), bs, ns)
-                    self._prompts.put(key, state)
-                return PromptView(state.num_tokens, state.block_hashes, bs)
-            ids = encode_prompt(self.tokenizer, prompt)
-            state = extend_state(EMPTY_STATE, ids, bs, ns)
-            return PromptView(state.num_tokens, state.block_hashes, bs)
-        except TokenizerInvalidRequestError as exc:
-            raise InvalidFieldError(exc.message, param=exc.param) from exc
-        except ValueError as exc:
-            raise InvalidFieldError(str(exc), param="prompt") from exc
+        if parsed.kind == "chat":
+            return self._chat_plan(parsed.messages, ns, parsed.add_generation_prompt)
+        prompt = parsed.prompt
+        assert prompt is not None  # parse_request guarantees it for completions
+        if isinstance(prompt, str):
+            return self._text_plan(prompt, ns)
+        ids = encode_prompt(self.tokenizer, prompt)
+        state = extend_state(EMPTY_STATE, ids, bs, ns)
+        view = PromptView(state.num_tokens, state.block_hashes, bs)
+        return ViewPlan([], lambda _: view)
 
-    def _chat_view(self, messages: tuple[ChatMessage, ...], ns: Namespace, add_generation_prompt: bool) -> PromptView:
+    def _text_plan(self, prompt: str, ns: Namespace) -> ViewPlan:
+        bs = self.block_size
+        seed = hash((ns, bs)) & SEED_MASK
+        if not self.composes_at_line_starts:
+            full_key = xxhash.xxh3_64_intdigest(prompt.encode("utf-8", "surrogatepass"), seed)
+            cached = self._prompts.get(full_key)
+            if cached is not None:
+                view = PromptView(cached.num_tokens, cached.block_hashes, bs)
+                return ViewPlan([], lambda _: view)
+
+            def finish_whole(ids: list[list[int]]) -> PromptView:
+                state = extend_state(EMPTY_STATE, ids[0], bs, ns)
+                self._prompts.put(full_key, state)
+                return PromptView(state.num_tokens, state.block_hashes, bs)
+
+            return ViewPlan([[prompt]], finish_whole)
+        texts = self.texts
+        key = texts.anchor(prompt, seed)
+        found = texts.find(key, prompt) if key is not None else None
+        used_id, start_state = (found[0], found[1].state) if found is not None else (None, EMPTY_STATE)
+        start = len(found[1].prefix) if found is not None else 0
+        cut = last_line_start(prompt, max(start, texts.anchor_chars), len(prompt)) if key is not None else -1
+        num_reused = len(start_state.block_hashes)
+        if cut < 0:
+            def finish_tail(ids: list[list[int]]) -> PromptView:
+                state = extend_state(start_state, ids[0], bs, ns)
+                return PromptView(state.num_tokens, state.block_hashes, bs, num_reused)
+
+            return ViewPlan([self._pieces(prompt, start)], finish_tail)
+
+        def finish_cut(ids: list[list[int]]) -> PromptView:
+            assert key is not None
+            middle = extend_state(start_state, ids[0], bs, ns)
+            texts.put(key, TextCheckpoint(prompt[:cut], middle), used_id)
+            state = extend_state(middle, ids[1], bs, ns)
+            return PromptView(state.num_tokens, state.block_hashes, bs, num_reused)
+
+        return ViewPlan([self._pieces(prompt, start, cut), self._pieces(prompt, cut)], finish_cut)
+
+    def _chat_plan(self, messages: tuple[ChatMessage, ...], ns: Namespace, add_generation_prompt: bool) -> ViewPlan:
         # The message segments do not depend on add_generation_prompt (only the last segment does), so the
         # prefix states cached under them serve both renderings.
         rendered = self.template.render_segments(messages, add_generation_prompt)
         segments = rendered.segments
         bs = self.block_size
         if not rendered.is_incremental:
-            state = extend_state(EMPTY_STATE, self.tokenizer.encode(rendered.text), bs, ns)
-            return PromptView(state.num_tokens, state.block_hashes, bs)
+            def finish_whole(ids: list[list[int]]) -> PromptView:
+                state = extend_state(EMPTY_STATE, ids[0], bs, ns)
+                return PromptView(state.num_tokens, state.block_hashes, bs)
+
+            return ViewPlan([self._pieces(rendered.text)], finish_whole)
         num_messages = len(segments) - 1
         keys: list[int] = []
-        key = hash((ns, bs)) & _SEED_MASK
+        key = hash((ns, bs)) & SEED_MASK
         for i in range(num_messages):
             key = xxhash.xxh3_64_intdigest(segments[i].encode("utf-8", "surrogatepass"), key)
             keys.append(key)
         start = 0
-        state = EMPTY_STATE
+        start_state = EMPTY_STATE
         for i in range(num_messages - 1, -1, -1):
             cached = self.prefixes.get(keys[i])
             if cached is not None:
-                state, start = cached, i + 1
+                start_state, start = cached, i + 1
                 break
-        num_reused_blocks = len(state.block_hashes)
+        num_reused_blocks = len(start_state.block_hashes)
         if start:
             self.prefixes.num_hits += 1
         else:
             self.prefixes.num_misses += 1
-        encode = self.tokenizer.encode
         opening_index = 1 if num_messages >= 2 and messages[0].role == "system" else 0
-        for i in range(start, num_messages):
-            if segments[i]:
-                state = extend_state(state, encode(segments[i]), bs, ns)
-            if i == opening_index:
-                state = with_opening_hash(state, ns)
-        if num_messages and start < num_messages:
-            self.prefixes.put(keys[num_messages - 1], state)
-        if segments[-1]:
-            state = extend_state(state, encode(segments[-1]), bs, ns)
-        return PromptView(state.num_tokens, state.block_hashes, bs, num_reused_blocks, state.opening_hash)
+        groups = [self._pieces(segments[i]) for i in range(start, num_messages)]
+        groups.append(self._pieces(segments[-1]))
+
+        def finish(ids: list[list[int]]) -> PromptView:
+            state = start_state
+            for i in range(start, num_messages):
+                state = extend_state(state, ids[i - start], bs, ns)
+                if i == opening_index:
+                    state = with_opening_hash(state, ns)
+            if num_messages and start < num_messages:
+                self.prefixes.put(keys[num_messages - 1], state)
+            state = extend_state(state, ids[-1], bs, ns)
+            return PromptView(state.num_tokens, state.block_hashes, bs, num_reused_blocks, state.opening_hash)
+
+        return ViewPlan(groups, finish)
