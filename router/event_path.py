@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from contextlib import suppress
 
@@ -61,13 +62,15 @@ SNAPSHOT_RETRY_S = 0.2
 class _Tracked:
     """What the event path keeps per worker."""
 
-    __slots__ = ("worker", "index", "splice", "warmup")
+    __slots__ = ("worker", "index", "splice", "warmup", "event_lag_s")
 
     def __init__(self, worker: WorkerRuntime, index: PrefixIndex, splice: SnapshotSplice) -> None:
         self.worker = worker
         self.index = index
         self.splice = splice
         self.warmup: asyncio.Task[None] | None = None
+        self.event_lag_s: float | None = None
+        """Receipt wall time minus the publisher's time of the worker's last batch, seconds (None before one)."""
 
 
 class EventPath:
@@ -120,6 +123,7 @@ class EventPath:
             tracked.index.apply_resync(item)
             self._rewarm(tracked)
             return
+        tracked.event_lag_s = time.time() - item.ts_s
         step = tracked.splice.admit(item)
         if step.fetch == "cancel":
             self._cancel_warmup(tracked)
@@ -136,6 +140,13 @@ class EventPath:
             self.subscriber.notify_start_id(worker.worker_id, start_id)
 
     # -- workers -----------------------------------------------------------------------------------------------
+
+    def event_lag_s(self, worker_id: str) -> float | None:
+        """Receipt wall time minus the publisher's time (``ts``) of the worker's last event batch, seconds;
+        ``None`` before its first batch or for a worker not in the fleet. Includes any clock offset between the
+        two hosts."""
+        tracked = self._tracked.get(worker_id)
+        return tracked.event_lag_s if tracked is not None else None
 
     def index_of(self, worker_id: str) -> PrefixIndex | None:
         """The prefix index of the worker's model, or ``None`` for a worker not in the fleet."""

@@ -119,7 +119,7 @@ class Gateway:
         self._id_prefix = f"kvg-{os.getpid():x}-{int(time.time()):x}-"
         self.metrics.add_callback(functools.partial(
             gateway_samples, fleet=self.fleet, indexes=self.indexes, event_counters=self._event_counters,
-            sessions=self.sessions, admission=self.admission, clock=clock))
+            event_lag_s=self.events.event_lag_s, sessions=self.sessions, admission=self.admission, clock=clock))
 
     @property
     def subscriber(self) -> KVEventSubscriber | None:
@@ -153,6 +153,7 @@ class Gateway:
             if config.pools:
                 self._update_pools()
             self.events.add_worker(worker)
+            self.metrics.worker(worker.worker_id)  # its counters are exported from 0 on, before its first request
         except Exception as exc:  # undo, leave nothing behind
             self.fleet.remove(config.id)
             try:

@@ -120,6 +120,7 @@ class RequestFlight:
                 outcome = ProxyOutcome(None, None, None, exc)
                 return outcome
             lc.metrics.decision_s.observe(time.perf_counter() - received_at)
+            lc.metrics.count_decision(policy_name, plan.decision.reason)
             outcome = await lc.proxy.forward(request, body, plan, self, is_stream=parsed.is_stream,
                                              request_id=self.request_id, policy_name=policy_name,
                                              received_at=received_at, client_headers=client_headers)

@@ -13,15 +13,24 @@ Series (all prefixed ``kvgate_``)::
     request_duration_seconds{worker,policy}         gateway receive -> last byte sent
     ttft_seconds{worker}                            gateway-observed time to first token (streaming)
     decision_seconds                                request view + policy select (+ session resolve)
+    decisions_total{policy,reason}                  routing decisions by the policy's reason (min_ttft,
+                                                    min_ttft_all_saturated, sticky, ...)
     rejected_total{reason}                          requests refused before routing (bad_request, overloaded...)
     retries_total{worker,reason}                    attempts abandoned before the first byte
     predicted_cached_tokens_total{worker}           honesty check: what the gateway predicted
     reported_cached_tokens_total{worker}            ... and what the worker reported in usage
+    prompt_tokens_total{worker}                     ... over prompts of this many tokens (usage.prompt_tokens):
+                                                    the hit ratio's denominator, served and predicted
     cached_tokens_checks_total{worker,result}       result = match | mismatch | unchecked (a 200 whose answer
                                                     carries no usage: a stream without include_usage)
     inflight_requests{worker}                       requests in flight through this gateway
+    admission_inflight / admission_waiting          (scrape time) admitted requests, requests in the queue
     index_blocks{worker,medium}                     (scrape time) index entries
     event_*{...}                                    (scrape time) event counters from the subscriber
+    worker_event_batches_total{worker}              (scrape time) event batches delivered per worker
+    worker_resyncs_total{worker}                    (scrape time) index resyncs per worker
+    event_lag_seconds{worker}                       (scrape time) receipt time - publisher time, last batch
+    worker_warm{worker}                             (scrape time) 0 while warming or rebuilding after a resync
     sessions_live / sessions_expired_total ...      (scrape time) session store stats
     circuit_state{worker}                           (scrape time) 0 closed, 1 open, 2 half-open
     worker_healthy{worker}                          (scrape time) 1 healthy
@@ -33,11 +42,11 @@ import logging
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from events.counters import EventCounters
+from events.counters import DropKind, EventCounters
 from router.admission import Admission
 from router.fleet import Fleet
 from router.index import PrefixIndex
@@ -122,6 +131,7 @@ class WorkerMetrics:
         ttft_s: ``ttft_seconds{worker}``.
         num_predicted_cached_tokens: ``predicted_cached_tokens_total{worker}``.
         num_reported_cached_tokens: ``reported_cached_tokens_total{worker}``.
+        num_prompt_tokens: ``prompt_tokens_total{worker}``: prompt tokens of the answers the two above cover.
         num_checks_match: ``cached_tokens_checks_total{worker,result="match"}``.
         num_checks_mismatch: ``cached_tokens_checks_total{worker,result="mismatch"}``.
         num_checks_unchecked: ``cached_tokens_checks_total{worker,result="unchecked"}``.
@@ -130,7 +140,8 @@ class WorkerMetrics:
     """
 
     __slots__ = ("worker_id", "num_inflight", "ttft_s", "num_predicted_cached_tokens", "num_reported_cached_tokens",
-                 "num_checks_match", "num_checks_mismatch", "num_checks_unchecked", "num_requests", "duration_s")
+                 "num_prompt_tokens", "num_checks_match", "num_checks_mismatch", "num_checks_unchecked", "num_requests",
+                 "duration_s")
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
@@ -138,6 +149,7 @@ class WorkerMetrics:
         self.ttft_s = HistogramCounts(LATENCY_BUCKETS_S)
         self.num_predicted_cached_tokens = 0
         self.num_reported_cached_tokens = 0
+        self.num_prompt_tokens = 0
         self.num_checks_match = 0
         self.num_checks_mismatch = 0
         self.num_checks_unchecked = 0
@@ -175,6 +187,9 @@ class _RequestPathCollector(Collector):
                                         "Cached prompt tokens predicted on the chosen worker.", labels=["worker"])
         reported = CounterMetricFamily("kvgate_reported_cached_tokens",
                                        "Cached prompt tokens the worker reported in usage.", labels=["worker"])
+        prompt = CounterMetricFamily("kvgate_prompt_tokens",
+                                     "Prompt tokens (usage) of the answers the cached-token counts cover.",
+                                     labels=["worker"])
         checks = CounterMetricFamily("kvgate_cached_tokens_checks",
                                      "Honesty checks: predicted vs reported cached tokens.",
                                      labels=["worker", "result"])
@@ -189,6 +204,7 @@ class _RequestPathCollector(Collector):
             ttft.add_metric([wid], w.ttft_s.buckets(), w.ttft_s.sum)
             predicted.add_metric([wid], float(w.num_predicted_cached_tokens))
             reported.add_metric([wid], float(w.num_reported_cached_tokens))
+            prompt.add_metric([wid], float(w.num_prompt_tokens))
             checks.add_metric([wid, "match"], float(w.num_checks_match))
             checks.add_metric([wid, "mismatch"], float(w.num_checks_mismatch))
             checks.add_metric([wid, "unchecked"], float(w.num_checks_unchecked))
@@ -196,7 +212,11 @@ class _RequestPathCollector(Collector):
         decision = HistogramMetricFamily("kvgate_decision_seconds",
                                          "Routing decision time (view, sessions, policy), seconds.")
         decision.add_metric([], m.decision_s.buckets(), m.decision_s.sum)
-        yield from (requests, duration, ttft, decision, predicted, reported, checks, inflight)
+        decisions = CounterMetricFamily("kvgate_decisions", "Routing decisions by the policy's reason.",
+                                        labels=["policy", "reason"])
+        for (policy, reason), n in list(m.num_decisions.items()):
+            decisions.add_metric([policy, reason], float(n))
+        yield from (requests, duration, ttft, decision, decisions, predicted, reported, prompt, checks, inflight)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -208,6 +228,7 @@ class GatewayMetrics:
     Attributes:
         workers: per worker id, its request-path series (``worker()`` creates them).
         decision_s: ``decision_seconds``.
+        num_decisions: ``decisions_total{policy,reason}`` keyed by ``(policy, reason)``.
     """
 
     def __init__(self) -> None:
@@ -219,11 +240,9 @@ class GatewayMetrics:
         self.retries_total = Counter(
             "kvgate_retries", "Attempts abandoned before the first byte and retried.", ["worker", "reason"], registry=r
         )
-        self.admission_queue_depth = Gauge(
-            "kvgate_admission_queue_depth", "Requests waiting for admission.", registry=r
-        )
         self.workers: dict[str, WorkerMetrics] = {}
         self.decision_s = HistogramCounts(DECISION_BUCKETS_S)
+        self.num_decisions: dict[tuple[str, str], int] = {}
         r.register(_RequestPathCollector(self))
         self._callbacks = _CallbackCollector()
         r.register(self._callbacks)
@@ -234,6 +253,11 @@ class GatewayMetrics:
         if wm is None:
             wm = self.workers[worker_id] = WorkerMetrics(worker_id)
         return wm
+
+    def count_decision(self, policy: str, reason: str) -> None:
+        """One routing decision: ``decisions_total{policy,reason}``."""
+        key = (policy, reason)
+        self.num_decisions[key] = self.num_decisions.get(key, 0) + 1
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop a removed worker's series."""
@@ -250,11 +274,13 @@ class GatewayMetrics:
 
 def gateway_samples(
     *, fleet: Fleet, indexes: Mapping[str, PrefixIndex], event_counters: Callable[[], EventCounters | None],
-    sessions: SessionStore, admission: Admission, clock: Callable[[], float],
+    event_lag_s: Callable[[str], float | None], sessions: SessionStore, admission: Admission,
+    clock: Callable[[], float],
 ) -> list[MetricSample]:
     """The scrape-time series of the gateway's components (``GatewayMetrics.add_callback``): worker health,
-    drain and circuit states, pending prefill tokens, index sizes and counters, event stream counters (once the
-    subscriber runs: ``event_counters`` returns ``None`` before), session store stats, admission.
+    drain, circuit and warm states, pending prefill tokens, event lag, index sizes and counters, event stream
+    counters (once the subscriber runs: ``event_counters`` returns ``None`` before; per worker with events, and
+    drops of every kind, from 0 on), session store stats, admission.
 
     Reading a circuit breaker's state lets an open one turn half-open after its ``open_s``, as a request would.
     """
@@ -271,6 +297,14 @@ def gateway_samples(
                     {"worker": wid}, float(worker.breaker.state)))
         out.append(("gauge", "kvgate_pending_prefill_tokens", "Prompt tokens sent and not yet prefilled.",
                     {"worker": wid}, float(worker.num_pending_prefill_tokens)))
+        out.append(("gauge", "kvgate_worker_warm",
+                    "1 when the worker's index entries are usable; 0 while warming or rebuilding after a resync.",
+                    {"worker": wid}, float(worker.is_warm)))
+        lag_s = event_lag_s(wid)
+        if lag_s is not None:
+            out.append(("gauge", "kvgate_event_lag_seconds",
+                        "Receipt wall time minus the publisher's time of the worker's last event batch, seconds.",
+                        {"worker": wid}, lag_s))
     for name, index in indexes.items():
         stats = index.stats()
         out.append(("gauge", "kvgate_index_entries", "Indexed blocks per model index.", {"model": name},
@@ -286,12 +320,23 @@ def gateway_samples(
                         {"model": name, "counter": counter}, float(n)))
     counters = event_counters()
     if counters is not None:
-        for kind, n in counters.drops_by_kind().items():
+        drops = counters.drops_by_kind()
+        for kind in DropKind:
             out.append(("counter", "kvgate_event_drops", "Malformed or refused events by kind.",
-                        {"kind": str(kind)}, float(n)))
+                        {"kind": str(kind)}, float(drops.get(kind, 0))))
         for key, value in _counter_fields(counters).items():
             out.append(("counter", "kvgate_event_stream", "Event stream counters (batches, gaps, replays...).",
                         {"counter": key}, float(value)))
+        num_resyncs: dict[str, int] = {}
+        for (wid, _), n in counters.resyncs.items():
+            num_resyncs[wid] = num_resyncs.get(wid, 0) + n
+        for wid, worker in fleet.workers.items():
+            if worker.config.has_events:
+                out.append(("counter", "kvgate_worker_event_batches", "Event batches delivered, per worker.",
+                            {"worker": wid}, float(counters.num_batches.get(wid, 0))))
+                out.append(("counter", "kvgate_worker_resyncs",
+                            "Index resyncs (cleared and rebuilt), per worker; the log names each one's reason.",
+                            {"worker": wid}, float(num_resyncs.get(wid, 0))))
     s = sessions.stats()
     out.append(("gauge", "kvgate_sessions_live", "Live sessions.", {}, float(s.num_live_sessions)))
     out.append(("counter", "kvgate_sessions_expired", "Sessions expired.", {}, float(s.num_expired_total)))

@@ -402,9 +402,8 @@ class Proxy:
                         await out.write_eof()
                     except ConnectionResetError:
                         logger.info("client went away before the answer of worker %s was sent", worker.worker_id)
-                    reported = cached_tokens_of(usage_from_body(answer)) if resp.status == 200 else None
-                    if resp.status == 200:
-                        self._check_honesty(worker, wm, predicted, reported)
+                    reported = (self._check_honesty(worker, wm, predicted, usage_from_body(answer))
+                                if resp.status == 200 else None)
                 wm.count_request(policy_name, out.status,
                                  time.perf_counter() - (received_at if received_at is not None else sent_at))
                 return ProxyOutcome(out, worker, out.status, None, reported, out.prepared)
@@ -463,19 +462,26 @@ class Proxy:
         finally:
             lease.on_last_byte()
         tail = recent[0] if len(recent) == 1 else b"".join(recent)
-        reported = cached_tokens_of(usage_from_sse_tail(tail[-SSE_TAIL_BYTES:]))
-        self._check_honesty(worker, wm, predicted, reported)
+        reported = self._check_honesty(worker, wm, predicted, usage_from_sse_tail(tail[-SSE_TAIL_BYTES:]))
         return out, reported
 
-    def _check_honesty(self, worker: WorkerRuntime, wm: WorkerMetrics, predicted: int, reported: int | None) -> None:
-        """Count one predicted-vs-reported pair in the proxy's totals and the worker's series; log a mismatch. An
-        answer without usage (``reported`` ``None``) is counted as unchecked."""
-        if reported is None:
+    def _check_honesty(
+        self, worker: WorkerRuntime, wm: WorkerMetrics, predicted: int, usage: _Usage | None,
+    ) -> int | None:
+        """Count one predicted-vs-reported pair (and the prompt's tokens, the hit ratio's denominator) in the
+        proxy's totals and the worker's series; log a mismatch. An answer without usage is counted as unchecked.
+
+        Returns:
+            the reported cached tokens (``usage.prompt_tokens_details.cached_tokens``), ``None`` without usage.
+        """
+        reported = cached_tokens_of(usage)
+        if usage is None or reported is None:
             wm.num_checks_unchecked += 1
-            return
+            return None
         self.num_honesty_checks += 1
         wm.num_predicted_cached_tokens += predicted
         wm.num_reported_cached_tokens += reported
+        wm.num_prompt_tokens += usage.prompt_tokens or 0
         if predicted == reported:
             wm.num_checks_match += 1
         else:
@@ -497,3 +503,4 @@ class Proxy:
                     worker.worker_id,
                     reported,
                 )
+        return reported
