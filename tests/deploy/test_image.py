@@ -55,6 +55,18 @@ def test_dockerfile_needs_no_shell_at_run_time():
     assert "\nUSER ${KVGATE_UID}:${KVGATE_UID}\n" in final_stage and "ARG KVGATE_UID=10001" in final_stage
 
 
+def test_the_image_gets_every_package():
+    """Each package pyproject.toml installs is copied into the build (and not ignored by .dockerignore)."""
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = [name.removesuffix("*") for name in include]
+    dockerfile = DOCKERFILE.read_text()
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    for name in packages:
+        assert f"COPY {name}/ {name}/\n" in dockerfile, name
+        assert f"!{name}/" in ignore, name
+    assert dockerfile.count("\nCOPY ") == len(packages) + 4  # + pyproject.toml, README.md, healthcheck, --from
+
+
 def _podman(*args: str, timeout_s: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout_s)
     if check and result.returncode != 0:
