@@ -77,6 +77,9 @@ class IndexLike(Protocol):
 
     def match(self, block_hashes: Sequence[int]) -> MatchResult: ...
 
+    @property
+    def is_hybrid(self) -> bool: ...
+
     def insert_approximate(
         self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0,
         ttl_s: float | None = None,
@@ -122,9 +125,18 @@ class IndexTicket:
         self.pending: ApproxInsert | None = None
 
     def match(self) -> MatchResult | None:
-        """Every worker's cached depth of the prompt's blocks, or ``None`` (no index or no block)."""
+        """Every worker's cached depth of the prompt's blocks, or ``None`` (no index or no block).
+
+        A hybrid index (several cache groups) is matched on the blocks the engine may serve at most: its prefix is
+        the longest every group serves within that cap (a recurrent group needs a checkpoint exactly at its end), so
+        the cap is applied before the match, not after it (module docstring, step 2)."""
         index = self._index
-        return index.match(self._view.block_hashes) if index is not None else None
+        if index is None:
+            return None
+        view = self._view
+        if index.is_hybrid:
+            return index.match(view.block_hashes[: view.num_cacheable_blocks])
+        return index.match(view.block_hashes)
 
     def insert_for(self, worker: WorkerRuntime, match: MatchResult | None, now_s: float) -> None:
         """The chosen worker's entries for the request (module doc, step 5), kept as ``pending``."""

@@ -158,6 +158,11 @@ class PrefixIndex:
         """
         return self.query.match(block_hashes)
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether ``match`` applies the hybrid per-group rule (``Query.is_hybrid``)."""
+        return self.query.is_hybrid
+
     def num_blocks(self) -> int:
         """Indexed blocks (entries)."""
         return self.state.num_entries

@@ -181,13 +181,22 @@ class Query:
     def stats(self) -> IndexStats:
         """Sizes per worker and tier, and the counters."""
         by_worker: dict[str, dict[str, int]] = {}
+        by_group: dict[str, dict[str, dict[str, int]]] = {str(g): {} for g in sorted(self.state.groups)}
         for slot in self.state.slots.values():
             sizes = by_worker.setdefault(slot.worker_id, {})
-            for (_, medium), count in slot.num_held.items():
+            for (group, medium), count in slot.num_held.items():
                 sizes[medium.value] = sizes.get(medium.value, 0) + count
+                group_sizes = by_group.setdefault(str(group), {}).setdefault(slot.worker_id, {})
+                group_sizes[medium.value] = group_sizes.get(medium.value, 0) + count
         counters = dict(self.state.counters)
         counters["num_parked_events"] = sum(len(w) for s in self.state.slots.values() for w in s.parked.values())
-        return IndexStats(self.state.num_entries, self.state.num_approx, by_worker, counters)
+        return IndexStats(self.state.num_entries, self.state.num_approx, by_worker, counters, by_group)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the index applies a hybrid hit rule (more than one cache group, or group 0 not full attention)."""
+        groups = self.state.groups
+        return len(groups) > 1 or groups[0].kind is not GroupKind.FULL
 
     def dump_worker(self, worker_id: str) -> list[ChainDump]:
         """A worker's chains (group 0), each from its first held block to a held leaf, sorted.

@@ -57,12 +57,15 @@ class IndexStats(msgspec.Struct, frozen=True, gc=False):
         num_blocks_by_worker: worker id -> medium name -> (block, worker) holdings, summed over dp ranks
             and cache groups.
         counters: event and maintenance counters (``num_unknown_removals``, ``num_orphan_blocks``...).
+        num_blocks_by_group: cache group index (as a string, a JSON key) -> worker id -> medium name -> holdings,
+            summed over dp ranks: hybrid models' entries per group (a recurrent group's are its checkpoints).
     """
 
     num_blocks: int
     num_approx_blocks: int
     num_blocks_by_worker: dict[str, dict[str, int]]
     counters: dict[str, int]
+    num_blocks_by_group: dict[str, dict[str, dict[str, int]]] = msgspec.field(default_factory=dict)
 
 
 class ChainDump(msgspec.Struct, frozen=True, gc=False):
