@@ -30,7 +30,8 @@ invalid is returned):
     * a GPU-tier BlockStored must carry ``block_size * len(block_hashes)`` tokens and, when the worker's block
       size is configured, exactly that block size (refused otherwise, as Dynamo does); a store of a sparse group
       (sliding window, Mamba: ``events.types.is_sparse_group``) may carry a larger multiple of ``block_size``:
-      vLLM skips the null blocks of the range when it lists hashes, never when it lists tokens;
+      vLLM skips the null blocks of the range when it lists hashes, never when it lists tokens (a sparse store
+      naming no block at all, which vLLM 0.32 sends for a sliding window's generated blocks, is skipped uncounted);
     * an offload-tier BlockStored (CPU, DISK, MOONCAKE) may have no tokens, no parent and ``block_size`` 0 or a
       multiple of the GPU block size; tokens, when present, must still match;
     * a BlockStored with a repeated hash (or one equal to its parent) is refused; a BlockRemoved with repeated
@@ -174,6 +175,10 @@ _POSITIONAL = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS, "
 # Keys a real engine sends that we read nothing from: accepted without counting them as unknown.
 _IGNORED_KEYS = frozenset({"type", "lora_id", "ownership", "session_id", "metadata"})
 _BATCH_DP_KEYS = ("data_parallel_rank", "attn_dp_rank", "dp_rank")
+
+
+class _NothingStored(Exception):
+    """A valid store that names no block: skipped without counting (internal control flow)."""
 
 
 class _Refused(Exception):
@@ -361,6 +366,8 @@ class EventDecoder:
     ) -> BlockStored:
         num_blocks = len(hashes)
         if num_blocks == 0:
+            if token_ids and is_sparse_group(kind, 0 if group_idx is None else group_idx):
+                raise _NothingStored  # every block of the range skipped (vLLM's tail-window mask)
             raise _Refused(DropKind.MALFORMED_EVENT, "BlockStored without block hashes")
         if len(set(hashes)) != num_blocks or (parent is not None and parent in hashes):
             raise _Refused(DropKind.REPEATED_HASH, f"BlockStored repeats a hash among {num_blocks} blocks")
@@ -463,6 +470,8 @@ class EventDecoder:
                     append(self._cleared(ev.medium))
             except _Refused as refused:
                 self.counters.drop(worker_id, refused.kind, refused.detail)
+            except _NothingStored:
+                pass
         return out
 
     # -- untyped fallback -------------------------------------------------------------------------------------
@@ -506,6 +515,8 @@ class EventDecoder:
                 events.append(self._raw_event(ev, worker_id, block_size))
             except _Refused as refused:
                 self.counters.drop(worker_id, refused.kind, refused.detail)
+            except _NothingStored:
+                pass
         return float(ts), events, dp_rank
 
     def _raw_fields(self, ev: Any, worker_id: str) -> tuple[str, dict[str, Any]]:
