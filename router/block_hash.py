@@ -24,6 +24,11 @@ Algorithm (version 1; any change must bump the version byte string and the test 
 * XXH3-64 (xxhash) is fast and not collision resistant. A collision can only mis-route a request, never serve
   wrong KV: the worker verifies its own prefix cache with its own hash.
 
+Cache groups (hybrid models): the chain is the same for every group (vLLM publishes one plain digest per block,
+whichever group stores it); the index keys each holding by (group, medium) lane on the block's entry
+(``router.index.state``), so a group's store or removal never touches another group's holding, and a group may
+chain onto a parent only another group stored (vLLM's Mamba and sliding-window stores do).
+
 Namespace rule (request and event must agree):
 
 * A request's namespace is ``make_namespace(lora, cache_salt)``: the LoRA adapter name the request selects

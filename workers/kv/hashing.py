@@ -11,6 +11,11 @@ chain covers its LoRA adapter and cache salt: tenants and adapters never share e
 collisions out of reach (a collision here would serve one tenant another's KV). No process seed: the chain is
 reproducible across processes and machines.
 
+Cache groups (hybrid models, ``workers.kv.hybrid``): every group keeps its own table keyed by this hash (the main
+pool, each sliding-window pool, each recurrent group's checkpoints), so a prefix-cache key is (group, hash) and one
+group's entry can never be taken for, or evicted as, another's. The chain itself is the same for every group, as in
+vLLM (whose internal key is the digest plus the group id), so a group's store may name a parent another group stored.
+
 On the wire (KV events) a block hash is folded to u64 with ``events.types.fold_engine_hash`` (the last 8 bytes
 of the digest, big-endian), as vLLM does.
 """
