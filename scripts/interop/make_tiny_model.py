@@ -19,7 +19,7 @@ Writes to ``OUT_DIR``:
 
 ``--hybrid`` writes the same tokenizer with a ``Gemma3ForCausalLM`` instead: layer 0 sliding-window attention
 (``HYBRID_SLIDING_WINDOW`` tokens), layer 1 full attention, the same sizes; vLLM's CPU build serves it with two
-KV-cache groups. (A Mamba / linear-attention hybrid does not run on vLLM's CPU build; see
+KV-cache groups. (No tiny Mamba / linear-attention hybrid starts on vLLM 0.32's CPU build; the reasons are in
 ``tests/interop/test_vllm_hybrid.py``.)
 
 The output is deterministic for a given ``tokenizers``/``transformers``/``torch`` version.

