@@ -21,5 +21,6 @@ Benchmarks may import any runtime package (``router``, ``workers``, ``kernels``,
 ``benchmarks`` (``tests/test_architecture.py`` checks it).
 """
 
-NAMES: tuple[str, ...] = ("events", "index", "policies", "gateway", "sessions", "worker", "kernels", "hybrid")
+NAMES: tuple[str, ...] = ("events", "index", "fleet_scale", "policies", "gateway", "long_turns", "sessions", "worker",
+                          "kernels", "hybrid")
 """The benchmark modules, ``benchmarks.<name>``."""

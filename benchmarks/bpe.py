@@ -3,7 +3,8 @@ then byte-level without a prefix space), no normalizer, Llama-3's special tokens
 (Llama-3's is 128,256) and reached as far as the corpus allows.
 
 ``build_bpe(path, corpus, vocab_size)`` writes ``tokenizer.json``; ``llama3_shaped_tokenizer(cache_dir)`` trains one
-on this repository's own sources and documents once and keeps it under ``cache_dir``.
+on this repository's sources and documents and the Python standard library's sources once, kept under
+``cache_dir``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def repository_corpus(root: Path) -> list[str]:
     texts = []
     for pattern in ("**/*.py", "**/*.md"):
         for p in sorted(root.glob(pattern)):
-            if ".venv" in p.parts or ".cache" in p.parts:
+            if ".venv" in p.parts or ".cache" in p.parts or "site-packages" in p.parts:
                 continue
             try:
                 texts.append(p.read_text(encoding="utf-8"))
@@ -57,5 +58,10 @@ def llama3_shaped_tokenizer(cache_dir: Path, vocab_size: int = LLAMA3_VOCAB_SIZE
     """The ``tokenizer.json`` under ``cache_dir``, trained on the repository first if it is not there yet."""
     path = cache_dir / f"bpe-llama3-shaped-{vocab_size}" / "tokenizer.json"
     if not path.exists():
-        build_bpe(path, repository_corpus(Path(__file__).resolve().parent.parent), vocab_size)
+        import os
+
+        # This repository, then the Python standard library's sources: enough text for a large vocabulary.
+        corpus = repository_corpus(Path(__file__).resolve().parent.parent)
+        corpus += repository_corpus(Path(os.__file__).parent)
+        build_bpe(path, corpus, vocab_size)
     return path

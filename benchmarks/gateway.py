@@ -93,8 +93,14 @@ async def _backend(ports: list[int]) -> None:
     async def info(request: web.Request) -> web.Response:
         return web.json_response({"model_path": tempfile.gettempdir(), "served_model_name": "m"})
 
-    app = web.Application()
+    async def not_found(request: web.Request) -> web.Response:
+        return web.Response(status=404)
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    for path in ("/v1/completions/render", "/v1/chat/completions/render"):  # vllm-router asks; vLLM-only
+        app.router.add_post(path, not_found)
     app.router.add_get("/health", health)
     for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
         app.router.add_get(path, info)
@@ -132,8 +138,9 @@ async def _bare_proxy(port: int, upstream: str) -> None:
             await out.write_eof()
             return out
 
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/v1/completions", handle)
+    app.router.add_post("/v1/chat/completions", handle)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()

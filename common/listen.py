@@ -40,7 +40,7 @@ def _reason(code: int | None, strerror: str | None, *, port_names: str, host_nam
 
 
 def bind_tcp(
-    host: str, port: int, *, port_names: str, host_names: str, backlog: int = BACKLOG
+    host: str, port: int, *, port_names: str, host_names: str, backlog: int = BACKLOG, reuse_port: bool = False,
 ) -> list[socket.socket]:
     """Bind and listen on ``host:port``: one socket per address ``host`` resolves to, as ``asyncio``'s
     ``create_server`` binds them (``SO_REUSEADDR``; IPv6 sockets are IPv6-only, so ``localhost`` can take both).
@@ -51,6 +51,8 @@ def bind_tcp(
         port_names: the setting and flag that choose the port, for the error (``listen.port or --port``).
         host_names: the setting and flag that choose the host, for the error (``listen.host or --host``).
         backlog: pending connections queued per socket.
+        reuse_port: set ``SO_REUSEPORT`` too, so several processes listen on the same port and the kernel spreads
+            new connections over them (Linux 3.9+).
 
     Returns:
         Non-blocking listening sockets, for ``web.SockSite``; the caller closes them.
@@ -78,6 +80,8 @@ def bind_tcp(
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:

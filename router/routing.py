@@ -66,6 +66,47 @@ MAX_RECENT_INSERTS = 8192
 DEFAULT_KEY_SOURCES: tuple[KeySource, ...] = ("x-session-id", "x-smg-routing-key", "user")
 _CLOSED = CircuitState.CLOSED
 _NO_LIMIT = 1 << 62
+
+MAX_SCORED_WORKERS = 64
+"""Past this many candidates a decision scores only ``scored_workers``: the prefix holders and a load sample."""
+LOAD_SAMPLE = 8
+"""Workers sampled for load in a large fleet beside the prefix holders (SGLang's gateway samples 8)."""
+
+
+def scored_workers(
+    candidates: Sequence[WorkerRuntime], workers_by_id: Mapping[str, WorkerRuntime], match: MatchResult | None,
+    turn: int,
+) -> list[WorkerRuntime]:
+    """The workers one decision scores in a large fleet, O(holders + ``LOAD_SAMPLE``) rather than O(candidates).
+
+    Every worker that holds part of the prompt's prefix (the index match's holders; the index is the model's, so
+    they serve it), then ``LOAD_SAMPLE`` others from a window of ``candidates`` that moves by ``LOAD_SAMPLE`` each
+    decision (``turn``), so every idle worker is offered in turn. A session's owner is scored when it holds the
+    prefix, as it does while its cache lives.
+
+    Returns:
+        Holders in match order, then the sample in candidate order.
+    """
+    out: list[WorkerRuntime] = []
+    seen: set[str] = set()
+    if match is not None:
+        for worker_id in match.workers:
+            worker = workers_by_id.get(worker_id)
+            if worker is not None:
+                out.append(worker)
+                seen.add(worker_id)
+    n = len(candidates)
+    start = (turn * LOAD_SAMPLE) % n
+    added = 0
+    for i in range(min(n, LOAD_SAMPLE + len(seen))):
+        worker = candidates[(start + i) % n]
+        if worker.worker_id not in seen:
+            out.append(worker)
+            seen.add(worker.worker_id)
+            added += 1
+            if added == LOAD_SAMPLE:
+                break
+    return out
 """In-flight limit standing for "none" (``max_inflight`` 0)."""
 
 
@@ -270,6 +311,8 @@ class Router:
         self.holder = holder
         self._clock = clock
         self.recent: deque[DecisionRecord] = deque(maxlen=num_recent_decisions)
+        self._num_decisions = 0
+        """Decisions in fleets over ``MAX_SCORED_WORKERS`` (moves the load sample's window)."""
         self._inserted_at_s: dict[tuple[str, int, int], float] = {}
 
     def session_key(self, headers: Mapping[str, str], parsed: ParsedRequest, view: PromptView) -> str | None:
@@ -355,6 +398,9 @@ class Router:
             raise NoWorkerError(f"no worker serves model {parsed.model!r}", reason="no_workers")
         ticket = IndexTicket(self._indexes.get(model.name), model, view, self._inserted_at_s)
         match = ticket.match()
+        if len(candidates) > MAX_SCORED_WORKERS and not any(name in headers for name in FORCE_WORKER_HEADERS):
+            self._num_decisions += 1
+            candidates = tuple(scored_workers(candidates, self._fleet.workers, match, self._num_decisions))
         states, predicted = self.states(candidates, view, now_s, max_inflight_per_worker, match)
         if headers or parsed.user is not None or view.opening_hash is not None:
             session_key = derive_session_key(self.holder.key_sources, headers, parsed.user, view.opening_hash)

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="override listen.host")
     parser.add_argument("--port", type=int, default=None, help="override listen.port")
     parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING...)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="gateway processes on the one port (SO_REUSEPORT), each a full gateway (router.processes)")
+    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set for each of --processes
 
 
 def warn_byte_level_tokenizers(config: GatewayConfig) -> None:
@@ -60,7 +63,9 @@ def warn_byte_level_tokenizers(config: GatewayConfig) -> None:
             )
 
 
-async def serve(config: GatewayConfig, *, host: str | None = None, port: int | None = None) -> None:
+async def serve(
+    config: GatewayConfig, *, host: str | None = None, port: int | None = None, reuse_port: bool = False,
+) -> None:
     """Run the gateway until SIGINT or SIGTERM.
 
     The listen address is bound before the app starts, so a taken port starts nothing; a start-up that fails
@@ -70,6 +75,7 @@ async def serve(config: GatewayConfig, *, host: str | None = None, port: int | N
         config: the gateway config.
         host: overrides ``listen.host``.
         port: overrides ``listen.port`` (0 picks a free one).
+        reuse_port: listen with ``SO_REUSEPORT`` (one of ``--processes``).
 
     Raises:
         ConfigError: the address cannot be bound (the message names it and what to change), or the app refused
@@ -82,6 +88,7 @@ async def serve(config: GatewayConfig, *, host: str | None = None, port: int | N
             port if port is not None else config.listen.port,
             port_names="listen.port or --port",
             host_names="listen.host or --host",
+            reuse_port=reuse_port,
         )
     except ListenError as exc:
         raise ConfigError(str(exc)) from exc
@@ -135,9 +142,16 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         logger.error("%s", exc.message)
         return 2
+    if args.processes < 1:
+        logger.error("--processes must be >= 1, got %d", args.processes)
+        return 2
+    if args.processes > 1:
+        from router.processes import serve_processes
+
+        return serve_processes(args, config)
     warn_byte_level_tokenizers(config)
     try:
-        _run(serve(config, host=args.host, port=args.port))
+        _run(serve(config, host=args.host, port=args.port, reuse_port=bool(args.reuse_port)))
     except ConfigError as exc:
         logger.error("%s", exc.message)
         return 2

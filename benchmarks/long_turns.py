@@ -1,0 +1,316 @@
+"""Long agentic turns: ``python -m benchmarks long_turns``.
+
+Requests carry a 32K / 100K / 200K-token conversation plus a new turn of about 1,500 tokens, tokenized with a
+Llama-3-shaped byte-level BPE trained locally (``benchmarks.bpe``: Llama-3's pre-tokenizer and special tokens,
+vocabulary asked for 128,256). Two parts:
+
+(a) **Proxies** (separate processes, one fake backend, the same bodies to each, measured in turn): ``direct`` (the
+backend), ``bare`` (aiohttp + uvloop + msgspec pass-through, ``benchmarks.gateway``), ``kvgate`` (``kvgate serve``,
+``cache_aware``, the BPE as the model's tokenizer), ``sglang`` and ``vllm`` (their routers with ``cache_aware``,
+from the venvs ``scripts/setup-peers`` makes; skipped with the reason when absent). For each size, **first turns**
+(every request a new conversation) and **following turns** (``concurrency`` sessions, each warmed by its first turn,
+then ``--turns`` more turns each), text prompts (``/v1/completions``) or chats (``--chat``), streaming or not, at each
+concurrency: the proxy's CPU per request (its kernel CPU clock) and client-side p50/p99 with the added p50 against
+``direct``.
+
+(b) **The event loop** (in this process): the gateway's own request view (``ModelTokenizer.view_async``) and
+``PrefixIndex.match`` for ``concurrency`` concurrent conversations, with a probe task that sleeps 1 ms in a loop and
+records how late it wakes (the longest time any request's routing held the loop), and the decision time of a first
+turn and a following turn at concurrency 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from benchmarks.bpe import LLAMA3_VOCAB_SIZE, llama3_shaped_tokenizer
+from benchmarks.gateway import _cpu_s, _free_ports, _spawn, _wait_port
+
+PEERS_DIR = Path(os.environ.get("KVGATE_PEERS_DIR", Path.home() / ".cache" / "kvgate" / "peers"))
+CACHE_DIR = Path(os.environ.get("KVGATE_CACHE_DIR", Path.home() / ".cache" / "kvgate"))
+NEW_TURN_TOKENS = 1500
+
+
+class Corpus:
+    """Lines of this repository's sources and documents, and the BPE's characters per token on them."""
+
+    def __init__(self, tokenizer_path: Path) -> None:
+        from benchmarks.bpe import repository_corpus
+        from common.tokenization import HFTokenizer
+
+        root = Path(__file__).resolve().parent.parent
+        self.lines = [ln for text in repository_corpus(root) for ln in text.splitlines() if ln.strip()]
+        self.tokenizer = HFTokenizer(tokenizer_path)
+        sample = "\n".join(self.lines[:4000])
+        self.chars_per_token = len(sample) / len(self.tokenizer.encode(sample))
+
+    def text(self, rng: random.Random, num_tokens: int) -> str:
+        """About ``num_tokens`` tokens of consecutive lines from a random place."""
+        want = int(num_tokens * self.chars_per_token)
+        out: list[str] = []
+        n = 0
+        i = rng.randrange(len(self.lines))
+        while n < want:
+            line = self.lines[i % len(self.lines)]
+            out.append(line)
+            n += len(line) + 1
+            i += 1
+        return "\n".join(out) + "\n"
+
+
+def conversation(corpus: Corpus, session: int, num_tokens: int, num_turns: int, seed: int) -> list[str]:
+    """Text prompts of one session: turn 0 is the history plus a new turn, each next turn appends one more."""
+    rng = random.Random(seed * 1_000_003 + session)
+    prompt = f"<|begin_of_text|>session {seed}-{session}: you are a coding agent.\n" + corpus.text(rng, num_tokens)
+    prompts = []
+    for t in range(num_turns + 1):
+        prompt += f"USER (turn {t}):\n" + corpus.text(rng, NEW_TURN_TOKENS) + "ASSISTANT:\n"
+        prompts.append(prompt)
+        prompt += corpus.text(rng, 60)  # the answer, part of the next turn's prompt
+    return prompts
+
+
+def chat_conversation(corpus: Corpus, session: int, num_tokens: int, num_turns: int, seed: int) -> list[list[dict[
+        str, str]]]:
+    """Chats of one session: the history as messages of about 2,000 tokens, one new user message per turn."""
+    rng = random.Random(seed * 1_000_003 + session)
+    messages = [{"role": "system", "content": f"session {seed}-{session}: you are a coding agent."}]
+    for i in range(max(1, num_tokens // 2000)):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": corpus.text(rng, 2000)})
+    chats = []
+    for t in range(num_turns + 1):
+        messages = [*messages, {"role": "user", "content": f"turn {t}\n" + corpus.text(rng, NEW_TURN_TOKENS)}]
+        chats.append(messages)
+        messages = [*messages, {"role": "assistant", "content": corpus.text(rng, 60)}]
+    return chats
+
+
+def _body(prompt: str | list[dict[str, str]], stream: bool) -> bytes:
+    key = "prompt" if isinstance(prompt, str) else "messages"
+    return msgspec.json.encode({"model": "m", key: prompt, "max_tokens": 4, "stream": stream})
+
+
+# -- (a) proxies --------------------------------------------------------------------------------------------
+
+
+async def _send(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
+    t0 = time.perf_counter()
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+        await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{url}: status {r.status}")
+    return time.perf_counter() - t0
+
+
+async def _run_sessions(port: int, path: str, bodies: list[list[bytes]], first: int) -> list[float]:
+    """Each session sends its bodies ``[first:]`` in order, all sessions at once; returns the latencies."""
+    url = f"http://127.0.0.1:{port}{path}"
+    latencies: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def one(seq: list[bytes]) -> None:
+            for b in seq[first:]:
+                latencies.append(await _send(s, url, b))
+
+        await asyncio.gather(*(one(seq) for seq in bodies))
+    return latencies
+
+
+def _gateway_config(tmp: Path, port: int, worker_ports: list[int], tokenizer_path: Path) -> list[str]:
+    cfg = {"listen": {"host": "127.0.0.1", "port": port, "max_body_bytes": 64 * 1024 * 1024},
+           "models": [{"name": "m", "block_size": 16, "tokenizer_path": str(tokenizer_path)}],
+           "workers": [{"id": f"w{i}", "url": f"http://127.0.0.1:{p}", "model": "m", "load_path": None,
+                        "snapshot_path": None} for i, p in enumerate(worker_ports)],
+           "policy": {"name": "cache_aware"}, "admin": {"disable_auth": True}, "health": {"interval_s": 60}}
+    path = tmp / "gateway.yaml"
+    path.write_text(json.dumps(cfg))
+    return [sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--log-level", "WARNING"]
+
+
+def _peer_args(peer: str, port: int, worker_ports: list[int]) -> list[str] | str:
+    """The command of a peer router with ``cache_aware``, or why it is skipped."""
+    module = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router"}[peer]
+    py = PEERS_DIR / f"{peer}-router" / "bin" / "python"
+    if not py.exists():
+        return f"no venv at {py.parent.parent} (run scripts/setup-peers)"
+    args = [str(py), "-m", module, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+            *(f"http://127.0.0.1:{p}" for p in worker_ports), "--policy", "cache_aware", "--prometheus-host",
+            "127.0.0.1", "--prometheus-port", str(_free_ports(1)[0]), "--log-level", "warn",
+            "--max-payload-size", str(64 * 1024 * 1024)]
+    return args
+
+
+async def bench_proxies(args: argparse.Namespace, tokenizer_path: Path, corpus: Corpus) -> None:
+    worker_ports = _free_ports(args.num_workers)
+    bare, gate, sgl, vll = _free_ports(4)
+    tmp = Path(tempfile.mkdtemp(prefix="kvgate-long-"))
+    py = sys.executable
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        procs["direct"] = _spawn([py, "-m", "benchmarks.gateway", "--role", "backend", "--ports",
+                                  ",".join(map(str, worker_ports))])
+        await _wait_port(worker_ports[0])
+        procs["bare"] = _spawn([py, "-m", "benchmarks.gateway", "--role", "bare", "--ports", str(bare),
+                                "--upstream", f"http://127.0.0.1:{worker_ports[0]}"])
+        procs["kvgate"] = _spawn(_gateway_config(tmp, gate, worker_ports, tokenizer_path))
+        ports = {"direct": worker_ports[0], "bare": bare, "kvgate": gate}
+        for peer, port in (("sglang", sgl), ("vllm", vll)):
+            if peer not in args.targets:
+                continue
+            cmd = _peer_args(peer, port, worker_ports)
+            if isinstance(cmd, str):
+                print(f"{peer}: skipped ({cmd})")
+                continue
+            procs[peer] = _spawn(cmd)
+            ports[peer] = port
+        await _wait_port(gate)
+        await _wait_port(bare, "/v1/completions")
+        for peer in ("sglang", "vllm"):
+            if peer in ports:
+                try:
+                    await _wait_port(ports[peer], "/health", 60)
+                except RuntimeError:
+                    print(f"{peer}: did not come up; skipped")
+                    del ports[peer]
+        targets = [t for t in ("direct", "bare", "kvgate", "sglang", "vllm") if t in ports and t in args.targets]
+        path = "/v1/chat/completions" if args.chat else "/v1/completions"
+        seed = 0
+        print(f"\n{'kind':>6} {'tokens':>7} {'turn':>9} {'stream':>6} {'c':>3} {'target':8} {'n':>4} {'p50 ms':>8} "
+              f"{'p99 ms':>8} {'+p50 ms':>8} {'CPU us/req':>11} {'/bare':>6}")
+        for num_tokens in args.tokens:
+            for stream in args.stream:
+                for c in args.concurrency:
+                    for turn in ("first", "following"):
+                        seed += 1
+                        num_turns = args.turns if turn == "following" else 0
+                        sessions = c if turn == "following" else max(c, args.first_requests)
+                        make = chat_conversation if args.chat else conversation
+                        bodies = [[_body(p, stream) for p in make(corpus, s, num_tokens, num_turns, seed)]
+                                  for s in range(sessions)]
+                        if turn == "first":  # c connections share the first turns of `sessions` conversations
+                            flat = [b[0] for b in bodies]
+                            bodies = [flat[i::c] for i in range(c)]
+                        results: dict[str, tuple[float, float, float, int]] = {}
+                        for name in targets:
+                            if turn == "following":
+                                await _run_sessions(ports[name], path, [b[:1] for b in bodies], 0)  # warm
+                            pid = procs[name].pid if name != "direct" else None
+                            cpu0 = _cpu_s(pid) if pid else 0.0
+                            lat = await _run_sessions(ports[name], path, bodies, 1 if turn == "following" else 0)
+                            cpu = (_cpu_s(pid) - cpu0) / len(lat) * 1e6 if pid else float("nan")
+                            lat.sort()
+                            results[name] = (statistics.median(lat) * 1e3,
+                                             lat[max(0, int(len(lat) * 0.99) - 1)] * 1e3, cpu, len(lat))
+                        base = results.get("bare", (0.0, 0.0, float("nan"), 0))[2]
+                        direct = results.get("direct", (0.0, 0.0, 0.0, 0))[0]
+                        kind = "chat" if args.chat else "text"
+                        for name, (p50, p99, cpu, n) in results.items():
+                            print(f"{kind:>6} {num_tokens:7d} {turn:>9} {str(stream):>6} {c:3d} {name:8} {n:4d} "
+                                  f"{p50:8.2f} {p99:8.2f} {p50 - direct:8.2f} {cpu:11.0f} {cpu / base:6.2f}",
+                                  flush=True)
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(timeout=10)
+
+
+# -- (b) the event loop -------------------------------------------------------------------------------------
+
+
+async def bench_loop(args: argparse.Namespace, tokenizer_path: Path, corpus: Corpus) -> None:
+    from router.config import ModelConfig
+    from router.index import IndexConfig, PrefixIndex
+    from router.request_view import ModelTokenizer
+
+    model = ModelTokenizer(ModelConfig(name="m", block_size=16, tokenizer_path=str(tokenizer_path)))
+    index = PrefixIndex(IndexConfig(block_size=16))
+    kind = "chat" if args.chat else "completions"
+    print(f"\nevent loop ({kind}): decision = parse + view + match; lag = how late a 1 ms sleeper wakes")
+    print(f"{'tokens':>7} {'c':>3} {'first p50 ms':>13} {'first max':>10} {'next p50 ms':>12} {'next max':>9} "
+          f"{'loop lag max ms':>16} {'lag p99 ms':>11}")
+    for num_tokens in args.tokens:
+        for c in args.concurrency:
+            make = chat_conversation if args.chat else conversation
+            convs = [[_body(p, False) for p in make(corpus, s, num_tokens, args.turns, 1000 + c)] for s in range(c)]
+            first, following, lags = await _loop_point(model, index, kind, convs)
+            lags.sort()
+            print(f"{num_tokens:7d} {c:3d} {statistics.median(first) * 1e3:13.2f} {max(first) * 1e3:10.2f} "
+                  f"{statistics.median(following) * 1e3:12.3f} {max(following) * 1e3:9.3f} "
+                  f"{lags[-1] * 1e3:16.2f} {lags[int(len(lags) * 0.99)] * 1e3:11.2f}", flush=True)
+
+
+async def _loop_point(model: Any, index: Any, kind: Any, convs: list[list[bytes]]) -> tuple[
+        list[float], list[float], list[float]]:
+    """Decision times of first and following turns, and the probe's lateness samples, for ``convs`` at once."""
+    from router.request_view import parse_request
+
+    lags: list[float] = []
+    stop = asyncio.Event()
+
+    async def probe() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - t0 - 0.001)
+
+    first: list[float] = []
+    following: list[float] = []
+
+    async def session(bodies: list[bytes]) -> None:
+        for t, body in enumerate(bodies):
+            t0 = time.perf_counter()
+            view = await model.view_async(parse_request(kind, body))
+            index.match(view.block_hashes)
+            (first if t == 0 else following).append(time.perf_counter() - t0)
+            await asyncio.sleep(0)
+
+    task = asyncio.ensure_future(probe())
+    await asyncio.gather(*(session(b) for b in convs))
+    stop.set()
+    await task
+    return first, following, lags
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[32_768, 100_000, 200_000])
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("--stream", type=lambda s: [x == "true" for x in s.split(",")], default=[False, True],
+                        help="comma-separated true/false")
+    parser.add_argument("--turns", type=int, default=3, help="following turns per session")
+    parser.add_argument("--first-requests", type=int, default=8, help="first-turn requests per point (at least c)")
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--chat", action="store_true", help="chats instead of text prompts")
+    parser.add_argument("--targets", type=lambda s: s.split(","), default=["direct", "bare", "kvgate", "sglang",
+                                                                              "vllm"])
+    parser.add_argument("--vocab-size", type=int, default=LLAMA3_VOCAB_SIZE)
+    parser.add_argument("--skip-proxies", action="store_true")
+    parser.add_argument("--skip-loop", action="store_true")
+    args = parser.parse_args(argv)
+    tokenizer_path = llama3_shaped_tokenizer(CACHE_DIR / "models", args.vocab_size)
+    corpus = Corpus(tokenizer_path)
+    print(f"tokenizer {tokenizer_path}: vocab {corpus.tokenizer.vocab_size}, {corpus.chars_per_token:.2f} chars/token")
+    import uvloop
+
+    if not args.skip_loop:
+        uvloop.run(bench_loop(args, tokenizer_path, corpus))
+    if not args.skip_proxies:
+        uvloop.run(bench_proxies(args, tokenizer_path, corpus))
+
+
+if __name__ == "__main__":
+    main()
