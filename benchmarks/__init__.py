@@ -11,6 +11,8 @@ events      KV event decode + normalize (``events.decode``) vs plain ``msgspec.m
 index       prefix index ingest / match / hashing / bytes per entry (``router.index``) vs a node-per-block tree
 policies    decision time per routing policy (``policies``) vs ``min()`` over the workers
 gateway     gateway CPU and added latency per proxied request (``kvgate serve``) vs a bare aiohttp proxy
+long_turns  gateway CPU, added latency and event-loop lag for 32K-200K-token turns vs bare proxy, Rust routers
+fleet_scale Mooncake trace replayed into 1,000 workers (Dynamo's method); decision time at 8-1,000 workers
 sessions    latency the session store adds (``router.sessions``), Redis vs in-memory
 worker      reference worker scheduler + KV manager CPU per step, CPU tier on / off (``workers``)
 kernels     GPU kernels (``kernels``) vs copy / pinned bandwidth and torch SDPA (``gpu`` extra; kernels_h200.md)
