@@ -52,6 +52,7 @@ from router.worker_config import (
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_RESPONSE_BYTES",
     "MAX_DP_RANKS",
     "AdminConfig",
     "AdmissionConfig",
@@ -79,6 +80,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_RESPONSE_BYTES = 256 * 1024 * 1024
+"""A non-streamed worker answer is read whole before it is relayed; past this many bytes it is a 502."""
 """16 MiB: a 200K-token prompt as text (~4 bytes/token, up to ~6x for JSON escapes of non-ASCII) or as a JSON
 token-id array (~7 bytes/token) fits."""
 
@@ -317,6 +320,8 @@ class GatewayConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_on
         session_key_sources: where the session key comes from when the policy is not ``session_sticky`` (which
             has its own ``key_sources``): ``x-session-id``, ``x-smg-routing-key``, ``user``, ``opening_blocks``.
         discovery: Kubernetes worker discovery (``router.discovery_config.DiscoveryConfig``); ``None`` disables it.
+        max_response_bytes: a non-streamed worker answer (read whole before it is relayed) over this many bytes
+            gets the client a 502 (``upstream_error``); streams are relayed chunk by chunk, uncapped.
     """
 
     models: tuple[ModelConfig, ...]
@@ -337,6 +342,7 @@ class GatewayConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_on
     session_key_sources: tuple[Literal["x-session-id", "x-smg-routing-key", "user", "opening_blocks"], ...] = (
         "x-session-id", "x-smg-routing-key", "user")
     discovery: DiscoveryConfig | None = None
+    max_response_bytes: AtLeastOne = DEFAULT_MAX_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
         if not self.models:

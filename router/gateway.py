@@ -108,7 +108,8 @@ class Gateway:
             self.fleet, self.indexes, self.sessions, self.holder,
             num_recent_decisions=config.admin.num_recent_decisions, clock=clock,
         )
-        self.proxy = Proxy(self.transport, config.retry, self.metrics, clock=clock)
+        self.proxy = Proxy(self.transport, config.retry, self.metrics, clock=clock,
+                           max_response_bytes=config.max_response_bytes)
         self.admission = Admission(config.admission)
         self.lifecycle = RequestLifecycle(
             self.router, self.proxy, self.fleet, self.admission, self.metrics,

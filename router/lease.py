@@ -13,7 +13,10 @@ path, as SGLang's radix cache pins a request's nodes with ``inc_lock_ref`` and u
     WorkerMetrics.num_inflight   +1 at acquire        -1 at release
     CircuitBreaker               on_attempt at acquire; one verdict (record_success / record_failure); a lease
                                  released without a verdict tells the breaker ``on_abandoned`` (a half-open trial
-                                 whose client went away does not hold the circuit half-open)
+                                 whose client went away does not hold the circuit half-open). A 5xx is a failure
+                                 at the headers; any other status waits for the body's end: success when the
+                                 body came whole, failure when the worker broke it after its headers (so a
+                                 worker that always fails after its headers opens its circuit)
 
 Every step is idempotent: ``on_first_byte``, ``on_last_byte`` and ``release`` a second time change nothing, so
 every exit path may release without knowing whether another already did.

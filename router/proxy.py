@@ -35,7 +35,7 @@ import msgspec
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.config import RetryConfig
+from router.config import DEFAULT_MAX_RESPONSE_BYTES, RetryConfig
 from router.errors import GatewayError, TransportError, TransportTimeoutError, UpstreamError, UpstreamTimeoutError
 from router.fleet import WorkerRuntime
 from router.lease import WorkerLease
@@ -294,14 +294,33 @@ class AttemptHooks(Protocol):
         ...
 
 
+def _after_headers_error(exc: TransportError) -> UpstreamError:
+    error = (UpstreamTimeoutError if isinstance(exc, TransportTimeoutError) else UpstreamError)(
+        f"the worker's answer broke after its headers: {exc.message}", worker_id=exc.worker_id,
+        endpoint=exc.endpoint)
+    error.__cause__ = exc
+    return error
+
+
+def _oversized(worker_id: str, max_bytes: int, detail: str) -> UpstreamError:
+    logger.warning("worker %s answered more than max_response_bytes (%d): %s", worker_id, max_bytes, detail)
+    return UpstreamError(f"the worker's answer is over the gateway's max_response_bytes ({max_bytes}): {detail}",
+                         worker_id=worker_id)
+
+
 class Proxy:
-    """Sends requests along a ``RoutePlan`` and relays the response."""
+    """Sends requests along a ``RoutePlan`` and relays the response.
+
+    ``max_response_bytes`` caps a non-streamed answer, which is read whole before it is relayed (a stream is
+    relayed chunk by chunk and has no cap): past it the client gets a 502 (``upstream_error``).
+    """
 
     def __init__(
         self, transport: Transport, retry: RetryConfig, metrics: GatewayMetrics,
-        *, clock: Callable[[], float] = time.monotonic,
+        *, clock: Callable[[], float] = time.monotonic, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     ) -> None:
         self._transport = transport
+        self._max_response_bytes = max_response_bytes
         self._retry = retry
         self._metrics = metrics
         self._clock = clock
@@ -380,8 +399,7 @@ class Proxy:
                         continue
                 if status >= 500:
                     lease.record_failure(self._clock())
-                else:
-                    lease.record_success()
+                # else the verdict waits for the body's end: a worker that fails after its headers counts as failing
                 hooks.response_received(lease, status)
                 headers = response_headers_of(resp.headers, worker.worker_id, predicted,
                                               plan.decision.reason if attempt == 0 else "retry", request_id)
@@ -390,9 +408,18 @@ class Proxy:
                 else:  # the whole body, then one length-framed write (inline: no coroutine per request)
                     lease.on_first_byte()  # pending prefill -> decoding
                     try:
-                        answer = await resp.read()
+                        answer = await self._read_body(resp, worker.worker_id)
+                    except TransportError as exc:  # broke after the headers: no retry (the worker may have run it)
+                        lease.record_failure(self._clock())
+                        logger.warning("request %s: worker %s broke its answer after the headers: %s", request_id,
+                                       worker.worker_id, exc.message)
+                        return ProxyOutcome(None, None, None, _after_headers_error(exc))
+                    except UpstreamError as exc:  # over max_response_bytes
+                        return ProxyOutcome(None, None, None, exc)
                     finally:
                         lease.on_last_byte()
+                    if status < 500:
+                        lease.record_success()
                     out = _BodyResponse(status=resp.status, headers=headers)
                     out.content_length = len(answer)
                     try:
@@ -451,7 +478,9 @@ class Proxy:
                     recent = [b"".join(recent)[-SSE_TAIL_BYTES:]]
                     num_recent_bytes = len(recent[0])
             await out.write_eof()
+            lease.record_success()
         except TransportError:
+            lease.record_failure(self._clock())
             logger.warning("worker %s broke the stream after the first byte; aborting the client stream",
                            worker.worker_id)
             out.force_close()
@@ -464,6 +493,31 @@ class Proxy:
         tail = recent[0] if len(recent) == 1 else b"".join(recent)
         reported = self._check_honesty(worker, wm, predicted, usage_from_sse_tail(tail[-SSE_TAIL_BYTES:]))
         return out, reported
+
+    async def _read_body(self, resp: UpstreamResponse, worker_id: str) -> bytes:
+        """A non-streamed answer's whole body, at most ``max_response_bytes``.
+
+        A ``Content-Length`` over the cap is refused before any byte is read; a body without one (chunked) is read
+        chunk by chunk and refused once it passes the cap.
+
+        Raises:
+            UpstreamError: the body is over ``max_response_bytes`` (502; the connection is closed by ``release``).
+            TransportError: the connection broke mid-body.
+        """
+        max_bytes = self._max_response_bytes
+        length = resp.headers.get("Content-Length")
+        if length is not None and length.isdigit():
+            if int(length) > max_bytes:
+                raise _oversized(worker_id, max_bytes, f"its Content-Length is {length}")
+            return await resp.read()
+        parts: list[bytes] = []
+        num_bytes = 0
+        async for chunk in resp.iter_chunks():
+            num_bytes += len(chunk)
+            if num_bytes > max_bytes:
+                raise _oversized(worker_id, max_bytes, f"more than {max_bytes} bytes came")
+            parts.append(chunk)
+        return b"".join(parts)
 
     def _check_honesty(
         self, worker: WorkerRuntime, wm: WorkerMetrics, predicted: int, usage: _Usage | None,
