@@ -169,11 +169,11 @@ class EventPath:
         tracked = _Tracked(worker, self._indexes[model.name], SnapshotSplice(cfg.id, splices=splices))
         self._tracked[cfg.id] = tracked
         if self.subscriber is not None and cfg.has_events:
-            for rank in range(cfg.dp_ranks):
+            for i, rank in enumerate(cfg.dp_rank_range):
                 endpoint = cfg.events_endpoint if cfg.topology == "connect" else None
                 self.subscriber.add_worker(WorkerSpec(
-                    worker_id=cfg.id, endpoint=offset_endpoint(endpoint, rank),
-                    replay_endpoint=offset_endpoint(cfg.replay_endpoint, rank), dp_rank=rank,
+                    worker_id=cfg.id, endpoint=offset_endpoint(endpoint, i),
+                    replay_endpoint=offset_endpoint(cfg.replay_endpoint, i), dp_rank=rank,
                     block_size=worker.block_size,
                 ))
         if cfg.has_events:
@@ -292,13 +292,15 @@ class EventPath:
                 return None
             counters = self.subscriber.counters if self.subscriber is not None else EventCounters()
             batch = EventDecoder(counters).decode(body, worker_id=worker.worker_id, seq=max(last_seq, 0),
-                                                  block_size=worker.block_size)
+                                                  block_size=worker.block_size,
+                                                  default_dp_rank=worker.config.dp_rank_offset)
             if batch is None:
                 logger.warning("worker %s: snapshot not decodable", worker.worker_id)
                 return None
-            if not 0 <= batch.dp_rank < worker.config.dp_ranks:
-                logger.warning("worker %s: snapshot of dp rank %d refused (the worker has %d)", worker.worker_id,
-                               batch.dp_rank, worker.config.dp_ranks)
+            ranks = worker.config.dp_rank_range
+            if batch.dp_rank not in ranks:
+                logger.warning("worker %s: snapshot of dp rank %d refused (the worker has %d%s)", worker.worker_id,
+                               batch.dp_rank, len(ranks), f" from dp rank {ranks.start}" if ranks.start else "")
                 return None
             index.apply(batch)
             logger.info("worker %s warmed from its snapshot (%d events, last seq %d)", worker.worker_id,

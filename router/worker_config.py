@@ -7,7 +7,7 @@ Split from ``router.config`` so that the sections built on a worker entry (the a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -27,6 +27,8 @@ __all__ = [
     "worker_block_size_error",
 ]
 
+MAX_DP_RANK = 65_535
+"""Largest ``workers[].dp_rank_offset`` (a vLLM data-parallel rank)."""
 MAX_DP_RANKS = 256
 """Most data-parallel ranks one worker may declare (``workers[].dp_ranks``). Each rank of a worker that publishes
 events is one ZMQ subscription of the gateway (a SUB socket and its monitor); the subscriber's ZMQ context holds
@@ -100,6 +102,13 @@ class WorkerConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
         dp_ranks: number of data-parallel ranks publishing events, 1..``MAX_DP_RANKS``. Rank ``r`` publishes on the
             port of ``events_endpoint`` (and serves replays on the port of ``replay_endpoint``) plus ``r``, vLLM's
             convention; every rank's port must be at most 65535.
+        dp_rank_offset: the data-parallel rank of the worker's first rank: its ranks are ``dp_rank_offset`` ..
+            ``dp_rank_offset + dp_ranks - 1``, and a batch's ``data_parallel_rank`` outside them is dropped
+            (``unknown_dp_rank``). For vLLM's external data parallelism (``--data-parallel-rank k`` on a server
+            of its own), that server is a worker with ``dp_ranks: 1, dp_rank_offset: k``; vLLM offsets its
+            publisher's port by its rank (``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``), so its
+            ``events_endpoint`` is the configured port plus ``k``. ``events_endpoint`` is always the first
+            rank's address: rank ``dp_rank_offset + i`` publishes on its port plus ``i``.
         pools: shared pools (``MOONCAKE`` tier, or an engine's name for it) this worker is attached to; a worker's
             own tiers (``CPU``, ``DISK``) are refused.
         block_size: the worker's block size in tokens, a multiple of its model's ``block_size``; ``None`` takes the
@@ -119,6 +128,7 @@ class WorkerConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
     replay_endpoint: str | None = None
     topology: Topology = "connect"
     dp_ranks: int = 1
+    dp_rank_offset: Annotated[int, msgspec.Meta(ge=0)] = 0
     pools: tuple[str, ...] = ()
     block_size: AtLeastOne | None = None
     load_path: str | None = "/load"
@@ -133,6 +143,8 @@ class WorkerConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
         msgspec.structs.force_setattr(self, "url", _base_url(self.url))
         if not 1 <= self.dp_ranks <= MAX_DP_RANKS:
             raise ValueError(f"dp_ranks must be in 1..{MAX_DP_RANKS}, got {self.dp_ranks}")
+        if not 0 <= self.dp_rank_offset <= MAX_DP_RANK:
+            raise ValueError(f"dp_rank_offset must be in 0..{MAX_DP_RANK}, got {self.dp_rank_offset}")
         if self.topology == "connect":  # the bind topology has no per-worker events endpoint
             _check_rank_ports("events_endpoint", self.events_endpoint, self.dp_ranks)
         _check_rank_ports("replay_endpoint", self.replay_endpoint, self.dp_ranks)
@@ -146,6 +158,11 @@ class WorkerConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
                            ("health_path", self.health_path)):
             if path is not None and not path.startswith("/"):  # appended to url, which has no trailing "/"
                 raise ValueError(f"{name} must start with '/', got {path!r}")
+
+    @property
+    def dp_rank_range(self) -> range:
+        """The worker's data-parallel ranks (``dp_rank_offset`` .. ``dp_rank_offset + dp_ranks - 1``)."""
+        return range(self.dp_rank_offset, self.dp_rank_offset + self.dp_ranks)
 
     @property
     def has_events(self) -> bool:
