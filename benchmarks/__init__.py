@@ -12,6 +12,7 @@ index       prefix index ingest / match / hashing / bytes per entry (``router.in
 policies    decision time per routing policy (``policies``) vs ``min()`` over the workers
 gateway     gateway CPU and added latency per proxied request (``kvgate serve``) vs a bare aiohttp proxy
 long_turns  gateway CPU, added latency and event-loop lag for 32K-200K-token turns vs bare proxy, Rust routers
+processes   requests/s and CPU per request of ``kvgate serve --processes N`` at N = 1, 2, 4, 8
 fleet_scale Mooncake trace replayed into 1,000 workers (Dynamo's method); decision time at 8-1,000 workers
 sessions    latency the session store adds (``router.sessions``), Redis vs in-memory
 worker      reference worker scheduler + KV manager CPU per step, CPU tier on / off (``workers``)
@@ -23,6 +24,6 @@ Benchmarks may import any runtime package (``router``, ``workers``, ``kernels``,
 ``benchmarks`` (``tests/test_architecture.py`` checks it).
 """
 
-NAMES: tuple[str, ...] = ("events", "index", "fleet_scale", "policies", "gateway", "long_turns", "sessions", "worker",
-                          "kernels", "hybrid")
+NAMES: tuple[str, ...] = ("events", "index", "fleet_scale", "policies", "gateway", "long_turns", "processes",
+                          "sessions", "worker", "kernels", "hybrid")
 """The benchmark modules, ``benchmarks.<name>``."""
