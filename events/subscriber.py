@@ -229,6 +229,8 @@ class KVEventSubscriber:
         self._sink = sink
         self._own_context = context is None
         self._ctx = zmq.asyncio.Context() if context is None else context
+        if context is None:  # libzmq's default of 1,023 sockets is 341 rank streams (events.capacity)
+            self._ctx.set(zmq.MAX_SOCKETS, self._ctx.get(zmq.SOCKET_LIMIT))
         self._decoder = EventDecoder(self.counters)
         self._specs: dict[str, dict[int, WorkerSpec]] = {}
         self._sources: dict[tuple[str, int], _Source] = {}
@@ -241,6 +243,11 @@ class KVEventSubscriber:
         self._blocks_since_yield = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    @property
+    def max_sockets(self) -> int:
+        """The ZMQ context's socket limit (``ZMQ_MAX_SOCKETS``; 3 a followed rank stream, ``events.capacity``)."""
+        return int(self._ctx.get(zmq.MAX_SOCKETS))
 
     async def start(self) -> None:
         """Bind the shared SUB (bound topology) and start reading every spec added so far.

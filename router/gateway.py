@@ -39,6 +39,7 @@ from typing import Any
 
 from aiohttp import web
 
+from events.capacity import open_files_limit, rank_stream_capacity
 from events.counters import EventCounters
 from events.errors import EventsConfigError
 from events.subscriber import KVEventSubscriber
@@ -251,12 +252,30 @@ async def workers_context(app: web.Application) -> AsyncIterator[None]:
     """The config's workers: added in order (the ready timeout counts from here); their warm-ups cancelled."""
     gw = app[GATEWAY]
     try:
+        check_rank_stream_capacity(gw)
         gw.fleet.started_at_s = gw.clock()
         for worker_config in gw.config.workers:
             await gw.add_worker(worker_config)
         yield
     finally:
         await gw.events.cancel_warmups()
+
+
+def check_rank_stream_capacity(gw: Gateway) -> None:
+    """Refuse a start whose configured workers need more KV event rank streams than this process can follow.
+
+    Raises:
+        ConfigError: the total of the workers' ``dp_ranks`` (those that publish events in the connect topology)
+            is over ``events.capacity.rank_stream_capacity``; the message names the limit and how to raise it.
+    """
+    subscriber = gw.events.subscriber
+    if subscriber is None:
+        return
+    num_streams = sum(w.dp_ranks for w in gw.config.workers if w.has_events and w.topology == "connect")
+    capacity = rank_stream_capacity(subscriber.max_sockets, open_files_limit())
+    if num_streams > capacity.num_streams:
+        raise ConfigError(f"workers: {num_streams} KV event rank streams (the workers' dp_ranks) are more than "
+                          f"this process can follow: {capacity.reason}", param="workers")
 
 
 async def loops_context(app: web.Application) -> AsyncIterator[None]:

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from common.errors import ListenError
 from common.listen import BACKLOG, bind_tcp, listen_address, zmq_bind_message
+from events.capacity import raise_open_files_limit
 from events.errors import EventsConfigError
 from router.app import build_app
 from router.config import GatewayConfig, load_config
@@ -142,6 +143,7 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         logger.error("%s", exc.message)
         return 2
+    raise_open_files_limit()  # the soft limit up to the hard one: KV event rank streams take 4 descriptors each
     if args.processes < 1:
         logger.error("--processes must be >= 1, got %d", args.processes)
         return 2

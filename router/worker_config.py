@@ -31,9 +31,10 @@ MAX_DP_RANK = 65_535
 """Largest ``workers[].dp_rank_offset`` (a vLLM data-parallel rank)."""
 MAX_DP_RANKS = 256
 """Most data-parallel ranks one worker may declare (``workers[].dp_ranks``). Each rank of a worker that publishes
-events is one ZMQ subscription of the gateway (a SUB socket and its monitor); the subscriber's ZMQ context holds
-about 340 of them in all (ZMQ's default of 1,023 sockets), so a larger fleet-wide total is refused when the worker
-is added (nothing of it stays registered)."""
+events is one ZMQ subscription of the gateway (a SUB socket and its monitor: 3 sockets, 4 file descriptors); how
+many one process can follow in all is ``events.capacity.rank_stream_capacity`` (the open-files limit, at 20,000
+descriptors about 4,870): a start-up over it is refused naming the limit, a worker added later past it is refused
+when it is added (nothing of it stays registered)."""
 
 
 
