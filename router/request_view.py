@@ -313,7 +313,7 @@ OFF_LOOP_CHARS = 32_768
 """A prompt with more text to tokenize than this (characters) is tokenized in a worker thread: the ``tokenizers``
 library releases the GIL while it encodes, so the event loop keeps serving meanwhile (``view_async``)."""
 
-SLICE_CHARS = 49_152
+SLICE_CHARS = 16_384
 """Text longer than this is cut at line starts (``common.line_split``) into slices the library encodes in
 parallel, when the tokenizer composes there."""
 
@@ -408,8 +408,9 @@ class ModelTokenizer:
         return ns
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        """``[tokenizer.encode(t) for t in texts]``, in parallel where the tokenizer offers it."""
-        if self._encode_batch is not None and len(texts) > 1:
+        """``[tokenizer.encode(t) for t in texts]``, in parallel where the tokenizer offers it and the texts are
+        long enough to pay for the library's threads (more than ``SLICE_CHARS`` in all)."""
+        if self._encode_batch is not None and len(texts) > 1 and sum(map(len, texts)) > SLICE_CHARS:
             return self._encode_batch(texts)
         encode = self.tokenizer.encode
         return [encode(t) for t in texts]
