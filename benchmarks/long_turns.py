@@ -148,7 +148,8 @@ def _peer_args(peer: str, port: int, worker_ports: list[int]) -> list[str] | str
         return f"no venv at {py.parent.parent} (run scripts/setup-peers)"
     args = [str(py), "-m", module, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
             *(f"http://127.0.0.1:{p}" for p in worker_ports), "--policy", "cache_aware", "--prometheus-host",
-            "127.0.0.1", "--prometheus-port", str(_free_ports(1)[0]), "--log-level", "warn",
+            "127.0.0.1", "--prometheus-port", str(_free_ports(1)[0]), "--log-level",
+            "warn" if peer == "sglang" else "warning",
             "--max-payload-size", str(64 * 1024 * 1024)]
     return args
 
