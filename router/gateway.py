@@ -117,6 +117,10 @@ class Gateway:
             max_inflight_per_worker=config.admission.max_inflight_per_worker, clock=clock,
         )
         self.client_headers = ClientHeaderReader()
+        self._removals: dict[str, asyncio.Future[None]] = {}
+        """Removals still tearing a worker down (its index entries, subscription, sessions in Redis, connection
+        pool, all keyed by its id): an ``add_worker`` of the same id waits for it, so the old teardown never reaches
+        the new worker's subscription, entries, sessions or pool."""
         self._request_ids = itertools.count(1)
         self._id_prefix = f"kvg-{os.getpid():x}-{int(time.time()):x}-"
         self.metrics.add_callback(functools.partial(
@@ -141,6 +145,7 @@ class Gateway:
     async def add_worker(self, config: WorkerConfig) -> WorkerRuntime:
         """Register a worker, subscribe to its events and begin its warm-up.
 
+        A removal of the same id still under way (awaiting Redis, a warm-up's end) is waited for first.
         All or nothing: when its event subscription fails (for any reason: an endpoint ZMQ refuses, ZMQ out of
         sockets after some of its dp ranks were subscribed...), what was started is undone and the worker is not
         registered.
@@ -150,6 +155,9 @@ class Gateway:
                 events endpoint that cannot be connected.
             GatewayError: the event subscription failed otherwise (an internal failure, status 500).
         """
+        removal = self._removals.get(config.id)
+        if removal is not None:  # the same id's removal still awaits (Redis, warm-up): let it finish first
+            await asyncio.wait([removal])  # its failure is its caller's; a cancelled add leaves it running
         worker = self.fleet.add(config)
         try:
             if config.pools:
@@ -180,9 +188,15 @@ class Gateway:
             NotFoundError: no such worker.
         """
         worker = self.fleet.remove(worker_id)
-        await self._forget(worker)
+        removal = self._removals[worker_id] = asyncio.ensure_future(self._forget(worker))
+        removal.add_done_callback(lambda _: self._drop_removal(worker_id, removal))
+        await asyncio.shield(removal)  # a cancelled admin call does not stop the removal half-way
         logger.info("worker %s removed", worker_id)
         return worker
+
+    def _drop_removal(self, worker_id: str, removal: asyncio.Future[None]) -> None:
+        if self._removals.get(worker_id) is removal:
+            del self._removals[worker_id]
 
     async def _forget(self, worker: WorkerRuntime) -> None:
         """Everything but the fleet's registry entry: warm-up, subscription, index, pools, sessions, pool."""
