@@ -187,6 +187,8 @@ class KVEventPublisher:
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.buffer_steps)
         self._next_seq = 0
         self._closed = False
+        self._is_dropping_sends = False
+        self._is_refusing_replay = False
         self._stop = threading.Event()
         self._router: zmq.Socket[bytes] | None = None
         self._pub = self._ctx.socket(zmq.PUB)
@@ -237,6 +239,18 @@ class KVEventPublisher:
         """Number of batches published since construction."""
         return self._next_seq
 
+    def set_faults(self, *, drop_sends: bool, refuse_replay: bool) -> None:
+        """Fault injection for chaos tests (the sim worker's ``/debug/faults``).
+
+        Args:
+            drop_sends: number each batch and keep it for replay, but do not send it (as when the send queue is
+                full), so a subscriber sees a gap at the next batch sent.
+            refuse_replay: read replay requests and answer none.
+        """
+        with self._lock:
+            self._is_dropping_sends = drop_sends
+            self._is_refusing_replay = refuse_replay
+
     def publish(self, events: Sequence[KVEvent], ts_s: float | None = None) -> int:
         """Publish one batch. Never blocks on the network.
 
@@ -260,6 +274,8 @@ class KVEventPublisher:
             seq = self._next_seq
             self._next_seq = seq + 1
             self._buffer.append((seq, payload))
+            if self._is_dropping_sends:
+                return seq
             try:
                 self._pub.send_multipart((self._topic, _seq_bytes(seq), payload), flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -295,6 +311,9 @@ class KVEventPublisher:
                     self.replay_endpoint,
                     len(frames),
                 )
+                continue
+            if self._is_refusing_replay:
+                logger.debug("kv event replay on %s: request left unanswered (fault injection)", self.replay_endpoint)
                 continue
             identity = frames[0]
             start_seq = int.from_bytes(frames[2], "big")

@@ -1,9 +1,11 @@
 """Local processes for the demo: sim workers and the gateway on 127.0.0.1, each in its own process group.
 
-A ``Fleet`` starts ``kvgate worker --engine sim`` processes and one ``kvgate serve`` at a time, waits for their
-HTTP endpoints, resets the workers' prefix caches between runs, and stops everything it started: SIGTERM to the
-process group, then SIGKILL after a grace period. ``stop()`` is idempotent and safe to call from a ``finally``
-after Ctrl-C. Nothing here listens on anything but 127.0.0.1.
+A ``Fleet`` starts ``kvgate worker --engine sim`` processes and one ``kvgate serve`` at a time (plus, for
+multi-replica runs, more gateway replicas: ``start_replica``), waits for their HTTP endpoints, resets the workers'
+prefix caches between runs, can ``kill`` a process (SIGKILL) and ``restart`` it with the same command line (same
+ports), and stops everything it started: SIGTERM to the process group, then SIGKILL after a grace period.
+``stop()`` is idempotent and safe to call from a ``finally`` after Ctrl-C.
+Nothing here listens on anything but 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
 
 
 class ManagedProcess(msgspec.Struct):
-    """A started process: its name, HTTP base URL, log file and handle."""
+    """A started process: its name, HTTP base URL, log file, handle and command line (for ``Fleet.restart``)."""
 
     name: str
     url: str
@@ -59,6 +61,7 @@ class ManagedProcess(msgspec.Struct):
     popen: Any
     events_endpoint: str | None = None
     replay_endpoint: str | None = None
+    argv: list[str] = msgspec.field(default_factory=list)
 
 
 def _kvgate_command(*args: str) -> list[str]:
@@ -90,6 +93,7 @@ class Fleet:
         self._ports = PortPicker()
         self.workers: list[ManagedProcess] = []
         self.gateway: ManagedProcess | None = None
+        self.replicas: list[ManagedProcess] = []
 
     def _spawn(self, name: str, argv: list[str], url: str) -> ManagedProcess:
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +108,7 @@ class Fleet:
                 cwd=Path(__file__).resolve().parent.parent,
             )
         logger.info("started %s (pid %d): %s", name, popen.pid, " ".join(argv))
-        return ManagedProcess(name=name, url=url, log_path=log_path, popen=popen)
+        return ManagedProcess(name=name, url=url, log_path=log_path, popen=popen, argv=list(argv))
 
     def start_workers(self, specs: Sequence[WorkerSpec], extra_args: Sequence[str] = ()) -> None:
         """Start one sim worker per spec (not waiting; see ``wait_ready``)."""
@@ -161,17 +165,55 @@ class Fleet:
             "admin": {"disable_auth": True},
         }
 
-    def start_gateway(self, policy: dict[str, Any], block_size: int) -> ManagedProcess:
-        """Write the gateway config for ``policy`` and start ``kvgate serve`` (stopping a previous gateway)."""
-        self.stop_gateway()
+    def _spawn_gateway(
+        self, name: str, policy: dict[str, Any], block_size: int, extra_config: dict[str, Any] | None
+    ) -> ManagedProcess:
         port = self._ports.port()
-        config_path = self._log_dir / f"gateway-{policy.get('name', 'policy')}.yaml"
+        config = self.gateway_config(policy, port, block_size)
+        config.update(extra_config or {})
+        config_path = self._log_dir / f"{name}-{policy.get('name', 'policy')}.yaml"
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        config_path.write_text(yaml.safe_dump(self.gateway_config(policy, port, block_size), sort_keys=False))
-        self.gateway = self._spawn(
-            "gateway", _kvgate_command("serve", "--config", str(config_path)), f"http://{HOST}:{port}"
-        )
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return self._spawn(name, _kvgate_command("serve", "--config", str(config_path)), f"http://{HOST}:{port}")
+
+    def start_gateway(
+        self, policy: dict[str, Any], block_size: int, extra_config: dict[str, Any] | None = None
+    ) -> ManagedProcess:
+        """Write the gateway config for ``policy`` and start ``kvgate serve`` (stopping a previous gateway).
+
+        Args:
+            policy: the ``policy`` section.
+            block_size: the model's block size.
+            extra_config: top-level sections put into the config as they are (``sessions``, ``health``...).
+        """
+        self.stop_gateway()
+        self.gateway = self._spawn_gateway("gateway", policy, block_size, extra_config)
         return self.gateway
+
+    def start_replica(
+        self, name: str, policy: dict[str, Any], block_size: int, extra_config: dict[str, Any] | None = None
+    ) -> ManagedProcess:
+        """Start one more gateway replica (``name``), as ``start_gateway`` does; ``wait_ready`` waits for it and
+        ``stop`` stops it."""
+        replica = self._spawn_gateway(name, policy, block_size, extra_config)
+        self.replicas.append(replica)
+        return replica
+
+    def kill(self, proc: ManagedProcess) -> None:
+        """SIGKILL ``proc``'s process group (``kill -9``) and reap it."""
+        if proc.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait(timeout=10)
+
+    def restart(self, proc: ManagedProcess, *, graceful: bool = True) -> None:
+        """Stop ``proc`` (SIGTERM, or SIGKILL when not ``graceful``) and start its command line again, on the same
+        ports; ``proc`` then handles the new process (not waiting: see ``wait_ready``)."""
+        if graceful:
+            self._stop(proc)
+        else:
+            self.kill(proc)
+        proc.popen = self._spawn(proc.name, proc.argv, proc.url).popen
 
     async def _wait_http(self, session: aiohttp.ClientSession, proc: ManagedProcess, path: str) -> None:
         deadline = time.monotonic() + self._startup_timeout_s
@@ -194,15 +236,15 @@ class Fleet:
         )
 
     async def wait_ready(self) -> None:
-        """Wait until every worker answers ``/health`` and the gateway (if started) answers ``/ready``.
+        """Wait until every worker answers ``/health`` and every gateway (if started) answers ``/ready``.
 
         Raises:
             FleetError: a process exited or did not answer in time.
         """
         async with aiohttp.ClientSession() as session:
             await asyncio.gather(*(self._wait_http(session, w, "/health") for w in self.workers))
-            if self.gateway is not None:
-                await self._wait_http(session, self.gateway, "/ready")
+            gateways = [self.gateway, *self.replicas] if self.gateway is not None else self.replicas
+            await asyncio.gather(*(self._wait_http(session, g, "/ready") for g in gateways))
 
     async def reset_caches(self) -> None:
         """Clear every worker's prefix cache (POST ``reset_path``).
@@ -251,6 +293,9 @@ class Fleet:
     def stop(self) -> None:
         """Stop everything this fleet started (idempotent)."""
         self.stop_gateway()
+        for replica in self.replicas:
+            self._stop(replica)
+        self.replicas = []
         for w in self.workers:
             self._stop(w)
         self.workers = []

@@ -16,6 +16,8 @@ Routes (JSON in and out; errors are OpenAI-style JSON)::
     GET    /admin/policy                      the policy config and learned speed factors
     PUT    /admin/policy                      replace the policy (validated first; the old one stays on error)
     GET    /admin/decisions?limit=N           recent decisions with every candidate's score
+    GET    /admin/debug/memory?limit=N        top allocation sites of a tracemalloc snapshot (a gateway started
+                                              with PYTHONTRACEMALLOC=<frames>; ``common.process_stats``)
 
 The ``Bearer`` scheme is matched case-insensitively (RFC 7235: ``bearer <token>`` works too), the token exactly.
 An unexpected failure of a handler is a JSON 500 (``internal_error``), never aiohttp's plain-text one. With
@@ -31,6 +33,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
+from common.process_stats import memory_report
 from policies import PolicyError, build_policy, decode_policy_config, encode_policy_config
 from router.api import error_response
 from router.config import decode_worker
@@ -290,6 +293,15 @@ async def recent_decisions(request: web.Request) -> web.StreamResponse:
     return _json({"decisions": decisions})
 
 
+async def debug_memory(request: web.Request) -> web.StreamResponse:
+    """``GET /admin/debug/memory?limit=N``: ``common.process_stats.memory_report`` (25 sites by default)."""
+    try:
+        limit = int(request.query.get("limit", 25))
+    except ValueError:
+        limit = 25
+    return _json(memory_report(limit))
+
+
 def add_admin_routes(app: web.Application, token: str | None) -> None:
     """Register every admin route, each guarded by ``token`` (``None``: auth disabled)."""
     r = app.router
@@ -305,3 +317,4 @@ def add_admin_routes(app: web.Application, token: str | None) -> None:
     r.add_get("/admin/policy", _guard(token, get_policy))
     r.add_put("/admin/policy", _guard(token, put_policy))
     r.add_get("/admin/decisions", _guard(token, recent_decisions))
+    r.add_get("/admin/debug/memory", _guard(token, debug_memory))

@@ -34,6 +34,8 @@ Series (all prefixed ``kvgate_``)::
     sessions_live / sessions_expired_total ...      (scrape time) session store stats
     circuit_state{worker}                           (scrape time) 0 closed, 1 open, 2 half-open
     worker_healthy{worker}                          (scrape time) 1 healthy
+    process_resident_memory_bytes, process_open_fds (scrape time) the gateway process (``common.process_stats``)
+    process_asyncio_tasks                           (scrape time) tasks on the gateway's event loop
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.process_stats import register_process_collectors
 from events.counters import DropKind, EventCounters
 from router.admission import Admission
 from router.fleet import Fleet
@@ -246,6 +249,7 @@ class GatewayMetrics:
         r.register(_RequestPathCollector(self))
         self._callbacks = _CallbackCollector()
         r.register(self._callbacks)
+        register_process_collectors(r)
 
     def worker(self, worker_id: str) -> WorkerMetrics:
         """The worker's request-path series (created on first use)."""

@@ -206,6 +206,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rena
     """Batching limits."""
     timing: TimingProfile = msgspec.field(default_factory=TimingProfile)
     """Sim engine timing."""
+    enable_fault_injection: bool = False
+    """Serve ``/debug/faults`` (``workers.faults``): delays, aborted answers, dropped events on demand. Test
+    fleets only."""
 
     def __post_init__(self) -> None:
         """Refuse combinations no engine runs.

@@ -13,6 +13,10 @@ Endpoints::
                                                   start id (random per process start: a change means a restart)
     GET  /kv/snapshot                             the cached blocks as one KV event batch (see below)
     POST /reset_prefix_cache                      drop every cached block (409 while requests hold blocks)
+    GET  /debug/memory?limit=N                    top allocation sites (``common.process_stats.memory_report``;
+                                                  start with ``PYTHONTRACEMALLOC=N`` to trace)
+    GET, POST /debug/faults                       fault injection, with ``enable-fault-injection`` only
+                                                  (``workers.faults``)
 
 SSE framing (as vLLM): each chunk is ``data: <json>\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``. With
 ``stream_options.include_usage`` a last chunk with ``"choices": []`` carries ``usage``, and earlier chunks carry
@@ -49,6 +53,7 @@ import prometheus_client
 from aiohttp import web
 
 from common.errors import InvalidRequestError
+from common.process_stats import memory_report, register_process_collectors
 from common.tokenization import (
     ByteTokenizer,
     ChatTemplate,
@@ -66,6 +71,7 @@ from workers.core import EngineCore, RequestStream
 from workers.engines.base import Engine, SamplingParams
 from workers.engines.sim import SimEngine
 from workers.errors import ConfigError, ContextLengthError
+from workers.faults import Faults, fail_after_headers
 from workers.kv.manager import KVCacheManager
 from workers.protocol import (
     ChatCompletionRequest,
@@ -124,6 +130,7 @@ class WorkerMetrics:
         self.preemptions = prometheus_client.Gauge(
             "kvgate_worker_preemptions", "Preemptions since start", labels, registry=r
         )
+        register_process_collectors(r)
         self.worker_id = worker_id
 
 
@@ -144,6 +151,7 @@ class Worker:
         self.start_id = uuid.uuid4().hex
         self.metrics = WorkerMetrics(config.worker_id)
         self.encoder = BatchEncoder("vllm")
+        self.faults = Faults()
         self._next_id = 0
 
     def next_request_id(self, prefix: str) -> str:
@@ -296,6 +304,11 @@ async def _generate(
     is_chat: bool,
 ) -> web.StreamResponse:
     core = worker.core
+    faults = worker.faults
+    if faults.delay_s > 0:
+        await asyncio.sleep(faults.delay_s)
+    if faults.fail_after_headers:
+        return await fail_after_headers(http_request, bool(body.stream))
     stream = core.add_request(req)
     detok = IncrementalDetokenizer(worker.tokenizer, stop_strings(body.stop))
     created = int(time.time())
@@ -571,6 +584,35 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
+async def debug_memory(request: web.Request) -> web.Response:
+    """``GET /debug/memory?limit=N``: the top ``N`` (25) allocation sites (``common.process_stats``)."""
+    try:
+        limit = int(request.query.get("limit", "25"))
+    except ValueError:
+        limit = 25
+    return _json(memory_report(limit))
+
+
+async def get_faults(request: web.Request) -> web.Response:
+    """``GET /debug/faults``: the faults in force."""
+    return _json(msgspec.to_builtins(request.app[WORKER_KEY].faults))
+
+
+async def set_faults(request: web.Request) -> web.Response:
+    """``POST /debug/faults``: replace the faults in force (``workers.faults.Faults``); 400 for a bad body."""
+    worker = request.app[WORKER_KEY]
+    try:
+        faults = msgspec.json.decode(await request.read() or b"{}", type=Faults)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        return _error(worker, 400, f"bad faults: {exc}")
+    worker.faults = faults
+    publisher = worker.core.publisher
+    if publisher is not None:
+        publisher.set_faults(drop_sends=faults.drop_events, refuse_replay=faults.refuse_replay)
+    logger.info("fault injection: %s", faults)
+    return _json(msgspec.to_builtins(faults))
+
+
 LOOP_KEY = web.AppKey("engine_loop", asyncio.Task[None])
 
 
@@ -597,6 +639,10 @@ def build_app(worker: Worker) -> web.Application:
     app.router.add_get("/load", load)
     app.router.add_get("/kv/snapshot", snapshot)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    app.router.add_get("/debug/memory", debug_memory)
+    if worker.config.enable_fault_injection:
+        app.router.add_get("/debug/faults", get_faults)
+        app.router.add_post("/debug/faults", set_faults)
     return app
 
 
