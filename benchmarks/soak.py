@@ -1,0 +1,503 @@
+"""Soak: memory, descriptors and tasks of the gateway and the sim workers over an hour of trace traffic.
+
+Run ``python -m benchmarks soak`` (``--help`` for the knobs; ``--quick`` is the CI variant's size). Method:
+
+1. A sim fleet as ``kvgate demo`` builds it (``loadgen.demo.size_fleet`` on the bundled Mooncake slice,
+   ``loadgen/data/conversation_trace_head.jsonl``: 1,000 requests over 330 s of trace) and one gateway
+   (``session_sticky`` over ``cache_aware``, in-memory sessions whose idle timeout is the default 1,800 s scaled by
+   ``--time-scale``), the gateway started with ``PYTHONTRACEMALLOC=1`` (``--tracemalloc all``: the workers too).
+2. Baseline: RSS, open descriptors, asyncio tasks and index entries of every process (``/metrics``, ``/load``),
+   plus the traced Python bytes and top allocation sites (``/admin/debug/memory``, ``/debug/memory``).
+3. Load: the slice repeated until ``--trace-hours`` of trace time, each repetition in a fresh prompt namespace
+   (new blocks, new sessions), replayed open loop ``--time-scale`` times faster than the trace through
+   ``loadgen.replay`` (at most ``--max-in-flight`` requests in flight; the replay ends at ``--max-duration-s``).
+   Small worker caches make every request store and evict (``BlockStored`` / ``BlockRemoved``); beside it, every
+   ``--churn-interval-s``, one of: the gateway clears a worker's index entries (``POST /admin/index/clear``, the
+   worker then re-warms from its snapshot), or removes a worker and adds it back (``DELETE`` then ``POST
+   /admin/workers``). Every ``--sample-interval-s`` each process is sampled.
+4. Drain and clear: every worker's prefix cache is reset (``POST /reset_prefix_cache``: ``AllBlocksCleared``),
+   the gateway's index must empty; then every worker is removed from the gateway; then a last sampling.
+
+Checks (exit status 1 when one fails), on RSS as the kernel counts it: after warm-up (the first
+``--warmup-fraction`` of the load), max/min of each process's RSS within ``--tolerance`` (10%); after the clears,
+the gateway's index empty and each process's RSS within the tolerance of its baseline; descriptors and tasks
+back to their baseline (+ ``--slack-fds`` / ``--slack-tasks``). Reported: the RSS curve (start, plateau, after
+clears), bytes per indexed (block, worker) holding at the plateau (traced Python bytes and RSS, each over the
+baseline) beside the index bench's figure measured here in-process (``benchmarks.index``'s memory fleet), the
+top allocation sites at the plateau and after the clears, and ``soak.png`` (RSS and index entries over time)
+with ``soak.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import math
+import os
+import random
+import sys
+import time
+import tracemalloc
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import yaml
+
+from benchmarks._probe import (
+    ProcessSample,
+    get_json,
+    rss_curve,
+    sample_gateway,
+    sample_worker,
+    scrape,
+    total,
+    wait_for,
+)
+from loadgen.demo import DemoConfig, find_default_trace, gateway_policy, worker_profile
+from loadgen.fleet import Fleet, ManagedProcess, WorkerSpec
+from loadgen.prompts import PromptBuilder
+from loadgen.replay import ReplayConfig, Replayer
+from loadgen.sessions import derive_sessions
+from loadgen.traces import TraceRequest, read_mooncake
+
+logger = logging.getLogger(__name__)
+
+MEMORY_TIMEOUT_S = 300.0
+"""Limit of one ``/debug/memory`` answer: a tracemalloc snapshot of a large heap on a busy host takes minutes."""
+
+INDEX_BENCH_BYTES_PER_HOLDING = 143
+"""``benchmarks.index``'s published memory figure (its docstring), bytes per (block, worker) holding."""
+
+
+class SoakConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """Settings of one soak run (module docstring; the flags of the same names)."""
+
+    trace: str
+    out: str = "out/soak"
+    trace_hours: float = 1.0
+    time_scale: float = 30.0
+    num_workers: int = 3
+    num_gpu_blocks: int = 16384
+    """GPU blocks per worker (at least twice the longest prompt's): small, so caches fill early and evict."""
+    max_output_tokens: int = 4
+    max_in_flight: int = 32
+    max_duration_s: float = 900.0
+    sample_interval_s: float = 2.0
+    churn_interval_s: float = 5.0
+    warmup_fraction: float = 0.3
+    tolerance: float = 0.10
+    slack_fds: int = 4
+    slack_tasks: int = 4
+    tracemalloc: str = "gateway"
+    """Processes started with ``PYTHONTRACEMALLOC=1``: ``"none"``, ``"gateway"`` or ``"all"`` (a snapshot of a
+    traced heap takes seconds on a busy host; traced processes run slower)."""
+    write_plot: bool = True
+    seed: int = 0
+
+
+class SoakResult(msgspec.Struct):
+    """What one soak run measured and whether its checks passed."""
+
+    samples: dict[str, list[ProcessSample]]
+    checks: list[tuple[str, bool, str]]
+    num_requests: int
+    num_failed: int
+    trace_s_covered: float
+    bytes_per_holding: dict[str, float]
+    top_sites: dict[str, Any]
+
+    @property
+    def passed(self) -> bool:
+        return all(ok for _, ok, _ in self.checks)
+
+
+def hour_of_trace(slice_requests: Sequence[TraceRequest], trace_hours: float) -> list[TraceRequest]:
+    """The slice repeated until ``trace_hours`` of trace time, repetition ``k`` shifted by ``k`` slice lengths and
+    in namespace ``soak-<k>`` (its own prompts and blocks), its sessions ``<k>-<session>``."""
+    span_s = max(1.0, slice_requests[-1].arrival_s - slice_requests[0].arrival_s + 1.0)
+    end_s = trace_hours * 3600.0
+    out: list[TraceRequest] = []
+    for k in range(math.ceil(end_s / span_s)):
+        for r in slice_requests:
+            arrival_s = r.arrival_s + k * span_s
+            if arrival_s >= end_s:
+                break
+            out.append(msgspec.structs.replace(
+                r, arrival_s=arrival_s, namespace=f"soak-{k}", session_id=f"{k}-{r.session_id}" if r.session_id else ""
+            ))
+    return out
+
+
+def index_bench_bytes_per_holding(num_blocks: int = 20_000, num_workers: int = 16, seed: int = 1) -> float:
+    """``benchmarks.index``'s memory figure, measured here: traced bytes of a ``PrefixIndex`` fed its fleet's
+    stores, per (block, worker) holding."""
+    from benchmarks.index import BLOCK_SIZE, build_fleet, iter_batches
+    from events.types import BlockStored
+    from router.index.config import IndexConfig
+    from router.index.index import PrefixIndex
+
+    conversations, _ = build_fleet(num_blocks, num_workers, seed)
+    batches = list(iter_batches(conversations))
+    holdings = sum(len(e.block_hashes) for b in batches for e in b.events if isinstance(e, BlockStored))
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    gc.collect()
+    base = tracemalloc.get_traced_memory()[0]
+    index = PrefixIndex(IndexConfig(block_size=BLOCK_SIZE, max_blocks=2 * num_blocks))
+    for batch in batches:
+        index.apply(batch)
+    used = tracemalloc.get_traced_memory()[0] - base
+    del index
+    if not was_tracing:
+        tracemalloc.stop()
+    return used / max(1, holdings)
+
+
+def _say(t0: float, text: str) -> None:
+    print(f"[{time.monotonic() - t0:6.1f} s] {text}", flush=True)
+
+
+class Soak:
+    """One soak run over a started fleet (``run`` drives it)."""
+
+    def __init__(self, config: SoakConfig, fleet: Fleet, worker_entries: list[dict[str, Any]]) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.worker_entries = worker_entries
+        self.samples: dict[str, list[ProcessSample]] = {}
+        self.phase = "baseline"
+        self.t0 = time.monotonic()
+        self.rng = random.Random(config.seed)
+        self.churn_counts: dict[str, int] = {}
+
+    @property
+    def gateway(self) -> ManagedProcess:
+        assert self.fleet.gateway is not None
+        return self.fleet.gateway
+
+    async def sample(self, session: aiohttp.ClientSession) -> None:
+        t_s = time.monotonic() - self.t0
+        try:
+            self.samples.setdefault("gateway", []).append(
+                await sample_gateway(session, self.gateway.url, t_s, self.phase))
+            for w in self.fleet.workers:
+                self.samples.setdefault(w.name, []).append(await sample_worker(session, w.url, t_s, self.phase))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            logger.warning("sample failed: %s", exc)
+
+    async def sampler(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.sample(session)
+            try:
+                await asyncio.wait_for(stop.wait(), self.config.sample_interval_s)
+            except TimeoutError:
+                pass
+
+    async def churn(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        admin = self.gateway.url + "/admin"
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.config.churn_interval_s)
+                return
+            except TimeoutError:
+                pass
+            entry = self.rng.choice(self.worker_entries)
+            action = self.rng.choice(("clear", "remove_add"))
+            try:
+                if action == "clear":
+                    async with session.post(admin + "/index/clear", json={"worker_id": entry["id"]}) as resp:
+                        resp.raise_for_status()
+                else:
+                    async with session.delete(f"{admin}/workers/{entry['id']}") as resp:
+                        resp.raise_for_status()
+                    await asyncio.sleep(0.5)
+                    async with session.post(admin + "/workers", json=entry) as resp:
+                        resp.raise_for_status()
+                self.churn_counts[action] = self.churn_counts.get(action, 0) + 1
+            except aiohttp.ClientError as exc:
+                logger.warning("churn %s of %s failed: %s", action, entry["id"], exc)
+                self.churn_counts[action + "_failed"] = self.churn_counts.get(action + "_failed", 0) + 1
+
+    async def memory(self, session: aiohttp.ClientSession, label: str, limit: int = 12) -> dict[str, Any]:
+        """Top ``limit`` allocation sites (0: none, no snapshot) and traced bytes of every process."""
+        out: dict[str, Any] = {}
+        if self.config.tracemalloc == "none":
+            return out
+        try:
+            out["gateway"] = await get_json(session, f"{self.gateway.url}/admin/debug/memory?limit={limit}",
+                                            MEMORY_TIMEOUT_S)
+            for w in self.fleet.workers if self.config.tracemalloc == "all" else ():
+                out[w.name] = await get_json(session, f"{w.url}/debug/memory?limit={limit}", MEMORY_TIMEOUT_S)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            logger.warning("memory report (%s) failed: %s", label, exc)
+        return out
+
+    async def gateway_idle(self, session: aiohttp.ClientSession) -> bool:
+        m = await scrape(session, self.gateway.url)
+        return total(m, "kvgate_inflight_requests") == 0 and total(m, "kvgate_admission_inflight") == 0
+
+    async def index_empty(self, session: aiohttp.ClientSession) -> bool:
+        m = await scrape(session, self.gateway.url)
+        return total(m, "kvgate_index_blocks") == 0 and total(m, "kvgate_index_entries") == 0
+
+
+def _plateau(samples: list[ProcessSample], warmup_fraction: float) -> None:
+    """Relabel the load samples after the warm-up fraction as ``"plateau"`` (in place)."""
+    load = [s for s in samples if s.phase == "load"]
+    if not load:
+        return
+    start, end = load[0].t_s, load[-1].t_s
+    cut = start + warmup_fraction * (end - start)
+    for s in load:
+        if s.t_s >= cut:
+            s.phase = "plateau"
+
+
+def evaluate(
+    config: SoakConfig, samples: dict[str, list[ProcessSample]], index_empty: bool
+) -> list[tuple[str, bool, str]]:
+    """The module docstring's checks, as ``(name, passed, detail)``."""
+    checks: list[tuple[str, bool, str]] = [("gateway index empty after the clears", index_empty, "")]
+    tol = config.tolerance
+    for name, series in samples.items():
+        base = [s for s in series if s.phase == "baseline"]
+        plateau = [s.rss_bytes for s in series if s.phase == "plateau"]
+        after = [s for s in series if s.phase == "cleared"]
+        if not base or not plateau or not after:
+            checks.append((f"{name}: samples in every phase", False, f"{len(base)}/{len(plateau)}/{len(after)}"))
+            continue
+        flat = max(plateau) / min(plateau)
+        checks.append((f"{name}: RSS flat after warm-up (max/min <= {1 + tol:.2f})", flat <= 1 + tol, f"{flat:.3f}"))
+        back = after[-1].rss_bytes / base[-1].rss_bytes
+        checks.append((f"{name}: RSS after clears within {tol:.0%} of baseline", abs(back - 1) <= tol, f"{back:.3f}"))
+        fds = after[-1].num_fds - base[-1].num_fds
+        checks.append((f"{name}: descriptors back to baseline (+{config.slack_fds})", fds <= config.slack_fds,
+                       f"{base[-1].num_fds:.0f} -> {after[-1].num_fds:.0f}"))
+        tasks = after[-1].num_tasks - base[-1].num_tasks
+        checks.append((f"{name}: asyncio tasks back to baseline (+{config.slack_tasks})", tasks <= config.slack_tasks,
+                       f"{base[-1].num_tasks:.0f} -> {after[-1].num_tasks:.0f}"))
+    return checks
+
+
+def _bytes_per_holding(samples: list[ProcessSample], memory: dict[str, Any]) -> dict[str, float]:
+    base = [s for s in samples if s.phase == "baseline"]
+    plateau = [s for s in samples if s.phase == "plateau"]
+    if not base or not plateau:
+        return {}
+    peak = max(plateau, key=lambda s: s.num_entries)
+    out = {"holdings_at_plateau": peak.num_entries}
+    if peak.num_entries:
+        out["rss_bytes_per_holding"] = (peak.rss_bytes - base[-1].rss_bytes) / peak.num_entries
+    traced = memory.get("plateau", {}).get("gateway", {}).get("traced_bytes")
+    traced0 = memory.get("baseline", {}).get("gateway", {}).get("traced_bytes")
+    holdings = memory.get("plateau_holdings")
+    if traced and traced0 is not None and holdings:
+        out["traced_bytes_per_holding"] = (traced - traced0) / holdings
+    return out
+
+
+async def run_soak(config: SoakConfig) -> SoakResult:
+    """Run the soak (module docstring); stops every process it started before returning or raising."""
+    demo = DemoConfig(trace=config.trace, num_workers=config.num_workers, max_requests=1000,
+                      time_scale=config.time_scale)
+    slice_requests = derive_sessions(read_mooncake(config.trace, max_requests=1000))
+    max_prompt_blocks = max(math.ceil(r.num_prompt_tokens / demo.block_size) for r in slice_requests)
+    num_gpu_blocks = max(config.num_gpu_blocks, 2 * max_prompt_blocks)
+    requests = hour_of_trace(slice_requests, config.trace_hours)
+    out_dir = Path(config.out)
+    if config.tracemalloc == "all":
+        os.environ["PYTHONTRACEMALLOC"] = "1"
+    fleet = Fleet(out_dir / "logs", startup_timeout_s=120.0)
+    try:
+        profile = worker_profile(demo)
+        profile_path = out_dir / "logs" / "worker-profile.yaml"
+        profile_path.parent.mkdir(parents=True, exist_ok=True)
+        profile_path.write_text(yaml.safe_dump(profile, sort_keys=False))
+        specs = [WorkerSpec(f"worker-{i}", num_gpu_blocks, 0, demo.block_size,
+                            1.0 / config.time_scale) for i in range(config.num_workers)]
+        fleet.start_workers(specs, ["--profile", str(profile_path)])
+        await fleet.wait_ready()
+        policy = gateway_policy("session_sticky+cache_aware", demo)
+        sessions = {"store": "memory", "idle_timeout_s": 1800.0 / config.time_scale,
+                    "reap_interval_s": max(0.5, 5.0 / config.time_scale)}
+        if config.tracemalloc == "gateway":
+            os.environ["PYTHONTRACEMALLOC"] = "1"
+        fleet.start_gateway(policy, demo.block_size, {"sessions": sessions})
+        if config.tracemalloc == "gateway":
+            os.environ.pop("PYTHONTRACEMALLOC", None)
+        await fleet.wait_ready()
+        assert fleet.gateway is not None
+        entries = fleet.gateway_config(policy, 0, demo.block_size)["workers"]
+        soak = Soak(config, fleet, entries)
+        print(f"fleet: {config.num_workers} sim workers x {num_gpu_blocks} GPU blocks; "
+              f"{len(requests)} requests over {requests[-1].arrival_s:.0f} s of trace at time scale "
+              f"{config.time_scale:g}", flush=True)
+        memory: dict[str, Any] = {}
+        async with aiohttp.ClientSession() as session:
+            await asyncio.sleep(2.0)
+            for _ in range(3):
+                await soak.sample(session)
+                await asyncio.sleep(0.5)
+            memory["baseline"] = await soak.memory(session, "baseline", limit=0)
+            _say(soak.t0, "baseline taken; load starts")
+            soak.phase = "load"
+            stop = asyncio.Event()
+            background = [asyncio.create_task(soak.sampler(session, stop)),
+                          asyncio.create_task(soak.churn(session, stop))]
+            replay = ReplayConfig(url=fleet.gateway.url, time_scale=config.time_scale,
+                                  max_output_tokens=config.max_output_tokens, max_in_flight=config.max_in_flight,
+                                  request_timeout_s=120.0, max_duration_s=config.max_duration_s,
+                                  session_prefix="soak-")
+            try:
+                result = await Replayer(requests, replay, PromptBuilder()).run()
+            finally:
+                stop.set()
+                await asyncio.gather(*background, return_exceptions=True)
+            _plateau(soak.samples["gateway"], config.warmup_fraction)
+            for w in fleet.workers:
+                _plateau(soak.samples.get(w.name, []), config.warmup_fraction)
+            _say(soak.t0, f"load done: {len(result.records)} requests sent")
+            memory["plateau"] = await soak.memory(session, "plateau", limit=0)
+            m = await scrape(session, fleet.gateway.url)
+            memory["plateau_holdings"] = total(m, "kvgate_index_blocks")
+            # Drain, then clear every worker (AllBlocksCleared), then remove every worker.
+            soak.phase = "draining"
+            await wait_for(lambda: soak.gateway_idle(session), 60.0)
+            # Re-add any worker a churn step left removed, so that its clear reaches the index.
+            listed = await get_json(session, fleet.gateway.url + "/admin/workers")
+            present = {w["id"] for w in listed["workers"]}
+            for entry in entries:
+                if entry["id"] not in present:
+                    async with session.post(fleet.gateway.url + "/admin/workers", json=entry) as resp:
+                        resp.raise_for_status()
+            await asyncio.sleep(1.0)
+            await fleet.reset_caches()
+            _say(soak.t0, "every worker's cache reset")
+            is_empty = await wait_for(lambda: soak.index_empty(session), 30.0)
+            for entry in entries:
+                async with session.delete(f"{fleet.gateway.url}/admin/workers/{entry['id']}") as resp:
+                    resp.raise_for_status()
+            await asyncio.sleep(3.0)
+            soak.phase = "cleared"
+            for _ in range(3):
+                await soak.sample(session)
+                await asyncio.sleep(1.0)
+            memory["cleared"] = await soak.memory(session, "cleared")
+            _say(soak.t0, "after-clear samples taken")
+    finally:
+        fleet.stop()
+        os.environ.pop("PYTHONTRACEMALLOC", None)
+    records = result.records
+    num_failed = sum(1 for r in records if not r.is_ok)
+    last_sent = max((requests[r.index].arrival_s for r in records), default=0.0)
+    checks = evaluate(config, soak.samples, is_empty)
+    per = _bytes_per_holding(soak.samples["gateway"], memory)
+    per["index_bench_bytes_per_holding"] = index_bench_bytes_per_holding()
+    print(f"churn: {soak.churn_counts}", flush=True)
+    return SoakResult(samples=soak.samples, checks=checks, num_requests=len(records), num_failed=num_failed,
+                      trace_s_covered=last_sent, bytes_per_holding=per, top_sites=memory)
+
+
+def write_plot(samples: dict[str, list[ProcessSample]], path: Path) -> None:
+    """RSS of every process (MiB) and the gateway's index holdings over time, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for name, series in samples.items():
+        ax.plot([s.t_s for s in series], [s.rss_bytes / 2**20 for s in series], label=f"{name} RSS")
+    ax.set_xlabel("wall seconds")
+    ax.set_ylabel("RSS (MiB)")
+    twin = ax.twinx()
+    gw = samples.get("gateway", [])
+    twin.plot([s.t_s for s in gw], [s.num_entries for s in gw], "k:", label="gateway index holdings")
+    twin.set_ylabel("(block, worker) holdings")
+    lines = ax.get_legend_handles_labels()
+    more = twin.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper left", fontsize="small")
+    ax.set_title("soak: RSS and index holdings")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(config: SoakConfig, result: SoakResult) -> None:
+    """Print the curve, the bytes per holding, the top sites and the checks; write ``soak.json`` and the plot."""
+    print(f"requests: {result.num_requests} sent, {result.num_failed} failed; trace covered "
+          f"{result.trace_s_covered:.0f} s of {config.trace_hours * 3600:.0f} s", flush=True)
+    for name, series in result.samples.items():
+        print(f"{name}: RSS {rss_curve(series)}", flush=True)
+    per = result.bytes_per_holding
+    print("bytes per (block, worker) holding in the gateway: " + ", ".join(
+        f"{k} {v:,.0f}" for k, v in per.items()) + f" (index bench's published figure "
+        f"{INDEX_BENCH_BYTES_PER_HOLDING})", flush=True)
+    for label in ("baseline", "plateau", "cleared"):
+        traced = {name: f"{rep['traced_bytes'] / 2**20:.1f}" for name, rep in result.top_sites.get(label, {}).items()
+                  if isinstance(rep, dict) and rep.get("is_tracing")}
+        if traced:
+            print(f"traced Python MiB, {label}: {traced}", flush=True)
+    for label in ("plateau", "cleared"):
+        for name, rep in result.top_sites.get(label, {}).items():
+            if not isinstance(rep, dict) or not rep.get("sites"):
+                continue
+            print(f"top allocation sites, {name}, {label} (traced {rep['traced_bytes'] / 2**20:.1f} MiB):")
+            for site in rep["sites"][:8]:
+                print(f"  {site['size_bytes'] / 2**20:8.2f} MiB {site['num_blocks']:>9} blocks  "
+                      f"{site['file']}:{site['line']}")
+    for name, ok, detail in result.checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_bytes(msgspec.json.encode({"config": config, "result": result}))
+    if config.write_plot:
+        write_plot(result.samples, out / "soak.png")
+        print(f"wrote {out / 'soak.png'} and {out / 'soak.json'}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.soak [flags]``: 0 when every check passes, 1 otherwise, 2 for bad flags."""
+    d = SoakConfig(trace="")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", default=None, help="Mooncake conversation trace (default: the bundled slice)")
+    parser.add_argument("--out", default=d.out)
+    parser.add_argument("--quick", action="store_true", help="the CI variant's size (about a minute)")
+    for name in ("trace_hours", "time_scale", "max_duration_s", "sample_interval_s", "churn_interval_s",
+                 "warmup_fraction", "tolerance"):
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=None)
+    for name in ("num_workers", "num_gpu_blocks", "max_output_tokens", "max_in_flight", "slack_fds", "slack_tasks",
+                 "seed"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    parser.add_argument("--tracemalloc", choices=("none", "gateway", "all"), default=None,
+                        help=f"processes traced by tracemalloc (default {d.tracemalloc}; --quick: none)")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    trace = args.trace or find_default_trace()
+    if trace is None:
+        parser.error("the bundled trace is missing; pass --trace")
+    values: dict[str, Any] = {"trace": trace, "out": args.out, "write_plot": not args.no_plot}
+    if args.quick:
+        values.update(tracemalloc="none", trace_hours=0.05, time_scale=30.0, max_duration_s=45.0, churn_interval_s=2.0,
+                      sample_interval_s=1.0, num_workers=2, num_gpu_blocks=8192)
+    for key in SoakConfig.__struct_fields__:
+        value = getattr(args, key, None)
+        if value is not None and key not in ("trace", "out"):
+            values[key] = value
+    config = SoakConfig(**values)
+    if config.trace_hours <= 0 or config.time_scale <= 0 or config.num_workers < 1 or config.max_duration_s <= 0:
+        parser.error("--trace-hours, --time-scale, --num-workers and --max-duration-s must be positive")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    result = asyncio.run(run_soak(config))
+    report(config, result)
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
