@@ -6,13 +6,14 @@ Fleet: ``--num-workers`` sim workers (``enable-fault-injection``, ``workers.faul
 that nothing is evicted (so a cached-token prediction above the worker's report can only come from a wrong index),
 a ``redis-server`` on 127.0.0.1 started here, and two ``kvgate serve`` replicas (``session_sticky`` over
 ``cache_aware``, sessions in that Redis). A client replays the bundled Mooncake slice open loop at
-``--time-scale``, alternating replicas; a request refused at connect, or cut before its first byte, is sent again
+``--time-scale`` (repeated, each repetition in a fresh prompt namespace, until the schedule is over), alternating
+replicas; a request refused at connect, or cut before its first byte, is sent again
 to the other replica (as a client behind a load balancer would), until its deadline (``--deadline-s``).
 
-Faults, at fractions of the replay's duration (``SCHEDULE``): ``kill -9`` a worker and restart it at the same
-address; stop Redis and start it again; restart one gateway replica (SIGTERM, then the same command line); drop a
-worker's KV event sends with its replay endpoint refusing (events lost, the gap not closable by replay: the
-gateways must resync from the snapshot); make a worker slow (a delay per request); make a worker fail every
+Faults, one after another, each held ``--hold-s`` under load (``SCHEDULE``): ``kill -9`` a worker and restart
+it at the same address; stop Redis and start it again; restart one gateway replica (SIGTERM, then the same command
+line); drop a worker's KV event sends with its replay endpoint refusing (events lost, the gap not closable by
+replay: the gateways must resync from the snapshot); make a worker slow (a delay per request); make a worker fail every
 request after its headers. Once the replay is over and the gateways have recovered, a calm pass sends the first
 ``--calm-requests`` requests of the slice again (their prompts are cached by then), ``CALM_CONCURRENCY`` at a
 time, with no fault.
@@ -68,20 +69,15 @@ from loadgen.traces import TraceRequest, read_mooncake
 
 logger = logging.getLogger(__name__)
 
-SCHEDULE: tuple[tuple[float, str], ...] = (
-    (0.05, "kill_worker"),
-    (0.12, "restart_worker"),
-    (0.18, "stop_redis"),
-    (0.26, "start_redis"),
-    (0.30, "restart_gateway"),
-    (0.38, "drop_events"),
-    (0.48, "restore_events"),
-    (0.50, "slow_worker"),
-    (0.60, "fail_after_headers"),
-    (0.70, "clear_faults"),
+SCHEDULE: tuple[str, ...] = (
+    "kill_worker", "restart_worker", "stop_redis", "start_redis", "restart_gateway", "drop_events",
+    "restore_events", "slow_worker", "fail_after_headers", "clear_faults",
 )
-"""(fraction of the replay, action); an action waits for the one before it (a restart waits until the process
-answers), so on a slow host the later ones come later."""
+"""The faults in order; each is held ``hold_s`` under load before the next (a restart first waits until the
+process answers)."""
+
+MAX_REPETITIONS = 8
+"""Most repetitions of the slice one run sends (the workers' caches hold them all: nothing is evicted)."""
 
 CALM_CONCURRENCY = 4
 """Requests in flight in the calm pass."""
@@ -101,6 +97,9 @@ class ChaosConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, renam
     num_workers: int = 3
     max_output_tokens: int = 8
     deadline_s: float = 30.0
+    hold_s: float = 4.0
+    faults: tuple[str, ...] = SCHEDULE
+    """The faults to inject, in ``SCHEDULE`` order (a subset of it)."""
     calm_requests: int = 40
     recovery_timeout_s: float = 30.0
     slow_delay_s: float = 1.0
@@ -337,13 +336,12 @@ class Chaos:
                 await self.faults(session, w)
         self.note(action)
 
-    async def schedule(self, session: aiohttp.ClientSession, duration_s: float) -> None:
-        start = time.monotonic()
-        for fraction, action in SCHEDULE:
-            delay = start + fraction * duration_s - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            await self.act(session, action)
+    async def schedule(self, session: aiohttp.ClientSession) -> None:
+        await asyncio.sleep(self.config.hold_s)
+        for action in SCHEDULE:
+            if action in self.config.faults:
+                await self.act(session, action)
+            await asyncio.sleep(self.config.hold_s)
 
 
 class Outcome(msgspec.Struct):
@@ -390,10 +388,10 @@ async def run_chaos(config: ChaosConfig, redis: RestartableRedis | None = None) 
     assert redis is not None
     fleet = Fleet(out_dir / "logs", startup_timeout_s=120.0)
     prompts = PromptBuilder()
-    outcomes = [RequestOutcome(i, 0.0) for i in range(len(requests))]
+    outcomes: list[RequestOutcome] = []
     calm_outcomes = [RequestOutcome(i, 0.0) for i in range(min(config.calm_requests, len(requests)))]
     try:
-        total_blocks = sum(-(-r.num_prompt_tokens // demo.block_size) + 2 for r in requests)
+        total_blocks = MAX_REPETITIONS * sum(-(-r.num_prompt_tokens // demo.block_size) + 2 for r in requests)
         profile = worker_profile(demo)
         profile["enable-fault-injection"] = True
         profile_path = out_dir / "logs" / "worker-profile.yaml"
@@ -415,29 +413,40 @@ async def run_chaos(config: ChaosConfig, redis: RestartableRedis | None = None) 
         chaos = Chaos(config, fleet, redis)
         urls = [fleet.gateway.url, fleet.replicas[0].url]
         base_s = requests[0].arrival_s
-        duration_s = (requests[-1].arrival_s - base_s) / config.time_scale
+        span_s = requests[-1].arrival_s - base_s + 1.0
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
             baseline = await sample_gateway(session, fleet.gateway.url, 0.0, "baseline")
-            chaos.note(f"load: {len(requests)} requests over {duration_s:.0f} s, {config.num_workers} workers, "
-                       f"2 gateways")
+            chaos.note(f"load: the {len(requests)}-request slice ({span_s / config.time_scale:.0f} s) repeated "
+                       f"until the faults are over; {config.num_workers} workers, 2 gateways")
             start = time.monotonic()
+            schedule = asyncio.create_task(chaos.schedule(session))
 
-            async def one(i: int) -> None:
-                r = requests[i]
-                delay = start + (r.arrival_s - base_s) / config.time_scale - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                outcomes[i].start_s = time.monotonic() - start
+            async def one(r: TraceRequest, out: RequestOutcome) -> None:
+                out.start_s = time.monotonic() - start
                 body = {"model": "sim", "prompt": prompts.prompt(r), "stream": True,
                         "stream_options": {"include_usage": True}, "ignore_eos": True,
                         "max_tokens": max(1, min(r.num_output_tokens, config.max_output_tokens))}
                 headers = {"x-session-id": "chaos-" + r.session_id} if r.session_id else {}
-                await send_with_failover(session, urls, i % 2, body, headers, outcomes[i], config.deadline_s)
+                await send_with_failover(session, urls, out.index % 2, body, headers, out, config.deadline_s)
 
-            schedule = asyncio.create_task(chaos.schedule(session, duration_s))
-            await asyncio.gather(*(one(i) for i in range(len(requests))))
+            senders: list[asyncio.Task[None]] = []
+            for k in range(MAX_REPETITIONS):
+                for r in requests:
+                    at = start + (k * span_s + r.arrival_s - base_s) / config.time_scale
+                    while not schedule.done() and time.monotonic() < at:
+                        await asyncio.wait({schedule}, timeout=at - time.monotonic())
+                    if schedule.done():
+                        break
+                    if k:
+                        r = msgspec.structs.replace(r, namespace=f"chaos-{k}", session_id=f"{k}-{r.session_id}")
+                    out = RequestOutcome(len(outcomes), 0.0)
+                    outcomes.append(out)
+                    senders.append(asyncio.create_task(one(r, out)))
+                if schedule.done():
+                    break
             await schedule
-            chaos.note("load done")
+            await asyncio.gather(*senders)
+            chaos.note(f"load done: {len(outcomes)} requests")
             gateways = [fleet.gateway, *fleet.replicas]
             recovered = await wait_for(lambda: _matches(session, fleet), config.recovery_timeout_s)
             chaos.note(f"recovered: {recovered}")
@@ -473,7 +482,19 @@ async def run_chaos(config: ChaosConfig, redis: RestartableRedis | None = None) 
             for g in gateways:
                 listing = await get_json(session, g.url + "/admin/sessions?limit=10000")
                 orphans += [s for s in listing["sessions"] if s.get("worker_id") not in live]
-            after = await sample_gateway(session, fleet.gateway.url, 0.0, "after")
+        # The client's keep-alive connections are gone with its session: each held a descriptor and a handler task
+        # on the gateway. The gateway's own idle connections to the workers close after their keep-alive time.
+        first_url = urls[0]
+        async with aiohttp.ClientSession() as probe:
+            after = await sample_gateway(probe, first_url, 0.0, "after")
+
+            async def is_flat() -> bool:
+                nonlocal after
+                after = await sample_gateway(probe, first_url, 0.0, "after")
+                return (after.num_fds - baseline.num_fds <= config.slack_fds
+                        and after.num_tasks - baseline.num_tasks <= config.slack_tasks)
+
+            await wait_for(is_flat, config.recovery_timeout_s, interval_s=1.0)
             chaos.note("checks read")
     finally:
         fleet.stop()
@@ -552,11 +573,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default=None, help="Mooncake conversation trace (default: the bundled slice)")
     parser.add_argument("--out", default=d.out)
-    for name in ("time_scale", "deadline_s", "recovery_timeout_s", "slow_delay_s"):
+    for name in ("time_scale", "hold_s", "deadline_s", "recovery_timeout_s", "slow_delay_s"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     for name in ("max_requests", "calm_requests", "num_workers", "max_output_tokens", "slack_fds", "slack_tasks"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    parser.add_argument("--faults", default=",".join(SCHEDULE),
+                        help="comma-separated subset of: " + ", ".join(SCHEDULE))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args.faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    if set(args.faults) - set(SCHEDULE):
+        parser.error(f"unknown faults {sorted(set(args.faults) - set(SCHEDULE))}")
     trace = args.trace or find_default_trace()
     if trace is None:
         parser.error("the bundled trace is missing; pass --trace")

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from benchmarks.chaos import ChaosConfig, report, run_chaos
+from benchmarks.chaos import SCHEDULE, ChaosConfig, report, run_chaos
 from loadgen.demo import find_default_trace
 from tests.redis_server import restartable_redis  # noqa: F401
 
@@ -21,16 +21,14 @@ def test_chaos_every_request_ends_cleanly_and_state_recovers(restartable_redis, 
     trace = find_default_trace()
     assert trace is not None
     config = ChaosConfig(trace=trace, out=str(tmp_path), max_requests=150, time_scale=2.0, num_workers=3,
-                         max_output_tokens=4, deadline_s=30.0, recovery_timeout_s=30.0, slow_delay_s=0.5)
+                         max_output_tokens=4, deadline_s=30.0, recovery_timeout_s=30.0, slow_delay_s=0.5, hold_s=3.0)
     outcome = asyncio.run(run_chaos(config, restartable_redis))
     report(config, outcome)
     printed = capsys.readouterr().out
     failed = [f"{name}: {detail}" for name, ok, detail in outcome.checks if not ok]
     assert not failed, printed
     counts = outcome.counts
-    assert counts["requests"] == 150 and counts["hung"] == 0 and counts["unclean_error"] == 0
-    assert counts["completed"] + counts["clean_error"] == 150
-    assert counts["completed"] > 0
-    assert [action for _, action in outcome.log if not action.startswith(("load", "checks"))] == [
-        "kill_worker", "restart_worker", "stop_redis", "start_redis", "restart_gateway", "drop_events",
-        "restore_events", "slow_worker", "fail_after_headers", "clear_faults"]
+    assert counts["hung"] == 0 and counts["unclean_error"] == 0
+    assert counts["completed"] + counts["clean_error"] == counts["requests"] > 0
+    assert counts["completed"] > 0 and counts["calm_requests"] == 40
+    assert [action for _, action in outcome.log if action in SCHEDULE] == list(SCHEDULE)
