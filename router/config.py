@@ -114,12 +114,15 @@ class EventsConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
     Attributes:
         bind_endpoint: the SUB endpoint workers with ``topology: bind`` connect to, or ``None`` if none do.
         warmup_from_snapshot: warm a worker's index entries from its snapshot endpoint at start and on resync.
+        snapshot_timeout_s: limit of one snapshot fetch, seconds. A snapshot is the worker's whole cache (about
+            100 bytes per block: megabytes for a large cache), so it gets longer than a health check.
         subscriber: the event subscriber's settings (``events.subscriber.SubscriberConfig``, e.g.
             ``replay_timeout_s``); its ``bind_endpoint`` is this section's (``subscriber_config()``).
     """
 
     bind_endpoint: str | None = None
     warmup_from_snapshot: bool = True
+    snapshot_timeout_s: PositiveSeconds = 30.0
     subscriber: SubscriberConfig = msgspec.field(default_factory=SubscriberConfig)
 
     def __post_init__(self) -> None:

@@ -81,7 +81,7 @@ class EventPath:
 
     def __init__(self, config: GatewayConfig, indexes: Mapping[str, PrefixIndex], transport: Transport) -> None:
         """Args:
-            config: the gateway config (``events``, ``health.timeout_s`` for snapshot fetches, the models).
+            config: the gateway config (``events``, with ``snapshot_timeout_s`` for snapshot fetches; the models).
             indexes: one prefix index per ``models[].name``.
             transport: the upstream transport (snapshot fetches).
         """
@@ -277,7 +277,7 @@ class EventPath:
         for _ in range(SNAPSHOT_FETCH_ATTEMPTS):
             try:
                 status, headers, body = await self._transport.get_with_headers(
-                    worker.worker_id, worker.config.url + path, self._config.health.timeout_s)
+                    worker.worker_id, worker.config.url + path, self._config.events.snapshot_timeout_s)
             except GatewayError:
                 await asyncio.sleep(SNAPSHOT_RETRY_S)
                 continue
