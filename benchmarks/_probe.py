@@ -9,6 +9,7 @@ gateway's internals.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -140,3 +141,41 @@ def rss_curve(samples: Sequence[ProcessSample]) -> str:
     parts.append(f"plateau {mib(min(plateau))}-{mib(max(plateau))}" if plateau else "plateau -")
     parts.append(f"after clears {mib(after[-1])}" if after else "after clears -")
     return " / ".join(parts) + " MiB"
+
+
+def _tcp_remote_ports(pid: int) -> dict[str, int]:
+    """Socket inode -> remote TCP port, from the process's view of ``/proc/net/tcp`` and ``tcp6``."""
+    out: dict[str, int] = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{name}") as table:
+                next(table)
+                for line in table:
+                    fields = line.split()
+                    out[fields[9]] = int(fields[2].rsplit(":", 1)[1], 16)
+        except OSError:
+            continue
+    return out
+
+
+def describe_fds(pid: int, names: Mapping[int, str]) -> dict[str, int]:
+    """A process's open descriptors by kind (Linux ``/proc``): TCP sockets by their peer (``names`` maps a port to
+    a process name; 0 is a listening socket), other sockets, pipes, files; empty when it cannot be read."""
+    ports = _tcp_remote_ports(pid)
+    counts: dict[str, int] = {}
+    try:
+        entries = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return counts
+    for entry in entries:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{entry}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            port = ports.get(target[8:-1])
+            kind = "socket (not TCP)" if port is None else f"tcp to {names.get(port, port)}"
+        else:
+            kind = target.split(":", 1)[0] if ":" in target else "file"
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts

@@ -52,6 +52,7 @@ import msgspec
 import yaml
 
 from benchmarks._probe import (
+    describe_fds,
     gateway_holdings,
     get_json,
     sample_gateway,
@@ -416,6 +417,9 @@ async def run_chaos(config: ChaosConfig, redis: RestartableRedis | None = None) 
         span_s = requests[-1].arrival_s - base_s + 1.0
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
             baseline = await sample_gateway(session, fleet.gateway.url, 0.0, "baseline")
+            port_names = _port_names(fleet, redis)
+            pid = fleet.gateway.popen.pid
+            fds_before = describe_fds(pid, port_names)
             chaos.note(f"load: the {len(requests)}-request slice ({span_s / config.time_scale:.0f} s) repeated "
                        f"until the faults are over; {config.num_workers} workers, 2 gateways")
             start = time.monotonic()
@@ -491,10 +495,11 @@ async def run_chaos(config: ChaosConfig, redis: RestartableRedis | None = None) 
             async def is_flat() -> bool:
                 nonlocal after
                 after = await sample_gateway(probe, first_url, 0.0, "after")
-                return (after.num_fds - baseline.num_fds <= config.slack_fds
-                        and after.num_tasks - baseline.num_tasks <= config.slack_tasks)
+                unpooled = _unpooled(describe_fds(pid, port_names)) - _unpooled(fds_before)
+                return unpooled <= config.slack_fds and after.num_tasks - baseline.num_tasks <= config.slack_tasks
 
             await wait_for(is_flat, config.recovery_timeout_s, interval_s=1.0)
+            fds_after = describe_fds(pid, port_names)
             chaos.note("checks read")
     finally:
         fleet.stop()
@@ -528,8 +533,12 @@ async def run_chaos(config: ChaosConfig, redis: RestartableRedis | None = None) 
         ("in-flight, pending and admission gauges 0 on every gateway", is_idle, str(gauge_detail)),
         ("each gateway's index equals the workers' snapshots", matched, index_detail[:600]),
         ("every session owned by a live worker", not orphans, str(orphans[:5])),
-        ("descriptors flat on the replica never restarted", after.num_fds - baseline.num_fds <= config.slack_fds,
-         f"{baseline.num_fds:.0f} -> {after.num_fds:.0f}"),
+        ("descriptors flat on the replica never restarted (pooled connections to workers and Redis aside)",
+         _unpooled(fds_after) - _unpooled(fds_before) <= config.slack_fds,
+         f"{baseline.num_fds:.0f} -> {after.num_fds:.0f}: {fds_before} -> {fds_after}"),
+        ("pooled connections within the pools' bounds",
+         _pooled(fds_after, "redis") <= REDIS_MAX_CONNECTIONS
+         and all(n <= WORKER_POOL_LIMIT for k, n in fds_after.items() if k.endswith(" http")), str(fds_after)),
         ("asyncio tasks flat on the replica never restarted",
          after.num_tasks - baseline.num_tasks <= config.slack_tasks,
          f"{baseline.num_tasks:.0f} -> {after.num_tasks:.0f}"),
@@ -540,6 +549,34 @@ async def run_chaos(config: ChaosConfig, redis: RestartableRedis | None = None) 
          str(mismatches)),
     ]
     return Outcome(counts=counts, checks=checks, mismatches=mismatches, outcomes=outcomes, log=chaos.log)
+
+
+REDIS_MAX_CONNECTIONS = 64
+"""``sessions.max_connections``' default: the Redis session store's pool bound per replica."""
+
+WORKER_POOL_LIMIT = 256
+"""Most pooled HTTP connections the check allows from one replica to one worker (the requests in flight at once
+bound it; idle ones close after the transport's keep-alive)."""
+
+
+def _pooled(fds: dict[str, int], peer: str) -> int:
+    return sum(n for kind, n in fds.items() if kind.startswith("tcp to ") and kind.endswith(peer))
+
+
+def _unpooled(fds: dict[str, int]) -> int:
+    """Descriptors that are not pooled connections to a worker's HTTP port or to Redis."""
+    return sum(fds.values()) - _pooled(fds, " http") - _pooled(fds, "redis")
+
+
+def _port_names(fleet: Fleet, redis: RestartableRedis) -> dict[int, str]:
+    """Listening port -> process name, for ``describe_fds``."""
+    names = {int(redis.url.rsplit(":", 1)[1].split("/")[0]): "redis", 0: "(listening)"}
+    for proc in (*fleet.workers, *fleet.replicas):
+        names[int(proc.url.rsplit(":", 1)[1])] = proc.name + " http"
+        for endpoint, label in ((proc.events_endpoint, "events"), (proc.replay_endpoint, "replay")):
+            if endpoint is not None:
+                names[int(endpoint.rsplit(":", 1)[1])] = f"{proc.name} {label}"
+    return names
 
 
 async def _matches(session: aiohttp.ClientSession, fleet: Fleet) -> bool:
