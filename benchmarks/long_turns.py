@@ -1,7 +1,7 @@
 """Long agentic turns: ``python -m benchmarks long_turns``.
 
 Requests carry a 32K / 100K / 200K-token conversation plus a new turn of about 1,500 tokens, tokenized with a
-Llama-3-shaped byte-level BPE trained locally (``benchmarks.bpe``: Llama-3's pre-tokenizer and special tokens,
+Llama-3-shaped byte-level BPE trained locally (``benchmarks._bpe``: Llama-3's pre-tokenizer and special tokens,
 vocabulary asked for 128,256). Two parts:
 
 (a) **Proxies** (separate processes, one fake backend, the same bodies to each, measured in turn): ``direct`` (the
@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from benchmarks.bpe import LLAMA3_VOCAB_SIZE, llama3_shaped_tokenizer
+from benchmarks._bpe import LLAMA3_VOCAB_SIZE, llama3_shaped_tokenizer
 from benchmarks.gateway import _cpu_s, _free_ports, _spawn, _wait_port
 
 PEERS_DIR = Path(os.environ.get("KVGATE_PEERS_DIR", Path.home() / ".cache" / "kvgate" / "peers"))
@@ -49,7 +49,7 @@ class Corpus:
     """Lines of this repository's sources and documents, and the BPE's characters per token on them."""
 
     def __init__(self, tokenizer_path: Path) -> None:
-        from benchmarks.bpe import repository_corpus
+        from benchmarks._bpe import repository_corpus
         from common.tokenization import HFTokenizer
 
         root = Path(__file__).resolve().parent.parent

@@ -46,7 +46,7 @@ def test_benchmark_runner_lists_every_benchmark_module(capsys):
     assert benchmarks.__main__.main(["nope"]) == 2
     err = capsys.readouterr().err
     assert "unknown benchmark 'nope'" in err
-    assert "events, index, policies, gateway, sessions, worker, kernels, soak, chaos" in err
+    assert ", ".join(benchmarks.NAMES) in err and "soak, chaos" in err
 
 
 def test_benchmark_runner_passes_the_flags_on(capsys, monkeypatch):

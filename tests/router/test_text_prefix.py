@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bpe import build_bpe
+from benchmarks._bpe import build_bpe
 from common.line_split import composes_at_line_starts, is_line_start, last_line_start, line_start_slices
 from common.tokenization import ByteTokenizer, HFTokenizer
 from router.block_hash import hash_token_blocks
