@@ -58,6 +58,7 @@ FLOAT_KEYS: list[tuple[str | int, ...]] = [
     ("load_poll", "interval_s"),
     ("load_poll", "timeout_s"),
     ("ready_timeout_s",),
+    ("events", "snapshot_timeout_s"),
     ("events", "subscriber", "replay_timeout_s"),
     ("events", "subscriber", "replay_total_timeout_s"),
     ("events", "subscriber", "reconnect_interval_s"),
