@@ -117,6 +117,7 @@ class SoakResult(msgspec.Struct):
     checks: list[tuple[str, bool, str]]
     num_requests: int
     num_failed: int
+    error_kinds: dict[str, int]
     trace_s_covered: float
     bytes_per_holding: dict[str, float]
     top_sites: dict[str, Any]
@@ -410,7 +411,12 @@ async def run_soak(config: SoakConfig) -> SoakResult:
     per = _bytes_per_holding(soak.samples["gateway"], memory)
     per["index_bench_bytes_per_holding"] = index_bench_bytes_per_holding()
     print(f"churn: {soak.churn_counts}", flush=True)
+    error_kinds: dict[str, int] = {}
+    for r in records:
+        if r.error_kind is not None:
+            error_kinds[r.error_kind] = error_kinds.get(r.error_kind, 0) + 1
     return SoakResult(samples=soak.samples, checks=checks, num_requests=len(records), num_failed=num_failed,
+                      error_kinds=error_kinds,
                       trace_s_covered=last_sent, bytes_per_holding=per, top_sites=memory)
 
 
@@ -441,7 +447,7 @@ def write_plot(samples: dict[str, list[ProcessSample]], path: Path) -> None:
 
 def report(config: SoakConfig, result: SoakResult) -> None:
     """Print the curve, the bytes per holding, the top sites and the checks; write ``soak.json`` and the plot."""
-    print(f"requests: {result.num_requests} sent, {result.num_failed} failed; trace covered "
+    print(f"requests: {result.num_requests} sent, {result.num_failed} failed {result.error_kinds}; trace covered "
           f"{result.trace_s_covered:.0f} s of {config.trace_hours * 3600:.0f} s", flush=True)
     for name, series in result.samples.items():
         print(f"{name}: RSS {rss_curve(series)}", flush=True)
