@@ -276,6 +276,8 @@ class Scheduler:
             num_state_copies=costs.num_commits + costs.num_cpu_restores,
             state_copy_bytes=costs.commit_bytes,
             state_restore_bytes=costs.cpu_restore_bytes,
+            num_state_pool_restores=costs.num_pool_restores,
+            state_pool_restore_bytes=costs.pool_restore_bytes,
         )
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:

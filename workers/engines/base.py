@@ -127,6 +127,10 @@ class ScheduledStep(msgspec.Struct, frozen=True, gc=False):
     """Bytes of those copies within device memory (checkpoint commits)."""
     state_restore_bytes: int = 0
     """Bytes of those copies from host memory (resumes from a CPU checkpoint)."""
+    num_state_pool_restores: int = 0
+    """Recurrent-state checkpoints read back from the shared pool since the last step (resumes from the pool)."""
+    state_pool_restore_bytes: int = 0
+    """Bytes of those reads."""
 
     @property
     def num_scheduled_tokens(self) -> int:

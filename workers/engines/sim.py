@@ -10,7 +10,9 @@ Step time (seconds), from ``TimingProfile`` (``workers.config``)::
            + (sum over decodes of context tokens) * kv_bytes_per_token / kv_read_bytes_per_s
            + num_state_copies * copy_latency_s                    (hybrid models: recurrent-state checkpoints,
            + 2 * state_copy_bytes / kv_read_bytes_per_s            read and written in device memory,
-           + state_restore_bytes / host_to_gpu_bytes_per_s         or brought back from host memory)
+           + state_restore_bytes / host_to_gpu_bytes_per_s         or brought back from host memory,
+           + num_state_pool_restores * pool_latency_s              or read back from the shared pool)
+           + state_pool_restore_bytes / pool_bytes_per_s
 
 A hybrid request resumed without a usable checkpoint is admitted with the shorter hit the last checkpoint allows
 (``workers.kv.hybrid``), so its recurrent replay is charged as the prefill of every token after it.
@@ -86,6 +88,11 @@ class TimingModel:
                 step.num_state_copies * p.copy_latency_s
                 + 2 * step.state_copy_bytes / p.kv_read_bytes_per_s
                 + step.state_restore_bytes / p.host_to_gpu_bytes_per_s
+            )
+        if step.num_state_pool_restores:
+            p = self.profile
+            total += (
+                step.num_state_pool_restores * p.pool_latency_s + step.state_pool_restore_bytes / p.pool_bytes_per_s
             )
         return total
 

@@ -55,6 +55,7 @@ from workers.config import CacheGroupConfig, CheckpointConfig
 from workers.errors import KVCacheError
 from workers.kv.block_pool import BlockMeta, BlockPool, engine_hash_of, stored_events
 from workers.kv.hashing import BlockHash, to_engine_hash
+from workers.kv.pool_tier import KEY_PREFIX, PoolStore
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ class CheckpointCosts(msgspec.Struct, frozen=True, gc=False):
         cpu_restore_bytes: bytes those copies moved (host to device).
         num_cpu_stores: checkpoints written through to host memory.
         cpu_store_bytes: bytes those copies moved (device to host).
+        num_pool_restores: checkpoints read back from the shared pool for a resume.
+        pool_restore_bytes: bytes those reads moved (pool to device).
+        num_pool_stores: checkpoints written through to the shared pool.
+        pool_store_bytes: bytes those writes moved (device to pool).
     """
 
     num_commits: int = 0
@@ -77,6 +82,22 @@ class CheckpointCosts(msgspec.Struct, frozen=True, gc=False):
     cpu_restore_bytes: int = 0
     num_cpu_stores: int = 0
     cpu_store_bytes: int = 0
+    num_pool_restores: int = 0
+    pool_restore_bytes: int = 0
+    num_pool_stores: int = 0
+    pool_store_bytes: int = 0
+
+
+def checkpoint_key(group_idx: int, block_hash: BlockHash) -> str:
+    """The shared-pool key of group ``group_idx``'s checkpoint ending at block ``block_hash`` (its own key
+    space: ``kvgate/v1/ckpt/<group_idx>/<hex>``, never a block's ``kvgate/v1/<hex>``)."""
+    return f"{KEY_PREFIX}ckpt/{group_idx}/{block_hash.hex()}"
+
+
+def checkpoint_value(group_idx: int, block_hash: BlockHash) -> bytes:
+    """A checkpoint's value in the sim engine (no state bytes): its group and block hash, checked on a read.
+    A GPU engine would put the recurrent state itself."""
+    return b"kvgate-ckpt" + group_idx.to_bytes(4, "little") + block_hash
 
 
 def _tag(event: KVEvent, group_idx: int, kind: str, window: int | None) -> KVEvent:
@@ -206,14 +227,20 @@ class RecurrentGroup:
         state_bytes: int,
         config: CheckpointConfig,
         emit: Callable[[KVEvent], None],
+        pool: PoolStore | None = None,
     ) -> None:
         self.group_idx = group_idx
         self.block_size = block_size
         self.state_bytes = state_bytes
         self.config = config
         self._emit = emit
+        self._pool_store = pool
         self._gpu: OrderedDict[BlockHash, BlockMeta] = OrderedDict()
         self._cpu: OrderedDict[BlockHash, BlockMeta] = OrderedDict()
+        self._pool_known: dict[str, BlockMeta] = {}
+        """Pool checkpoints this worker announced (stored, or read for a resume): their removals it publishes."""
+        self._staged: set[BlockHash] = set()
+        """Checkpoints read from the pool by ``fetch_from_pool`` for the resume that follows."""
         self._last_boundary: dict[str, BlockMeta] = {}
         self._costs = CheckpointCosts()
         self.num_commits = 0
@@ -223,12 +250,33 @@ class RecurrentGroup:
     # -- lookups ----------------------------------------------------------------------------------------------
 
     def has(self, block_hash: BlockHash) -> bool:
-        """Whether a checkpoint ends at the block ``block_hash`` (GPU or CPU)."""
-        return block_hash in self._gpu or block_hash in self._cpu
+        """Whether a checkpoint ends at the block ``block_hash`` (GPU, CPU or the shared pool)."""
+        return self.usable([block_hash], 1)[1]
 
     def usable(self, hashes: Sequence[BlockHash], max_blocks: int) -> list[bool]:
-        """``out[L]`` for ``L in 0..max_blocks``: a checkpoint ends at block ``L - 1`` (``L == 0``: from scratch)."""
-        return [True, *(self.has(hashes[i]) for i in range(max_blocks))]
+        """``out[L]`` for ``L in 0..max_blocks``: a checkpoint ends at block ``L - 1`` (``L == 0``: from scratch);
+        the pool is asked once, for the blocks no local tier holds."""
+        local = [h in self._gpu or h in self._cpu or h in self._staged for h in hashes[:max_blocks]]
+        if self._pool_store is not None:
+            missing = [i for i, ok in enumerate(local) if not ok]
+            if missing:
+                found = self._pool_store.exists([checkpoint_key(self.group_idx, hashes[i]) for i in missing])
+                for i, ok in zip(missing, found, strict=True):
+                    local[i] = ok
+        return [True, *local]
+
+    def fetch_from_pool(self, block_hash: BlockHash) -> bool:
+        """Make the checkpoint at ``block_hash`` resumable here: True when a local tier holds it or it was read
+        intact from the pool (into host memory, so a pool eviction before the resume cannot bite)."""
+        if block_hash in self._gpu or block_hash in self._cpu or block_hash in self._staged:
+            return True
+        if self._pool_store is None:
+            return False
+        (value,) = self._pool_store.get([checkpoint_key(self.group_idx, block_hash)])
+        if value is None or value != checkpoint_value(self.group_idx, block_hash):
+            return False
+        self._staged.add(block_hash)
+        return True
 
     def checkpoint_hashes(self, medium: Medium = Medium.GPU) -> list[BlockHash]:
         """Test-only: the kept checkpoints of one tier, least recently used first."""
@@ -257,6 +305,16 @@ class RecurrentGroup:
                 raise KVCacheError(f"resume of {request_id} from a CPU checkpoint without its block")
             self._insert_gpu(meta)
             self._add_costs(num_cpu_restores=1, cpu_restore_bytes=self.state_bytes)
+        elif key in self._staged:
+            if meta is None:
+                raise KVCacheError(f"resume of {request_id} from a pool checkpoint without its block")
+            self._staged.discard(key)
+            pool_key = checkpoint_key(self.group_idx, key)
+            if pool_key not in self._pool_known:
+                self._pool_known[pool_key] = meta
+                self._emit(self._stored(meta, Medium.MOONCAKE))
+            self._insert_gpu(meta)
+            self._add_costs(num_pool_restores=1, pool_restore_bytes=self.state_bytes)
         else:
             raise KVCacheError(f"recurrent group {self.group_idx}: no checkpoint at block {num_hit_blocks - 1}")
         self.num_resumes += 1
@@ -304,6 +362,29 @@ class RecurrentGroup:
                 self._emit(BlockRemoved((engine_hash_of(old_meta),), Medium.CPU, self.group_idx))
         elif key in self._cpu:
             self._cpu.move_to_end(key)
+        self._write_pool(meta)
+
+    def _write_pool(self, meta: BlockMeta) -> None:
+        """Write a new checkpoint through to the shared pool (skipped when some worker put it there already);
+        announced only once put (``BlockStored`` MOONCAKE, as a pool block is)."""
+        store = self._pool_store
+        if store is None:
+            return
+        key = checkpoint_key(self.group_idx, meta.block_hash)
+        if key in self._pool_known or store.exists([key])[0]:
+            return
+        (ok,) = store.put([key], [checkpoint_value(self.group_idx, meta.block_hash)])
+        if not ok:
+            return
+        self._pool_known[key] = meta
+        self._emit(self._stored(meta, Medium.MOONCAKE))
+        self._add_costs(num_pool_stores=1, pool_store_bytes=self.state_bytes)
+
+    def on_pool_evict(self, keys: Sequence[str]) -> None:
+        """The pool evicted ``keys``: ``BlockRemoved`` (MOONCAKE, this group) for the checkpoints announced here."""
+        gone = [m for m in (self._pool_known.pop(k, None) for k in keys) if m is not None]
+        if gone:
+            self._emit(BlockRemoved(tuple(map(engine_hash_of, gone)), Medium.MOONCAKE, self.group_idx))
 
     def _insert_gpu(self, meta: BlockMeta) -> None:
         self._gpu[meta.block_hash] = meta
@@ -314,9 +395,10 @@ class RecurrentGroup:
             self._emit(BlockRemoved((engine_hash_of(old_meta),), Medium.GPU, self.group_idx))
 
     def _stored(self, meta: BlockMeta, medium: Medium) -> BlockStored:
-        """The checkpoint as vLLM's Mamba group publishes a kept state: one block, its parent and tokens (GPU), or
-        the bare hash for a tier below (resolved through the GPU store of the same block)."""
-        if medium is not Medium.GPU:
+        """The checkpoint as vLLM's Mamba group publishes a kept state: one block, its parent and tokens (GPU and
+        the shared pool, which another worker may resolve without this worker's GPU store), or the bare hash for
+        the CPU tier (resolved through the GPU store of the same block)."""
+        if medium is Medium.CPU:
             return BlockStored(
                 (engine_hash_of(meta),), None, (), self.block_size, medium, None, None, self.group_idx, SpecKind.MAMBA
             )
@@ -326,7 +408,7 @@ class RecurrentGroup:
             None if meta.parent_block_hash is None else to_engine_hash(meta.parent_block_hash),
             meta.token_ids,
             self.block_size,
-            Medium.GPU,
+            medium,
             meta.lora_name,
             extra,
             self.group_idx,
@@ -346,12 +428,16 @@ class RecurrentGroup:
         """The kept checkpoints as stores (after the main group's snapshot, whose stores resolve CPU ones)."""
         events: list[KVEvent] = [self._stored(m, Medium.GPU) for m in self._gpu.values()]
         events.extend(self._stored(m, Medium.CPU) for m in self._cpu.values())
+        events.extend(self._stored(m, Medium.MOONCAKE) for m in self._pool_known.values())
         return events
 
     def reset(self) -> None:
-        """Forget every checkpoint (``reset_prefix_cache``; the manager emits ``AllBlocksCleared``)."""
+        """Forget every checkpoint (``reset_prefix_cache``; the manager emits ``AllBlocksCleared``); the shared
+        pool keeps its copies (one worker does not clear it), this worker forgets what it announced there."""
         self._gpu.clear()
         self._cpu.clear()
+        self._pool_known.clear()
+        self._staged.clear()
 
 
 class HybridGroups:
@@ -363,6 +449,7 @@ class HybridGroups:
         block_size: tokens per block.
         num_gpu_blocks: the main pool's size (default size of sliding-window pools).
         emit: where KV events go (the manager's queue).
+        pool: the shared pool's store, where recurrent checkpoints are written through (``None``: no pool).
     """
 
     def __init__(
@@ -372,6 +459,7 @@ class HybridGroups:
         block_size: int,
         num_gpu_blocks: int,
         emit: Callable[[KVEvent], None],
+        pool: PoolStore | None = None,
     ) -> None:
         self.block_size = block_size
         self.sliding: list[SlidingWindowGroup] = []
@@ -391,7 +479,9 @@ class HybridGroups:
                     )
                 )
             elif group.kind == "recurrent":
-                self.recurrent.append(RecurrentGroup(group_idx, block_size, group.state_bytes, checkpoints, emit))
+                self.recurrent.append(
+                    RecurrentGroup(group_idx, block_size, group.state_bytes, checkpoints, emit, pool)
+                )
         self.is_hybrid = bool(self.sliding or self.recurrent)
 
     def usable_blocks(self, hashes: Sequence[BlockHash], max_blocks: int) -> int:
@@ -404,6 +494,18 @@ class HybridGroups:
         for usable in per_group:
             ok = [a and b for a, b in zip(ok, usable, strict=True)]
         return max(i for i, flag in enumerate(ok) if flag)
+
+    def fetch_checkpoints(self, hashes: Sequence[BlockHash], num_hit_blocks: int) -> bool:
+        """Read from the shared pool every recurrent group's checkpoint at block ``num_hit_blocks - 1`` that no
+        local tier holds; False when one can no longer be read (the caller shortens the hit)."""
+        if num_hit_blocks == 0:
+            return True
+        return all(g.fetch_from_pool(hashes[num_hit_blocks - 1]) for g in self.recurrent)
+
+    def on_pool_evict(self, keys: Sequence[str]) -> None:
+        """The shared pool evicted ``keys`` (blocks and checkpoints alike; each group picks its own)."""
+        for recurrent in self.recurrent:
+            recurrent.on_pool_evict(keys)
 
     def can_admit(self, hashes: Sequence[BlockHash], num_hit_blocks: int, num_tokens: int) -> bool:
         """Whether every sliding-window pool can give the sequence its blocks."""

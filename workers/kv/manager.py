@@ -147,8 +147,15 @@ class KVCacheManager:
         self.config = config
         self.block_size = config.block_size
         self._events: list[KVEvent] = []
+        if pool_store is None and config.pool is not None:
+            pool_store = build_pool_store(config.pool, self._on_pool_evict)
         self.groups = HybridGroups(
-            config.groups, config.checkpoints, config.block_size, config.num_gpu_blocks, self._emit
+            config.groups,
+            config.checkpoints,
+            config.block_size,
+            config.num_gpu_blocks,
+            self._emit,
+            pool_store if config.pool is None or config.pool.store_policy != "none" else None,
         )
         self.gpu = BlockPool(
             config.num_gpu_blocks, config.block_size, self._emit_main if self.groups.is_hybrid else self._emit
@@ -159,8 +166,6 @@ class KVCacheManager:
             else None
         )
         self._store_policy = config.cpu_store_policy if self.cpu is not None else "none"
-        if pool_store is None and config.pool is not None:
-            pool_store = build_pool_store(config.pool, self._on_pool_evict)
         self.pool: PoolTier | None = (
             PoolTier(pool_store, config.block_size, self._emit, self.gpu.holds_all) if pool_store is not None else None
         )
@@ -218,6 +223,7 @@ class KVCacheManager:
     def _on_pool_evict(self, keys: list[str]) -> None:
         if self.pool is not None:
             self.pool.on_evict(keys)
+        self.groups.on_pool_evict(keys)
 
     def _job_id(self) -> int:
         self._next_job_id += 1
@@ -304,6 +310,18 @@ class KVCacheManager:
                     num_pool = min(num_pool, usable - first - num_cpu)
                     del metas[num_cpu + num_pool :]
                     num_needed = max(0, -(-num_tokens // self.block_size) - first)
+        if hybrid:  # checkpoints only in the pool are read now too; one gone shortens the hit
+            num_hit = first + num_cpu + num_pool
+            usable = num_hit
+            while not self.groups.fetch_checkpoints(seq.block_hashes, usable):
+                usable = self.groups.usable_blocks(seq.block_hashes, usable - 1)
+            if usable < num_hit:
+                gpu_hit = gpu_hit[:usable]
+                first = len(gpu_hit)
+                num_cpu = min(num_cpu, usable - first)
+                num_pool = min(num_pool, usable - first - num_cpu)
+                del metas[num_cpu + num_pool :]
+                num_needed = max(0, -(-num_tokens // self.block_size) - first)
         self.gpu.touch(gpu_hit)
         seq.block_ids = [*gpu_hit, *self.gpu.allocate(num_needed)]
         seq.num_cached_blocks = first + num_cpu + num_pool
