@@ -90,3 +90,51 @@ def test_block_stored_by_a_is_restored_by_b_through_mooncake(master: str):
     finally:
         sb.close()
         sa.close()
+
+
+def test_checkpoint_stored_by_a_is_resumed_by_b_through_mooncake(master: str):
+    from events.types import BlockStored, Medium
+    from workers.config import CacheGroupConfig, CheckpointConfig, SchedulerConfig, TimingProfile
+    from workers.engines.base import SamplingParams
+    from workers.engines.sim import SimEngine
+    from workers.kv.hybrid import checkpoint_key
+    from workers.scheduler import Request, Scheduler
+
+    cfg = KVCacheConfig(
+        num_gpu_blocks=32,
+        block_size=BS,
+        groups=(CacheGroupConfig(), CacheGroupConfig(kind="recurrent", state_bytes=1 << 20)),
+        checkpoints=CheckpointConfig(interval_tokens=0, max_checkpoints=1),
+    )
+
+    def serve(kv: KVCacheManager, rid: str, prompt: list[int], max_tokens: int) -> tuple[Request, list]:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv, eos_token_id=None)
+        engine = SimEngine(TimingProfile(), BS, [7, 8, 9], None)
+        req = Request(rid, prompt, max_tokens, SamplingParams(seed=1), ignore_eos=True)
+        sched.add_request(req)
+        steps = []
+        while sched.has_work() or engine.has_pending_copies():
+            steps.append(sched.schedule())
+            sched.update(engine.execute(steps[-1]))
+        return req, steps
+
+    sa = MooncakePoolStore(master, global_segment_size=32 << 20, local_buffer_size=16 << 20)
+    sb = MooncakePoolStore(master, global_segment_size=0, local_buffer_size=16 << 20)
+    try:
+        a, b = KVCacheManager(cfg, pool_store=sa), KVCacheManager(cfg, pool_store=sb)
+        turn1, _ = serve(a, "t1", [2000 + i for i in range(10)], 7)  # 16 computed: generation end at block 3
+        kv_hashes = turn1.kv.block_hashes
+        assert sa.exists([checkpoint_key(1, kv_hashes[1]), checkpoint_key(1, kv_hashes[3])]) == [True, True]
+        h = [to_engine_hash(x) for x in kv_hashes]
+        pool_stores = [
+            e.block_hashes for e in a.take_events()
+            if isinstance(e, BlockStored) and e.group_idx == 1 and e.medium is Medium.MOONCAKE
+        ]  # fmt: skip
+        assert pool_stores == [(h[1],), (h[3],)]
+        turn2, steps = serve(b, "t2", [*turn1.all_token_ids, 1, 2, 3, 4, 5], 1)
+        assert turn2.num_cached_tokens == 16
+        assert [(p.start_pos, len(p.token_ids)) for s in steps for p in s.prefills] == [(16, 6)]
+        assert steps[0].num_state_pool_restores == 1 and b.groups.recurrent[0].num_resumes == 1
+    finally:
+        sb.close()
+        sa.close()
