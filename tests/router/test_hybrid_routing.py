@@ -40,16 +40,18 @@ def hybrid_worker(worker_id: str, **checkpoints: Any) -> SimWorker:
 def truth(w: SimWorker) -> dict[str, dict[str, int]]:
     """Per group, the blocks the worker itself holds on GPU (checkpoints for the recurrent group)."""
     kv = w.core.kv
-    return {
-        "0": {"GPU": kv.gpu.num_cached_blocks},
-        "1": {"GPU": kv.groups.sliding[0].pool.num_cached_blocks},
-        "2": {"GPU": len(kv.groups.recurrent[0].checkpoint_hashes())},
-    }
+    out = {"0": {"GPU": kv.gpu.num_cached_blocks}}
+    for sliding in kv.groups.sliding:
+        out[str(sliding.group_idx)] = {"GPU": sliding.pool.num_cached_blocks}
+    for recurrent in kv.groups.recurrent:
+        out[str(recurrent.group_idx)] = {"GPU": len(recurrent.checkpoint_hashes())}
+    return out
 
 
 def indexed(gw: Gateway, worker_id: str) -> dict[str, dict[str, int]]:
+    """Per declared group, the worker's GPU entries in the index."""
     by_group = gw.indexes[MODEL].stats().num_blocks_by_group
-    return {g: {"GPU": by_group.get(g, {}).get(worker_id, {}).get("GPU", 0)} for g in ("0", "1", "2")}
+    return {g: {"GPU": by_group[g].get(worker_id, {}).get("GPU", 0)} for g in by_group}
 
 
 async def in_sync(gw: Gateway, workers: list[SimWorker], timeout_s: float = 10.0) -> None:
