@@ -153,3 +153,34 @@ async def test_a_removed_checkpoint_stops_attracting_traffic():
             worker, predicted, reported = await g.complete(prompt + " again")
             assert (worker, predicted, reported) == ("w1", 6 * BLOCK_SIZE, 6 * BLOCK_SIZE)
             assert g.gw.proxy.num_honesty_mismatches == 0
+
+
+async def test_events_of_an_undeclared_group_are_refused_and_counted_on_the_real_stream():
+    # the index declares groups 0 and 1 only: the worker's checkpoints (group 2) arrive on its ZMQ stream
+    async with running(hybrid_worker("w0")) as ws:
+        (w0,) = ws
+        async with Gw(make_config(ws, index={"groups": INDEX_GROUPS[:2]})) as g:
+            await wait_until(lambda: g.gw.fleet.is_ready(), 10.0, "ready")
+            index = g.gw.indexes[MODEL]
+
+            def group0() -> int:
+                return index.stats().num_blocks_by_group["0"].get("w0", {}).get("GPU", 0)
+
+            n = 0
+            while group0() == 0:  # until the stream is followed (a probe shows in the index)
+                n += 1
+                await g.complete(f"probe {n} " + "p" * 64, headers={"x-kvgate-worker": "w0"})
+                with contextlib.suppress(AssertionError):
+                    await wait_until(lambda: group0() > 0, 0.5, "a probe indexed")
+            await wait_until(lambda: group0() == w0.core.kv.gpu.num_cached_blocks, 10.0, "group 0 in sync")
+            refused = index.stats().counters["num_unknown_group_events"]  # the probes' checkpoints seen so far
+            num_before = w0.core.kv.gpu.num_cached_blocks
+            await g.complete("a" * (10 * BLOCK_SIZE) + "?", headers={"x-kvgate-worker": "w0"})  # 10 blocks
+            await wait_until(lambda: group0() == num_before + 10, 10.0, "the prompt's blocks indexed")
+            # one checkpoint (prompt end = generation end, block 9): one refused store; groups 0 and 1 indexed
+            await wait_until(lambda: index.stats().counters["num_unknown_group_events"] == refused + 1, 10.0,
+                             "the checkpoint refused")
+            by_group = index.stats().num_blocks_by_group
+            assert set(by_group) == {"0", "1"}
+            assert by_group["1"]["w0"]["GPU"] == w0.core.kv.groups.sliding[0].pool.num_cached_blocks
+            assert len(w0.core.kv.groups.recurrent[0].checkpoint_hashes()) == n + 1
