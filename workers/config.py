@@ -215,7 +215,17 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rena
 
         Raises:
             ValueError: the ``torch`` engine with a shared pool tier (its pool copies are sim-engine only) or with
-                hybrid cache groups (its model has full attention only).
+                hybrid cache groups. Why groups are refused there: the paged-attention kernels
+                (``kernels/paged_attention.py``) would take a window cheaply in themselves (start the prefill's
+                unmasked key loop and the decode split at ``query_pos - W + 1``, and AND ``key_pos > query_pos - W``
+                into the score mask of the band under a ``tl.constexpr`` switch), but the online softmax in
+                ``_attend_tile`` assumes every row sees a key in its first tile (``exp2(m_i - m_new)`` is NaN for a
+                row masked out while ``m_i`` is still ``-inf``), so it needs a guarded maximum first. The engine side is
+                the larger part and is not there: ``PrefillChunk`` / ``DecodeSeq`` carry one block table per sequence
+                (group 0's), while a window group's blocks come from its own pool (``SlidingWindowGroup`` tables in
+                the KV manager), and the torch model has one layer kind over one KV cache tensor; a recurrent group
+                needs a state tensor per sequence and checkpoint copies. Until the step carries per-group tables and
+                the model has windowed layers, the sim engine is the one that runs hybrid profiles.
         """
         if self.engine == "torch" and self.kv_cache.groups:
             raise ValueError(
