@@ -4,8 +4,10 @@ subscription cannot start (one error line and exit status 2, never a traceback).
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +70,15 @@ async def test_admin_add_with_a_path_without_a_leading_slash_is_a_400_and_adds_n
         await w0.stop()
 
 
-def _serve_errors(config: Path) -> list[str]:
+def _limit_open_files() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+
+def _serve_errors(config: Path, *, preexec_fn: Callable[[], None] | None = None) -> list[str]:
     """``kvgate serve --config config``, which must exit 2 without a traceback: its ERROR lines (level onwards)."""
     proc = subprocess.run(
         ["timeout", "60", sys.executable, "-m", "router.cli", "serve", "--config", str(config)],
-        cwd=REPO, capture_output=True, text=True, timeout=90,
+        cwd=REPO, capture_output=True, text=True, timeout=90, preexec_fn=preexec_fn,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stdout + proc.stderr
@@ -80,9 +86,10 @@ def _serve_errors(config: Path) -> list[str]:
 
 
 @pytest.mark.integration
-def test_serve_with_a_worker_whose_subscription_fails_exits_2_with_one_line_naming_worker_and_key(tmp_path):
-    """Two workers of 256 dp ranks each need more ZMQ sockets than a context allows (1023): the second worker's
-    subscription fails with ``Too many open files``, not an endpoint ZMQ refuses."""
+def test_serve_with_workers_over_the_rank_stream_capacity_exits_2_with_one_line_naming_the_limit(tmp_path):
+    """Two workers of 256 dp ranks each (more than libzmq's default 1,023 sockets once allowed) need more
+    descriptors than an open-files limit of 1,024 gives: the start is refused before any subscription, naming the
+    limit (``events.capacity``)."""
     config = tmp_path / "gateway.yaml"
     config.write_text(
         f"listen: {{host: {HOST}, port: {free_port()}}}\n"
@@ -95,11 +102,11 @@ def test_serve_with_a_worker_whose_subscription_fails_exits_2_with_one_line_nami
         "admin: {disable_auth: true}\n",
         encoding="utf-8",
     )
-    errors = _serve_errors(config)
-    assert errors[-1] == (
-        f"ERROR router.serve: worker 'w1' was not added: its event subscription (events_endpoint "
-        f"'tcp://{HOST}:21000', dp_ranks 256) could not start (ZMQError: Too many open files)"
-    )
+    errors = _serve_errors(config, preexec_fn=_limit_open_files)
+    assert errors == [
+        "ERROR router.serve: workers: 512 KV event rank streams (the workers' dp_ranks) are more than this process "
+        "can follow: the open-files limit (RLIMIT_NOFILE) is 1024 (4 descriptors a rank stream, 512 reserved): 128 "
+        "rank streams; raise it with `ulimit -n` or the container's nofile limit"]
 
 
 @pytest.mark.integration
