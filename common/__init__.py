@@ -8,7 +8,9 @@ That code lives here, so that neither package imports the other:
   default, Jinja), with per-message segments for incremental tokenization;
 * ``common.listen``: TCP listening sockets bound before a server starts anything else, and one-line bind errors
   (HTTP ports and ZMQ endpoints);
-* ``common.errors``: the errors those two raise.
+* ``common.errors``: the errors those two raise;
+* ``common.pd_protocol``: the prefill/decode handshakes the engines speak (vLLM ``kv_transfer_params``, SGLang
+  bootstrap fields), as typed structs and pure body rewrites, so the gateway builds exactly what the worker reads.
 
 What belongs here: pure, dependency-light code that both the gateway and the worker call with the same meaning.
 What never does: anything that only one side uses, anything with process state (servers, event loops, sockets

@@ -37,6 +37,11 @@ FLAGS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
     ("--host", ("host",), str),
     ("--port", ("port",), int),
     ("--engine", ("engine",), str),
+    ("--role", ("role",), str),
+    ("--kv-transfer-engine-id", ("kv-transfer", "engine-id"), str),
+    ("--kv-transfer-host", ("kv-transfer", "advertise-host"), str),
+    ("--kv-transfer-abort-timeout-s", ("kv-transfer", "abort-request-timeout-s"), float),
+    ("--kv-transfer-pull-timeout-s", ("kv-transfer", "pull-timeout-s"), float),
     ("--kv-events-endpoint", ("kv-events-endpoint",), str),
     ("--replay-endpoint", ("replay-endpoint",), str),
     ("--kv-events-topic", ("kv-events-topic",), str),
@@ -64,6 +69,8 @@ FLAGS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
 
 HELP: dict[str, str] = {
     "--host": "HTTP listen address (default 127.0.0.1)",
+    "--role": "prefill | decode | both (default): which leg of a disaggregated request this worker serves",
+    "--kv-transfer-host": "host decode workers pull this worker's KV from (default: --host)",
     "--port": "HTTP port (default 8000; 0 picks a free one)",
     "--kv-events-endpoint": "ZMQ PUB endpoint of the KV events; with '*' (tcp://*:5557) it binds, else it connects",
     "--replay-endpoint": "ZMQ ROUTER endpoint (bound) answering replay requests after a gap",

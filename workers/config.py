@@ -12,6 +12,8 @@ A YAML profile uses the kebab-case keys below, grouped as the struct tree::
     scheduler: {max-num-seqs: 256, max-num-batched-tokens: 8192, max-model-len: 131072}
     timing: {prefill-s-per-token: 2.38e-5, host-to-gpu-bytes-per-s: 55.0e9, ...}
     time-scale: 1.0
+    role: both                   # prefill | decode | both
+    kv-transfer: {abort-request-timeout-s: 480, pull-timeout-s: 30}
 
 CLI flags given explicitly override the profile (``workers.cli``); any ``--pool-*`` or ``--mooncake-*`` flag creates
 the ``kv-cache.pool`` section (backend ``sim`` unless ``--pool-backend`` says otherwise). The ``torch`` engine
@@ -171,10 +173,32 @@ class TimingProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
     """Shared pool <-> GPU bandwidth, each direction (stores and restores; RDMA-class network)."""
     pool_latency_s: NonNegativeFloat = 1.0e-4
     """Fixed latency per pool copy job."""
+    kv_link_bytes_per_s: PositiveFloat = 25.0e9
+    """Worker-to-worker KV transfer bandwidth (prefill -> decode; a 200 Gb/s RDMA NIC): a pull of ``n`` blocks
+    lasts ``kv_transfer_latency_s + n * block_size * kv_bytes_per_token / kv_link_bytes_per_s``, one pull at a time
+    per decode worker (``workers.handoff``)."""
+    kv_transfer_latency_s: NonNegativeFloat = 5.0e-4
+    """Fixed cost per worker-to-worker transfer (handshake, descriptor exchange, completion notification)."""
     eos_probability: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
     """Chance per sampled token that it is EOS (0: outputs run to ``max_tokens``)."""
     seed: int = 0
     """Seed of the sampled tokens when a request gives none."""
+
+
+class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """Prefill/decode handoff (``workers.handoff``; the protocols are in ``common.pd_protocol``)."""
+
+    engine_id: str | None = None
+    """This worker's engine id in ``kv_transfer_params.remote_engine_id`` (``None``: the worker id)."""
+    advertise_host: str | None = None
+    """Host the decode side pulls from (``remote_host``; ``None``: the HTTP listen host)."""
+    abort_request_timeout_s: PositiveFloat = 480.0
+    """Prefill side: how long parked blocks wait for a pull before they are freed (vLLM's
+    ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` default)."""
+    pull_timeout_s: PositiveFloat = 30.0
+    """Decode side: the longest a pull may take, waiting for the prefill leg included (SGLang flow)."""
+    max_pending_rooms: Positive = 1024
+    """Prefill side: pulls waiting at once for a bootstrap room whose prefill has not finished (SGLang flow)."""
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
@@ -190,6 +214,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rena
     """HTTP port (0: ephemeral)."""
     engine: Literal["sim", "torch"] = "sim"
     """Which engine executes steps."""
+    role: Literal["prefill", "decode", "both"] = "both"
+    """Disaggregated serving role: ``prefill`` serves prefill legs (and keeps their KV for a decode worker),
+    ``decode`` pulls a prefill worker's KV and decodes, ``both`` does either (vLLM's ``kv_both``); every role
+    serves plain requests. SGLang's bootstrap fields name no leg, so they need ``prefill`` or ``decode``."""
     kv_events_endpoint: str | None = None
     """ZMQ PUB endpoint for KV events (``tcp://*:5557``); ``None``: no publishing."""
     replay_endpoint: str | None = None
@@ -209,6 +237,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rena
     enable_fault_injection: bool = False
     """Serve ``/debug/faults`` (``workers.faults``): delays, aborted answers, dropped events on demand. Test
     fleets only."""
+    kv_transfer: KVTransferConfig = msgspec.field(default_factory=KVTransferConfig)
+    """Prefill/decode handoff."""
 
     def __post_init__(self) -> None:
         """Refuse combinations no engine runs.

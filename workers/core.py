@@ -70,6 +70,32 @@ class EngineCore:
         self._wakeup.set()
         return stream
 
+    def add_receiving(self, request: Request) -> RequestStream | None:
+        """Admit a decode-side request whose prompt KV a remote worker holds (``Scheduler.add_receiving``).
+
+        Returns:
+            Its stream, or ``None`` when the blocks cannot be reserved now (the transfer is refused).
+        """
+        if not self.scheduler.add_receiving(request):
+            return None
+        stream = RequestStream(request)
+        self._streams[request.request_id] = stream
+        return stream
+
+    def finish_receiving(self, request_id: str) -> bool:
+        """The request's KV landed: it runs from the next step (``Scheduler.finish_receiving``)."""
+        ok = self.scheduler.finish_receiving(request_id)
+        if ok:
+            self._wakeup.set()
+        return ok
+
+    def release_transfer_reader(self, request_id: str) -> bool:
+        """A parked request's KV was pulled, or the wait for it expired (``Scheduler.release_transfer_reader``)."""
+        ok = self.scheduler.release_transfer_reader(request_id)
+        if ok:
+            self._wakeup.set()
+        return ok
+
     def finish_request(self, request_id: str, reason: str = "abort") -> None:
         """Finish a request now (disconnect, stop string); its blocks are freed at once."""
         self._streams.pop(request_id, None)

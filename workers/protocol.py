@@ -6,7 +6,7 @@ Requests are decoded with msgspec into typed structs; any decoding or validation
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -40,6 +40,12 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     cache_salt: str | None = None
     n: int = 1
     user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's disaggregation handshake (``common.pd_protocol.KVTransferParams``)."""
+    bootstrap_host: str | None = None
+    """SGLang's disaggregation handshake (``common.pd_protocol.BootstrapRequest``), single prompt."""
+    bootstrap_port: int | None = None
+    bootstrap_room: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
 
 
 class CompletionRequest(SamplingFields, frozen=True, kw_only=True):

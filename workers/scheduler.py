@@ -15,6 +15,18 @@ Each step (``schedule`` then, after the engine ran it, ``update``)::
 ``update`` advances computed tokens, registers full blocks (events, write-through stores), appends sampled
 tokens, finishes requests (EOS unless ``ignore_eos``, a stop token, ``max_tokens``, ``max_model_len``) and
 applies finished copies. ``finish_request`` (client disconnect, stop string) frees blocks at once.
+
+Disaggregated prefill/decode (``workers.handoff`` drives it):
+
+* prefill side: a request with ``park_on_finish`` that finishes by length (vLLM delays the free only for
+  ``FINISHED_LENGTH_CAPPED``) is **parked**: its blocks stay referenced for the decode side. The blocks have two
+  readers, the transfer and the write-through stores to lower tiers the request issued; they are freed only when
+  both are done (``release_transfer_reader`` and the last of ``Request.store_job_ids`` completing), in either order.
+* decode side: ``add_receiving`` admits a request whose prompt KV comes from a remote worker: it takes the local
+  GPU prefix hit and allocates blocks for the whole prompt now (the reservation; False when the blocks or
+  ``max_num_seqs`` cannot be had), and the request waits in RECEIVING, holding them, until ``finish_receiving``
+  registers the received blocks in the prefix index (``BlockStored``) and lets it run from the last prompt
+  token (recomputed for its logits, as vLLM does).
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ import msgspec
 from workers.config import SchedulerConfig
 from workers.engines.base import DecodeSeq, PrefillChunk, SamplingParams, ScheduledStep, StepResult
 from workers.errors import KVCacheError
-from workers.kv.manager import KVCacheManager, SequenceKV
+from workers.kv.manager import KVCacheManager, PrefixHit, SequenceKV
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +50,7 @@ class RequestStatus(StrEnum):
 
     WAITING = "waiting"
     RESTORING = "restoring"
+    RECEIVING = "receiving"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -58,6 +71,10 @@ class Request:
         status: life cycle state.
         finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished.
         num_preemptions: times preempted.
+        park_on_finish: a prefill leg: keep the blocks for a decode worker when it finishes by length.
+        store_job_ids: write-through store jobs this request issued that have not landed (tracked for parked
+            requests only: their blocks are freed after the last one).
+        is_transfer_pending: parked and not yet pulled (or expired).
     """
 
     __slots__ = (
@@ -75,6 +92,9 @@ class Request:
         "finish_reason",
         "num_preemptions",
         "restore_job_id",
+        "park_on_finish",
+        "store_job_ids",
+        "is_transfer_pending",
     )
 
     def __init__(
@@ -87,6 +107,7 @@ class Request:
         stop_token_ids: frozenset[int] = frozenset(),
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        park_on_finish: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -102,6 +123,9 @@ class Request:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.restore_job_id: int | None = None
+        self.park_on_finish = park_on_finish
+        self.store_job_ids: set[int] = set()
+        self.is_transfer_pending = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -150,11 +174,26 @@ class Scheduler:
         self._scheduled: list[tuple[Request, int]] = []
         self._freed: list[str] = []
         self.num_preemptions = 0
+        self.parked: dict[str, Request] = {}
+        """Prefill side: finished requests whose blocks wait for their readers (module docstring)."""
+        self.receiving: dict[str, Request] = {}
+        """Decode side: requests holding blocks while their KV arrives from a remote worker."""
+        self._store_owner: dict[int, Request] = {}
 
     @property
     def num_running(self) -> int:
-        """Running plus restoring requests."""
-        return len(self.running) + self._num_restoring
+        """Running plus restoring plus receiving requests."""
+        return len(self.running) + self._num_restoring + len(self.receiving)
+
+    @property
+    def num_parked_blocks(self) -> int:
+        """GPU blocks held by parked requests (prefill side)."""
+        return sum(len(r.kv.block_ids) for r in self.parked.values())
+
+    @property
+    def num_receiving_blocks(self) -> int:
+        """GPU blocks reserved by receiving requests (decode side), local prefix hits included."""
+        return sum(len(r.kv.block_ids) for r in self.receiving.values())
 
     @property
     def num_waiting(self) -> int:
@@ -189,12 +228,91 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is RequestStatus.RECEIVING:
+            del self.receiving[request_id]
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if reason != "abort":
             self.kv.end_turn(req.kv)  # hybrid models: the generation-end checkpoint
-        self.kv.free(req.kv)  # a restoring request keeps its blocks until the copy lands
         self._freed.append(request_id)
+        if req.park_on_finish and reason == "length":
+            req.is_transfer_pending = True
+            self.parked[request_id] = req
+            return True
+        self._drop_store_owner(req)
+        self.kv.free(req.kv)  # a restoring request keeps its blocks until the copy lands
+        return True
+
+    def _drop_store_owner(self, req: Request) -> None:
+        for job_id in req.store_job_ids:
+            self._store_owner.pop(job_id, None)
+        req.store_job_ids.clear()
+
+    def release_transfer_reader(self, request_id: str) -> bool:
+        """The decode side pulled a parked request's blocks (or the wait for it expired): drop that reader.
+
+        The blocks are freed now if no store the request issued is still in flight, else when the last lands.
+
+        Returns:
+            False if ``request_id`` is not parked or its transfer reader was already released.
+        """
+        req = self.parked.get(request_id)
+        if req is None or not req.is_transfer_pending:
+            return False
+        req.is_transfer_pending = False
+        self._maybe_unpark(req)
+        return True
+
+    def _maybe_unpark(self, req: Request) -> None:
+        if req.is_transfer_pending or req.store_job_ids:
+            return
+        del self.parked[req.request_id]
+        self.kv.free(req.kv)
+
+    def add_receiving(self, request: Request) -> bool:
+        """Admit a decode-side request whose prompt KV comes from a remote worker (module docstring).
+
+        Takes the GPU prefix hit and allocates blocks covering the whole prompt, all or nothing.
+
+        Returns:
+            False (nothing changed) when ``max_num_seqs`` requests already run or the free blocks cannot cover
+            the prompt; the caller refuses the transfer.
+
+        Raises:
+            ValueError: a duplicate request id.
+        """
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid}")
+        if self.num_running >= self.config.max_num_seqs:
+            return False
+        tokens = request.all_token_ids
+        hit = self.kv.find_prefix(request.kv, tokens, len(tokens))
+        gpu_hit = PrefixHit(hit.gpu_block_ids, 0, hit.block_size, 0, tokens)
+        if not self.kv.admit(request.kv, gpu_hit, len(tokens)):
+            return False
+        request.num_cached_tokens = min(gpu_hit.num_cached_tokens, request.num_prompt_tokens)
+        request.num_computed_tokens = gpu_hit.num_cached_tokens
+        request.status = RequestStatus.RECEIVING
+        self.requests[rid] = request
+        self.receiving[rid] = request
+        return True
+
+    def finish_receiving(self, request_id: str) -> bool:
+        """A receiving request's KV landed: register its full prompt blocks as cached and let it run from its
+        last prompt token.
+
+        Returns:
+            False if the request is no longer receiving (aborted meanwhile).
+        """
+        req = self.receiving.pop(request_id, None)
+        if req is None:
+            return False
+        n = req.num_prompt_tokens
+        self.kv.cache_computed(req.kv, req.all_token_ids, n, n)
+        req.num_computed_tokens = n - 1
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
         return True
 
     # scheduling ----------------------------------------------------------------------------------------------
@@ -328,7 +446,11 @@ class Scheduler:
                 continue  # finished (aborted) while the step ran
             computed = req.num_computed_tokens = req.num_computed_tokens + num_new
             if computed // bs > req.kv.num_cached_blocks:
-                kv.cache_computed(req.kv, req.all_token_ids, computed, len(req.prompt_token_ids))
+                job_ids = kv.cache_computed(req.kv, req.all_token_ids, computed, len(req.prompt_token_ids))
+                if job_ids and req.park_on_finish:
+                    req.store_job_ids.update(job_ids)
+                    for job_id in job_ids:
+                        self._store_owner[job_id] = req
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -348,6 +470,11 @@ class Scheduler:
         self._scheduled = []
         for job_id in result.finished_store_job_ids:
             self.kv.complete_store(job_id)
+            owner = self._store_owner.pop(job_id, None)
+            if owner is not None:
+                owner.store_job_ids.discard(job_id)
+                if owner.request_id in self.parked:
+                    self._maybe_unpark(owner)
         for job_id in result.finished_restore_job_ids:
             self._restore_done(job_id)
         return outputs

@@ -17,6 +17,13 @@ Endpoints::
                                                   start with ``PYTHONTRACEMALLOC=N`` to trace)
     GET, POST /debug/faults                       fault injection, with ``enable-fault-injection`` only
                                                   (``workers.faults``)
+    POST /kv/pull, /kv/pull/done                  the prefill side of a KV handoff (``workers.handoff``)
+
+Disaggregated legs (``workers.handoff.classify_leg``): a prefill leg (vLLM ``kv_transfer_params.do_remote_decode``,
+or SGLang bootstrap fields on a ``--role prefill`` worker) keeps its blocks for the decode side, and a non-streamed
+vLLM prefill answer carries ``kv_transfer_params`` for the decode leg. A decode leg reserves its blocks first (503
+``kv_transfer_refused`` with ``Retry-After`` when it cannot), pulls the KV, then answers like any request; a failed
+pull is a 502 ``kv_transfer_failed`` (nothing was sent to the client yet).
 
 SSE framing (as vLLM): each chunk is ``data: <json>\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``. With
 ``stream_options.include_usage`` a last chunk with ``"choices": []`` carries ``usage``, and earlier chunks carry
@@ -53,6 +60,7 @@ import prometheus_client
 from aiohttp import web
 
 from common.errors import InvalidRequestError
+from common.pd_protocol import BootstrapRequest
 from common.process_stats import memory_report, register_process_collectors
 from common.tokenization import (
     ByteTokenizer,
@@ -72,6 +80,7 @@ from workers.engines.base import Engine, SamplingParams
 from workers.engines.sim import SimEngine
 from workers.errors import ConfigError, ContextLengthError
 from workers.faults import Faults, fail_after_headers
+from workers.handoff import DecodeHandoff, Leg, PrefillHandoff, PullRequest, TransferError, classify_leg
 from workers.kv.manager import KVCacheManager
 from workers.protocol import (
     ChatCompletionRequest,
@@ -152,6 +161,8 @@ class Worker:
         self.metrics = WorkerMetrics(config.worker_id)
         self.encoder = BatchEncoder("vllm")
         self.faults = Faults()
+        self.prefill_handoff = PrefillHandoff(core, config)
+        self.decode_handoff = DecodeHandoff(config)
         self._next_id = 0
 
     def next_request_id(self, prefix: str) -> str:
@@ -232,7 +243,12 @@ def _check_model(worker: Worker, model: str | None) -> web.Response | None:
 
 
 def _make_request(
-    worker: Worker, request_id: str, prompt_ids: list[int], req: SamplingFields, max_tokens: int | None
+    worker: Worker,
+    request_id: str,
+    prompt_ids: list[int],
+    req: SamplingFields,
+    max_tokens: int | None,
+    leg: Leg = Leg.PLAIN,
 ) -> Request:
     """Validate limits and build the scheduler request.
 
@@ -275,6 +291,14 @@ def _make_request(
         top_p=1.0 if req.top_p is None else req.top_p,
         seed=seed,
     )
+    if leg is Leg.SGLANG_PREFILL:
+        limit = 1  # an SGLang prefill server computes the prompt and one token, whatever max_tokens says
+    elif leg is Leg.VLLM_PREFILL and req.stream:
+        raise InvalidRequestError(
+            "a prefill leg (kv_transfer_params.do_remote_decode) must not stream: its answer carries the "
+            "kv_transfer_params for the decode leg",
+            param="stream",
+        )
     return Request(
         request_id,
         prompt_ids,
@@ -283,7 +307,76 @@ def _make_request(
         ignore_eos=req.ignore_eos,
         stop_token_ids=stop_ids,
         cache_salt=req.cache_salt,
+        park_on_finish=leg.is_prefill,
     )
+
+
+def _leg(worker: Worker, body: SamplingFields) -> Leg:
+    """Which PD leg ``body`` is on this worker (``workers.handoff.classify_leg``)."""
+    bootstrap = BootstrapRequest(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
+    return classify_leg(worker.config.role, body.kv_transfer_params, bootstrap)
+
+
+def _local_address(http_request: web.Request) -> tuple[str, int]:
+    """The host and port this request reached the worker on."""
+    sockname = http_request.transport.get_extra_info("sockname") if http_request.transport else None
+    if sockname:
+        return str(sockname[0]), int(sockname[1])
+    return http_request.url.host or "127.0.0.1", http_request.url.port or 80
+
+
+def _park(worker: Worker, http_request: web.Request, req: Request, room: int | None) -> dict[str, Any] | None:
+    """Register a parked prefill leg with the handoff; its ``kv_transfer_params`` (``None``: not parked)."""
+    if req.request_id not in worker.core.scheduler.parked:
+        if room is not None:
+            worker.prefill_handoff.fail_room(room, f"finished with {req.finish_reason}")
+        return None
+    host, port = _local_address(http_request)
+    return worker.prefill_handoff.park(req, room, host, port)
+
+
+async def _receive(worker: Worker, req: Request, body: SamplingFields, leg: Leg) -> RequestStream | web.Response:
+    """The decode leg's handoff: reserve the blocks, pull the missing ones, register them (module docstring).
+
+    Returns:
+        The request's stream, ready to run, or the error response (503 refused, 502 pull failed).
+    """
+    core = worker.core
+    stream = core.add_receiving(req)
+    if stream is None:
+        worker.decode_handoff.num_refused += 1
+        sched = core.scheduler
+        msg = (
+            f"decode worker {worker.config.worker_id} cannot reserve KV blocks for a {req.num_prompt_tokens}-token "
+            f"prompt now ({core.kv.gpu.num_free_blocks} free blocks, {sched.num_running} of "
+            f"{sched.config.max_num_seqs} sequences running)"
+        )
+        resp = _error(worker, 503, msg, None, "kv_transfer_refused")
+        resp.headers["Retry-After"] = "1"
+        return resp
+    bs = core.kv.block_size
+    first = req.num_computed_tokens // bs
+    expected = -(-req.num_prompt_tokens // bs) - first
+    handoff = worker.decode_handoff
+    if leg is Leg.VLLM_DECODE:
+        params = body.kv_transfer_params or {}
+        base_url = f"http://{params['remote_host']}:{params['remote_port']}"
+        rid = str(params["remote_request_id"])
+        pull = PullRequest(handoff.engine_id, remote_request_id=rid, first_block_index=first)
+    else:
+        base_url = f"http://{body.bootstrap_host}:{body.bootstrap_port}"
+        pull = PullRequest(handoff.engine_id, bootstrap_room=body.bootstrap_room, first_block_index=first)
+    try:
+        await handoff.pull(base_url, pull, expected, req.num_prompt_tokens)
+    except TransferError as exc:
+        core.finish_request(req.request_id, "abort")
+        return _error(worker, exc.status, exc.message, "kv_transfer_params", exc.code)
+    except BaseException:
+        core.finish_request(req.request_id, "abort")
+        raise
+    if not core.finish_receiving(req.request_id):
+        return _error(worker, 502, "the request was aborted while its KV arrived", None, "kv_transfer_failed")
+    return stream
 
 
 def _usage(req: Request) -> dict[str, Any]:
@@ -302,6 +395,7 @@ async def _generate(
     req: Request,
     body: SamplingFields,
     is_chat: bool,
+    leg: Leg = Leg.PLAIN,
 ) -> web.StreamResponse:
     core = worker.core
     faults = worker.faults
@@ -309,15 +403,26 @@ async def _generate(
         await asyncio.sleep(faults.delay_s)
     if faults.fail_after_headers:
         return await fail_after_headers(http_request, bool(body.stream))
-    stream = core.add_request(req)
+    if leg.is_decode:
+        received = await _receive(worker, req, body, leg)
+        if isinstance(received, web.Response):
+            return received
+        stream = received
+    else:
+        stream = core.add_request(req)
     detok = IncrementalDetokenizer(worker.tokenizer, stop_strings(body.stop))
     created = int(time.time())
     model = worker.config.model
     rid = req.request_id
     finished = False
+    room = body.bootstrap_room if leg is Leg.SGLANG_PREFILL else None
     try:
         if body.stream:
-            return await _stream_response(worker, http_request, stream, detok, body, is_chat, created)
+            response = await _stream_response(worker, http_request, stream, detok, body, is_chat, created)
+            if leg.is_prefill:
+                _park(worker, http_request, req, room)
+            finished = True
+            return response
         text_parts: list[str] = []
         finish_reason = "abort"
         while True:
@@ -344,12 +449,24 @@ async def _generate(
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
             obj = "text_completion"
-        return _json(
-            {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": _usage(req)}
-        )
+        answer: dict[str, Any] = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": _usage(req),
+        }
+        if leg.is_prefill:
+            answer["kv_transfer_params"] = _park(worker, http_request, req, room)
+        return _json(answer)
     finally:
         if not finished:
             core.finish_request(rid, "abort")
+            if leg.is_prefill and not worker.prefill_handoff.is_registered(rid):
+                core.release_transfer_reader(rid)  # parked by the engine, but nobody will learn where
+                if room is not None:
+                    worker.prefill_handoff.fail_room(room, "aborted")
 
 
 def _record(worker: Worker, req: Request, finish_reason: str) -> None:
@@ -445,8 +562,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         elif not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise InvalidRequestError("prompt must be a string, a list of token ids, or one string", param="prompt")
     ids = encode_prompt(worker.tokenizer, prompt)
-    req = _make_request(worker, worker.next_request_id("cmpl"), ids, body, body.max_tokens)
-    return await _generate(worker, request, req, body, is_chat=False)
+    leg = _leg(worker, body)
+    req = _make_request(worker, worker.next_request_id("cmpl"), ids, body, body.max_tokens, leg)
+    return await _generate(worker, request, req, body, is_chat=False, leg=leg)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -458,8 +576,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = normalize_messages(body.messages)
     ids = encode_chat(worker.tokenizer, worker.template, messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    req = _make_request(worker, worker.next_request_id("chatcmpl"), ids, body, max_tokens)
-    return await _generate(worker, request, req, body, is_chat=True)
+    leg = _leg(worker, body)
+    req = _make_request(worker, worker.next_request_id("chatcmpl"), ids, body, max_tokens, leg)
+    return await _generate(worker, request, req, body, is_chat=True, leg=leg)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -531,6 +650,21 @@ def load_info(worker: Worker) -> dict[str, Any]:
         "num_gpu_cached_blocks": kv.gpu.num_cached_blocks,
         "block_size": kv.block_size,
         "last_event_seq": core.last_published_seq,
+        "role": worker.config.role,
+        "kv_transfer": {
+            "engine_id": worker.prefill_handoff.engine_id,
+            "num_receiving_requests": len(core.scheduler.receiving),
+            "num_reserved_transfer_blocks": core.scheduler.num_receiving_blocks,
+            "num_parked_requests": len(core.scheduler.parked),
+            "num_parked_blocks": core.scheduler.num_parked_blocks,
+            "num_waiting_pulls": worker.prefill_handoff.num_waiting_pulls,
+            "num_served_transfers": worker.prefill_handoff.num_pulled,
+            "num_expired_transfers": worker.prefill_handoff.num_expired,
+            "num_pulled_transfers": worker.decode_handoff.num_pulls,
+            "num_pulled_blocks": worker.decode_handoff.num_pulled_blocks,
+            "num_failed_pulls": worker.decode_handoff.num_failed,
+            "num_refused_transfers": worker.decode_handoff.num_refused,
+        },
     }
     if pool is not None:
         out["pool"] = pool
@@ -564,6 +698,24 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         return _json(error_body("requests are using KV blocks; retry when idle", "conflict", None, None), 409)
     worker.core.flush_events()
     return _json({"status": "ok"})
+
+
+async def kv_pull(request: web.Request) -> web.Response:
+    """``POST /kv/pull`` (``workers.handoff``)."""
+    worker = request.app[WORKER_KEY]
+    pull = decode_request(await request.read(), PullRequest)
+    try:
+        desc = await worker.prefill_handoff.begin_pull(pull)
+    except TransferError as exc:
+        return _json(error_body(exc.message, "kv_transfer_error", None, exc.code), exc.status)
+    return _json(desc)
+
+
+async def kv_pull_done(request: web.Request) -> web.Response:
+    """``POST /kv/pull/done`` (``workers.handoff``)."""
+    worker = request.app[WORKER_KEY]
+    pull = decode_request(await request.read(), PullRequest)
+    return _json({"released": worker.prefill_handoff.end_pull(pull)})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -620,6 +772,9 @@ async def _engine_loop_ctx(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(app[WORKER_KEY].core.run(), name="engine-loop")
     app[LOOP_KEY] = task
     yield
+    worker = app[WORKER_KEY]
+    worker.prefill_handoff.release_all()
+    await worker.decode_handoff.close()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -643,6 +798,8 @@ def build_app(worker: Worker) -> web.Application:
     if worker.config.enable_fault_injection:
         app.router.add_get("/debug/faults", get_faults)
         app.router.add_post("/debug/faults", set_faults)
+    app.router.add_post("/kv/pull", kv_pull)
+    app.router.add_post("/kv/pull/done", kv_pull_done)
     return app
 
 

@@ -394,7 +394,7 @@ class KVCacheManager:
 
     def cache_computed(
         self, seq: SequenceKV, token_ids: Sequence[int], num_computed_tokens: int, num_prompt_tokens: int
-    ) -> None:
+    ) -> tuple[int, ...]:
         """Register the full blocks computed so far and issue write-through stores for them.
 
         Args:
@@ -402,51 +402,68 @@ class KVCacheManager:
             token_ids: all known tokens of the sequence.
             num_computed_tokens: tokens whose KV is now in ``seq.block_ids``.
             num_prompt_tokens: prompt length (for the ``prompt_only`` store policy).
+
+        Returns:
+            The ids of the store jobs issued (CPU tier, shared pool); they read ``seq``'s blocks until they land.
         """
         extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size)
         end = min(num_computed_tokens // self.block_size, len(seq.block_hashes), len(seq.block_ids))
         start = seq.num_cached_blocks
         if end <= start:
-            return
+            return ()
         bs = self.block_size
         metas = self._metas(seq, token_ids, start, end)
         self.gpu.cache_blocks(seq.block_ids[start:end], metas)
         seq.num_cached_blocks = end
         if self.groups.is_hybrid:
             self.groups.cache_computed(seq.request_id, metas, num_computed_tokens, num_prompt_tokens)
+        job_ids: list[int] = []
         if self._store_policy != "none":
             cpu_metas = metas
             if self._store_policy == "prompt_only":
                 cpu_metas = metas[: max(0, num_prompt_tokens // bs - start)]
             if cpu_metas:
-                self._store(seq.block_ids, start, seq.block_hashes[start : start + len(cpu_metas)], cpu_metas)
+                job_id = self._store(seq.block_ids, start, seq.block_hashes[start : start + len(cpu_metas)], cpu_metas)
+                if job_id is not None:
+                    job_ids.append(job_id)
         if self._pool_policy != "none":
             if self._pool_policy == "prompt_only":
                 metas = metas[: max(0, num_prompt_tokens // bs - start)]
             if metas:
-                self._pool_store(seq.block_ids, start, seq.block_hashes[start : start + len(metas)], metas)
+                job_id = self._pool_store(seq.block_ids, start, seq.block_hashes[start : start + len(metas)], metas)
+                if job_id is not None:
+                    job_ids.append(job_id)
+        return tuple(job_ids)
 
-    def _pool_store(self, block_ids: list[int], start: int, hashes: list[BlockHash], metas: list[BlockMeta]) -> None:
-        """One write-through job to the shared pool (``PoolTier``)."""
+    def _pool_store(
+        self, block_ids: list[int], start: int, hashes: list[BlockHash], metas: list[BlockMeta]
+    ) -> int | None:
+        """One write-through job to the shared pool (``PoolTier``); its id, or ``None`` when nothing to write."""
         assert self.pool is not None
         job_id = self._job_id()
         chosen = self.pool.prepare_store(job_id, hashes, metas)
-        if chosen:
-            self._pool_store_jobs.add(job_id)
-            self._pending_pool_stores.append(BlockCopy(job_id, tuple(block_ids[start + i] for i in chosen), ()))
+        if not chosen:
+            return None
+        self._pool_store_jobs.add(job_id)
+        self._pending_pool_stores.append(BlockCopy(job_id, tuple(block_ids[start + i] for i in chosen), ()))
+        return job_id
 
-    def _store(self, block_ids: list[int], start: int, hashes: list[BlockHash], metas: list[BlockMeta]) -> None:
-        """One write-through store job for ``metas`` (held by ``block_ids[start:]``), batched (``CpuTier``)."""
+    def _store(
+        self, block_ids: list[int], start: int, hashes: list[BlockHash], metas: list[BlockMeta]
+    ) -> int | None:
+        """One write-through store job for ``metas`` (held by ``block_ids[start:]``), batched (``CpuTier``); its
+        id, or ``None`` when every block is already stored or being stored."""
         assert self.cpu is not None
         job_id = self._job_id()
         chosen, slots = self.cpu.prepare_store(job_id, hashes, metas)
         if not slots:
-            return
+            return None
         if chosen is None:
             src = tuple(block_ids[start : start + len(slots)])
         else:
             src = tuple(block_ids[start + i] for i in chosen)
         self._pending_stores.append(BlockCopy(job_id, src, tuple(slots)))
+        return job_id
 
     def free(self, seq: SequenceKV) -> None:
         """Drop ``seq``'s references, tail block first (so its tail is evicted first), and its own CPU pins.

@@ -1,0 +1,217 @@
+"""Prefill and decode workers over real HTTP on loopback, driven by the official openai client: vLLM's
+``kv_transfer_params`` flow and SGLang's bootstrap flow, decode refusal at the bound, a transfer that times out,
+and the roles' refusals."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from common.pd_protocol import BootstrapFields, bootstrap_body, decode_leg_body, prefill_leg_body
+from tests.workers.conftest import make_config
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "abcdefghijklmnopqrstuvwxyz0123456789"  # 36 byte tokens: 9 blocks of 4
+
+
+def pd_config(role: str, worker_id: str, **overrides: Any) -> Any:
+    raw: dict[str, Any] = {"role": role, "worker-id": worker_id, "kv-transfer": {"abort-request-timeout-s": 30.0}}
+    raw.update(overrides)
+    return make_config(**raw)
+
+
+async def load(base_url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s, s.get(base_url + "/load") as r:
+        data: dict[str, Any] = await r.json()
+        return data
+
+
+def client(base_url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+
+
+async def test_vllm_flow_prefill_parks_then_decode_pulls_and_streams(start_worker):
+    agg = await start_worker(pd_config("both", "agg"))
+    pre = await start_worker(pd_config("prefill", "p0", **{"kv-cache": {"num-gpu-blocks": 64, "block-size": 4}}))
+    dec = await start_worker(pd_config("decode", "d0"))
+    c_agg, c_pre, c_dec = client(agg.base_url), client(pre.base_url), client(dec.base_url)
+    try:
+        want = await c_agg.completions.create(model="sim-model", prompt=PROMPT, max_tokens=6, seed=3)
+        body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 6, "seed": 3, "stream": True}
+        leg1 = prefill_leg_body(body)
+        first = await c_pre.completions.create(
+            model="sim-model",
+            prompt=PROMPT,
+            max_tokens=1,
+            seed=3,
+            extra_body={"kv_transfer_params": leg1["kv_transfer_params"]},
+        )
+        assert first.choices[0].finish_reason == "length" and first.choices[0].text == want.choices[0].text[:1]
+        params = (first.model_extra or {})["kv_transfer_params"]
+        port = int(pre.base_url.rsplit(":", 1)[1])
+        assert params == {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [0, 1, 2, 3, 4, 5, 6, 7, 8],
+            "remote_engine_id": "p0",
+            "remote_request_id": first.id,
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+            "tp_size": 1,
+        }
+        held = await load(pre.base_url)
+        assert held["role"] == "prefill"
+        assert held["kv_transfer"]["num_parked_requests"] == 1 and held["kv_transfer"]["num_parked_blocks"] == 9
+        assert held["num_free_blocks"]["GPU"] == 64 - 9
+        leg2 = decode_leg_body(body, params)
+        text = ""
+        stream = await c_dec.completions.create(
+            model="sim-model",
+            prompt=PROMPT,
+            max_tokens=6,
+            seed=3,
+            stream=True,
+            extra_body={"kv_transfer_params": leg2["kv_transfer_params"]},
+        )
+        async for chunk in stream:
+            text += chunk.choices[0].text
+        assert text == want.choices[0].text
+        after = await load(pre.base_url)
+        assert after["kv_transfer"]["num_parked_requests"] == 0 and after["kv_transfer"]["num_served_transfers"] == 1
+        assert after["num_free_blocks"]["GPU"] == 64 and after["num_gpu_cached_blocks"] == 9
+        d = await load(dec.base_url)
+        assert d["kv_transfer"]["num_pulled_transfers"] == 1 and d["kv_transfer"]["num_pulled_blocks"] == 9
+        assert d["kv_transfer"]["num_reserved_transfer_blocks"] == 0 and d["num_free_blocks"]["GPU"] == 64
+        # the decode worker registered the 9 received blocks, then the one its decode filled (41 tokens computed)
+        assert d["num_gpu_cached_blocks"] == 10
+        # a late second pull of the same request finds nothing parked
+        with pytest.raises(openai.APIStatusError) as err:
+            await c_dec.completions.create(
+                model="sim-model", prompt=PROMPT + "!", max_tokens=2, extra_body={"kv_transfer_params": params}
+            )
+        assert err.value.status_code == 502 and "no parked KV" in str(err.value.message)
+        d = await load(dec.base_url)
+        assert d["kv_transfer"]["num_reserved_transfer_blocks"] == 0 and d["num_free_blocks"]["GPU"] == 64
+    finally:
+        for c in (c_agg, c_pre, c_dec):
+            await c.close()
+
+
+async def test_sglang_flow_both_legs_at_once(start_worker):
+    agg = await start_worker(pd_config("both", "agg"))
+    pre = await start_worker(pd_config("prefill", "p0"))
+    dec = await start_worker(pd_config("decode", "d0"))
+    port = int(pre.base_url.rsplit(":", 1)[1])
+    fields = BootstrapFields("127.0.0.1", port, 4242)
+    body = bootstrap_body({"model": "sim-model", "messages": [{"role": "user", "content": PROMPT}], "seed": 5}, fields)
+    extra = {k: body[k] for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")}
+    c_agg, c_pre, c_dec = client(agg.base_url), client(pre.base_url), client(dec.base_url)
+    msgs: Any = body["messages"]
+    try:
+        want = await c_agg.chat.completions.create(model="sim-model", messages=msgs, max_tokens=5, seed=5)
+        # the decode leg starts first: its pull waits for the room
+        decode_task = asyncio.create_task(
+            c_dec.chat.completions.create(model="sim-model", messages=msgs, max_tokens=5, seed=5, extra_body=extra)
+        )
+        await asyncio.sleep(0.05)
+        waiting = await load(dec.base_url)
+        assert waiting["kv_transfer"]["num_receiving_requests"] == 1
+        prefill = await c_pre.chat.completions.create(
+            model="sim-model", messages=msgs, max_tokens=5, seed=5, extra_body=extra
+        )
+        got = await decode_task
+        assert prefill.usage is not None and prefill.usage.completion_tokens == 1  # a prefill server stops at one
+        assert got.choices[0].message.content == want.choices[0].message.content
+        p = await load(pre.base_url)
+        assert p["kv_transfer"]["num_parked_requests"] == 0 and p["kv_transfer"]["num_served_transfers"] == 1
+    finally:
+        for c in (c_agg, c_pre, c_dec):
+            await c.close()
+
+
+async def test_decode_refuses_past_its_free_blocks_and_a_failed_pull_releases_them(start_worker):
+    pre = await start_worker(pd_config("prefill", "p0"))
+    dec = await start_worker(
+        pd_config(
+            "decode",
+            "d0",
+            **{"kv-cache": {"num-gpu-blocks": 12, "block-size": 4}, "kv-transfer": {"pull-timeout-s": 0.5}},
+        )
+    )
+    port = int(pre.base_url.rsplit(":", 1)[1])
+    extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 1}
+    c_dec = client(dec.base_url)
+    try:
+        # room 1 never gets a prefill: the pull waits, holding 9 of the 12 blocks
+        held = asyncio.create_task(
+            c_dec.completions.create(model="sim-model", prompt=PROMPT, max_tokens=2, extra_body=extra)
+        )
+        await asyncio.sleep(0.1)
+        d = await load(dec.base_url)
+        assert d["kv_transfer"]["num_reserved_transfer_blocks"] == 9 and d["num_free_blocks"]["GPU"] == 3
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2, **extra, "bootstrap_room": 2}
+            async with s.post(dec.base_url + "/v1/completions", json=body) as r:
+                assert r.status == 503 and r.headers["Retry-After"] == "1"
+                err = (await r.json())["error"]
+        assert err["code"] == "kv_transfer_refused"
+        assert "cannot reserve KV blocks for a 36-token prompt now (3 free blocks" in err["message"]
+        with pytest.raises(openai.APIStatusError) as failed:
+            await held
+        assert failed.value.status_code == 504 and "timed out after 0.5 s" in str(failed.value.message)
+        d = await load(dec.base_url)
+        assert d["kv_transfer"]["num_reserved_transfer_blocks"] == 0 and d["num_free_blocks"]["GPU"] == 12
+        assert d["kv_transfer"]["num_refused_transfers"] == 1 and d["kv_transfer"]["num_failed_pulls"] == 1
+    finally:
+        await c_dec.close()
+
+
+async def test_an_unpulled_transfer_times_out_and_frees_the_prefill_blocks(start_worker):
+    pre = await start_worker(pd_config("prefill", "p0", **{"kv-transfer": {"abort-request-timeout-s": 0.2}}))
+    dec = await start_worker(pd_config("decode", "d0"))
+    c_pre, c_dec = client(pre.base_url), client(dec.base_url)
+    try:
+        first = await c_pre.completions.create(
+            model="sim-model", prompt=PROMPT, max_tokens=1, extra_body=prefill_leg_body({})
+        )
+        params = (first.model_extra or {})["kv_transfer_params"]
+        assert (await load(pre.base_url))["kv_transfer"]["num_parked_blocks"] == 9
+        await asyncio.sleep(0.4)
+        p = await load(pre.base_url)
+        assert p["kv_transfer"]["num_parked_blocks"] == 0 and p["kv_transfer"]["num_expired_transfers"] == 1
+        assert p["num_free_blocks"]["GPU"] == 64
+        with pytest.raises(openai.APIStatusError) as err:
+            await c_dec.completions.create(
+                model="sim-model", prompt=PROMPT, max_tokens=2, extra_body={"kv_transfer_params": params}
+            )
+        assert err.value.status_code == 502
+        assert (await load(dec.base_url))["num_free_blocks"]["GPU"] == 64
+    finally:
+        await c_pre.close()
+        await c_dec.close()
+
+
+async def test_roles_refuse_the_legs_they_do_not_serve(start_worker):
+    dec = await start_worker(pd_config("decode", "d0"))
+    both = await start_worker(pd_config("both", "b0"))
+    pre = await start_worker(pd_config("prefill", "p0"))
+    async with aiohttp.ClientSession() as s:
+        cases = [
+            (dec, {"kv_transfer_params": {"do_remote_decode": True}}, "role 'decode'"),
+            (both, {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 3}, "--role prefill"),
+            (pre, {**prefill_leg_body({}), "stream": True}, "must not stream"),
+        ]
+        for w, extra, message in cases:
+            body = {"model": "sim-model", "prompt": "abc", "max_tokens": 1, **extra}
+            async with s.post(w.base_url + "/v1/completions", json=body) as r:
+                assert r.status == 400
+                assert message in (await r.json())["error"]["message"]
+        # every role serves a plain request
+        for w in (dec, both, pre):
+            async with s.post(w.base_url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}) as r:
+                assert r.status == 200 and "kv_transfer_params" not in await r.json()
