@@ -208,10 +208,17 @@ class PDPolicy:
         prefill_snapshot: Snapshot,
         decodes: tuple[DecodeCandidate, ...],
         decode_session_owner: str | None = None,
+        prefill_decision: Decision | None = None,
     ) -> PDPairDecision:
-        """Both legs (module docstring). Never raises: a leg without a worker has ``worker_id`` ``None``."""
+        """Both legs (module docstring). Never raises: a leg without a worker has ``worker_id`` ``None``.
+
+        ``prefill_decision``: the prefill leg decided already (the gateway's session stickiness claims it through
+        the session store); ``None``: ``prefill_policy`` decides it here.
+        """
         decode, fits, num_blocks = self.select_decode(view, decodes, decode_session_owner)
-        prefill = self.prefill_policy.select(view, prefill_snapshot)
+        prefill = (
+            prefill_decision if prefill_decision is not None else self.prefill_policy.select(view, prefill_snapshot)
+        )
         if decode.worker_id is None:
             return PDPairDecision(prefill, decode, fits=fits)
         chosen = next(d for d in decodes if d.worker_id == decode.worker_id)

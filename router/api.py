@@ -119,8 +119,12 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
         return error_response(exc, request_id)
     # From here the flight holds the admission slot and settles the request, whatever happens (router.lifecycle).
-    outcome = await gw.lifecycle.start(request_id).run(request, body, parsed, model, view, client_headers,
-                                                       received_at=t0)
+    if model.pd is not None:  # disaggregated: a prefill leg and a decode leg (router.pd)
+        outcome = await gw.pd.start(request_id).run(request, body, parsed, model, view, client_headers,
+                                                    received_at=t0)
+    else:
+        outcome = await gw.lifecycle.start(request_id).run(request, body, parsed, model, view, client_headers,
+                                                           received_at=t0)
     if outcome.response is None:
         error = outcome.error if outcome.error is not None else GatewayError("the request got no answer")
         gw.metrics.rejected_total.labels(type(error).__name__).inc()

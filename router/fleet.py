@@ -112,12 +112,26 @@ class WorkerLoad(msgspec.Struct, frozen=True, gc=False):
         num_waiting_requests: requests queued.
         kv_usage: fraction of GPU KV blocks in use, 0..1.
         start_id: changes when the worker (and its event publisher) restarts.
+        num_free_blocks: free blocks per tier (``{"GPU": n, ...}``; the reference worker's ``/load``), or ``None``.
+        num_total_blocks: blocks per tier, or ``None``.
     """
 
     num_running_requests: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOAD_REQUESTS)] = 0
     num_waiting_requests: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOAD_REQUESTS)] = 0
     kv_usage: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     start_id: str | int | None = None
+    num_free_blocks: dict[str, Annotated[int, msgspec.Meta(ge=0)]] | None = None
+    num_total_blocks: dict[str, Annotated[int, msgspec.Meta(ge=0)]] | None = None
+
+    @property
+    def num_free_gpu_blocks(self) -> int | None:
+        """Free GPU blocks, or ``None`` when the worker does not say."""
+        return self.num_free_blocks.get("GPU") if self.num_free_blocks is not None else None
+
+    @property
+    def num_total_gpu_blocks(self) -> int | None:
+        """GPU blocks in all, or ``None`` when the worker does not say."""
+        return self.num_total_blocks.get("GPU") if self.num_total_blocks is not None else None
 
 
 class WorkerRuntime:

@@ -53,6 +53,7 @@ from router.fleet import Fleet, WorkerRuntime
 from router.index import PrefixIndex
 from router.lifecycle import RequestLifecycle
 from router.metrics import GatewayMetrics, gateway_samples
+from router.pd import PDLifecycle
 from router.proxy import ClientHeaderReader, Proxy
 from router.request_view import ModelTokenizer
 from router.routing import PolicyHolder, Router
@@ -84,6 +85,7 @@ class Gateway:
         proxy: forwards a request and relays the answer.
         admission: the global in-flight limit.
         lifecycle: runs one request from routing to its settlement (``router.lifecycle``).
+        pd: runs one request of a disaggregated model: both legs, the decode reservations (``router.pd``).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class Gateway:
             self.router, self.proxy, self.fleet, self.admission, self.metrics,
             max_inflight_per_worker=config.admission.max_inflight_per_worker, clock=clock,
         )
+        self.pd = PDLifecycle(self.router, self.proxy, self.transport, self.metrics, self.admission, clock=clock)
         self.client_headers = ClientHeaderReader()
         self._removals: dict[str, asyncio.Future[None]] = {}
         """Removals still tearing a worker down (its index entries, subscription, sessions in Redis, connection

@@ -519,6 +519,13 @@ class Proxy:
             parts.append(chunk)
         return b"".join(parts)
 
+    def check_honesty(
+        self, worker: WorkerRuntime, wm: WorkerMetrics, predicted: int, usage: _Usage | None,
+    ) -> int | None:
+        """The honesty check of an answer relayed elsewhere (a disaggregated request's prefill leg, ``router.pd``):
+        counted like the proxy's own; returns the reported cached tokens (``None`` without usage)."""
+        return self._check_honesty(worker, wm, predicted, usage)
+
     def _check_honesty(
         self, worker: WorkerRuntime, wm: WorkerMetrics, predicted: int, usage: _Usage | None,
     ) -> int | None:

@@ -297,6 +297,60 @@ class DecisionRecord(msgspec.Struct, frozen=True, gc=False):
     at_s: float
 
 
+class PDRecord(msgspec.Struct, frozen=True, gc=False):
+    """One disaggregated entry of ``/admin/decisions`` (``router.pd``): both legs with every candidate's score.
+
+    Attributes:
+        request_id: the gateway's id.
+        model: the model.
+        protocol: ``vllm`` or ``sglang``.
+        prefill_worker_id: the prefill leg's chosen worker.
+        decode_worker_id: the decode leg's chosen worker.
+        prefill_reason: the prefill decision's reason.
+        decode_reason: the decode decision's reason.
+        prefill_scores: per prefill candidate, estimated TTFT plus the transfer to the decode worker (seconds).
+        decode_scores: per decode candidate, transfer plus decode load (seconds).
+        decode_fits: per decode candidate, whether the request fit its free blocks.
+        predicted_cached_tokens: per prefill candidate, predicted cached prompt tokens.
+        num_reserved_blocks: blocks reserved on the decode worker.
+        num_transfer_bytes: KV bytes the decode worker pulls.
+        transfer_s: expected transfer time, seconds.
+        num_prompt_tokens: prompt tokens.
+        session_key: the session key, or ``None``.
+        decision_s: time the decision took, seconds.
+        at_s: when it was made (monotonic).
+        reported_cached_tokens: cached tokens the prefill worker reported (the honesty check), or ``None``.
+        prefill_served_by: the worker that answered the prefill leg (after retries), or ``None``.
+        decode_served_by: the worker whose answer was relayed, or ``None``.
+        outcome: ``ok``, ``client_gone``, or the error's class name.
+        kind: ``pd`` (aggregated entries are ``DecisionRecord``).
+    """
+
+    request_id: str
+    model: str
+    protocol: str
+    prefill_worker_id: str | None
+    decode_worker_id: str | None
+    prefill_reason: str
+    decode_reason: str
+    prefill_scores: dict[str, float]
+    decode_scores: dict[str, float]
+    decode_fits: dict[str, bool]
+    predicted_cached_tokens: dict[str, int]
+    num_reserved_blocks: int
+    num_transfer_bytes: int
+    transfer_s: float
+    num_prompt_tokens: int
+    session_key: str | None
+    decision_s: float
+    at_s: float
+    reported_cached_tokens: int | None = None
+    prefill_served_by: str | None = None
+    decode_served_by: str | None = None
+    outcome: str = "ok"
+    kind: str = "pd"
+
+
 class Router:
     """Turns a parsed request and its prompt view into a ``RoutePlan``."""
 
@@ -310,10 +364,19 @@ class Router:
         self.ownership = SessionOwnership(sessions)
         self.holder = holder
         self._clock = clock
-        self.recent: deque[DecisionRecord] = deque(maxlen=num_recent_decisions)
+        self.recent: deque[DecisionRecord | PDRecord] = deque(maxlen=num_recent_decisions)
         self._num_decisions = 0
         """Decisions in fleets over ``MAX_SCORED_WORKERS`` (moves the load sample's window)."""
         self._inserted_at_s: dict[tuple[str, int, int], float] = {}
+
+    @property
+    def fleet(self) -> Fleet:
+        """The fleet routed over."""
+        return self._fleet
+
+    def ticket(self, model: ModelConfig, view: PromptView) -> IndexTicket:
+        """A request's handle on its model's index, for a route decided outside ``route`` (``router.pd``)."""
+        return IndexTicket(self._indexes.get(model.name), model, view, self._inserted_at_s)
 
     def session_key(self, headers: Mapping[str, str], parsed: ParsedRequest, view: PromptView) -> str | None:
         """The request's session key from the configured sources (``policies.derive_session_key``)."""

@@ -17,6 +17,7 @@ from events.publisher import offset_endpoint
 from events.types import Medium, normalize_medium
 from router.config_base import AtLeastOne, ConfigStruct, PositiveFactor, PositiveSeconds, check_positive
 from router.errors import ConfigError
+from router.pd_config import PDConfig, Role
 
 __all__ = [
     "MAX_DP_RANKS",
@@ -59,6 +60,9 @@ class ModelConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only
             that request, before the worker's events arrive (``router.routing``, step 5).
         pending_blocks_ttl_s: seconds a pending block lives unless the worker's ``BlockStored`` confirms it
             (then it is the event's and stops expiring); cover the queueing plus prefill time of a request.
+        pd: serve the model disaggregated (``router.pd_config``): each request gets a prefill leg on a worker of
+            role ``prefill`` (or ``both``) and a decode leg on one of role ``decode`` (or ``both``); ``None``: every
+            worker of the model serves whole requests.
     """
 
     name: str
@@ -70,6 +74,7 @@ class ModelConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only
     default_max_tokens: AtLeastOne = 256
     enable_pending_blocks: bool = True
     pending_blocks_ttl_s: PositiveSeconds = 10.0
+    pd: PDConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -120,6 +125,11 @@ class WorkerConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
         time_scale: wall seconds per second of the worker's own clock, for a simulated worker run with
             ``kvgate worker --time-scale X`` (1 for real engines). The TTFT the gateway observes (wall time) is
             divided by it before it calibrates the cost model, whose constants are in the worker's seconds.
+        role: ``prefill``, ``decode`` or ``both`` (``router.pd_config``): which legs of a disaggregated model's
+            requests it serves.
+        bootstrap_port: SGLang's bootstrap port of a prefill worker (``--disaggregation-bootstrap-port``, SGLang's
+            default 8998), sent as ``bootstrap_port``; ``None``: the port of ``url`` (the reference worker serves its
+            pulls there).
     """
 
     id: str
@@ -136,9 +146,13 @@ class WorkerConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
     snapshot_path: str | None = "/kv/snapshot"
     health_path: str = "/health"
     time_scale: PositiveFactor = 1.0
+    role: Role = "both"
+    bootstrap_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
 
     def __post_init__(self) -> None:
         check_positive("time_scale", self.time_scale)
+        if self.bootstrap_port is not None and not 1 <= self.bootstrap_port <= 65535:
+            raise ValueError(f"bootstrap_port must be in 1..65535, got {self.bootstrap_port}")
         if not self.id:
             raise ValueError("id must not be empty")
         msgspec.structs.force_setattr(self, "url", _base_url(self.url))
