@@ -18,6 +18,7 @@ sessions    latency the session store adds (``router.sessions``), Redis vs in-me
 worker      reference worker scheduler + KV manager CPU per step, CPU tier on / off (``workers``)
 kernels     GPU kernels (``kernels``) vs copy / pinned bandwidth and torch SDPA (``gpu`` extra; kernels_h200.md)
 hybrid      recurrent-state checkpoints (``workers.kv.hybrid``): zero-reuse throughput and resumed-session TTFT vs off
+pd          gateway CPU per disaggregated request (two legs, ``router.pd``) vs the aggregated path, same run
 handoff     prefill -> decode KV handoff, gathered (``workers.model.kv_handoff``) vs per-block copies and copy ceilings
 soak        RSS, descriptors, tasks, index entries of the gateway and sim workers over an hour of trace with churn
 chaos       a trace replay on two gateway replicas sharing Redis while workers, Redis and a replica fail
@@ -29,5 +30,5 @@ Benchmarks may import any runtime package (``router``, ``workers``, ``kernels``,
 
 NAMES: tuple[str, ...] = ("events", "index", "fleet_scale", "policies", "gateway", "long_turns", "processes",
                           "sessions", "worker", "kernels", "hybrid", "soak", "chaos",
-                          "handoff")
+                          "handoff", "pd")
 """The benchmark modules, ``benchmarks.<name>``."""

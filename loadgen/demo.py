@@ -114,6 +114,9 @@ class DemoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename
     """Write the PNG plots."""
     is_quick: bool = False
     """The ``--quick`` slice: a note under the checks says that some are expected to fail on it."""
+    pd: bool = False
+    """Instead of the policy runs: the same requests on an aggregated fleet (``cache_aware``) and on a
+    disaggregated fleet of the same size (half prefill, half decode workers, ``models[].pd``), side by side."""
 
 
 def worker_profile(config: DemoConfig) -> dict[str, Any]:
@@ -278,6 +281,8 @@ async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcom
         f"holds {sizing.worker_share_of_distinct:.2f} of the slice's {sizing.num_distinct_blocks} distinct blocks"
     )
     out_dir = Path(config.out)
+    if config.pd:
+        return await _run_pd_demo(config, console, requests), sizing
     fleet = Fleet(out_dir / "logs", startup_timeout_s=config.startup_timeout_s)
     prompts = PromptBuilder()
     outcomes: list[RunOutcome] = []
@@ -322,6 +327,53 @@ async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcom
     finally:
         fleet.stop()
     return outcomes, sizing
+
+
+async def _run_pd_demo(
+    config: DemoConfig, console: Console, requests: Sequence[TraceRequest]
+) -> list[RunOutcome]:
+    """``--pd``: one aggregated fleet and one disaggregated fleet of ``num_workers`` workers each (the first half
+    prefill, the rest decode), ``cache_aware``, the same requests; each fleet is started fresh (empty caches)."""
+    out_dir = Path(config.out)
+    sizing = size_fleet(requests, config)
+    num_prefill = max(1, config.num_workers // 2)
+    if config.num_workers < 2:
+        raise LoadgenError("--pd needs at least 2 workers (a prefill and a decode worker)")
+    profile_path = out_dir / "logs" / "worker-profile.yaml"
+    profile_path.parent.mkdir(parents=True, exist_ok=True)
+    profile_path.write_text(yaml.safe_dump(worker_profile(config), sort_keys=False))
+    outcomes: list[RunOutcome] = []
+    prompts = PromptBuilder()
+    for label, roles in (
+        ("aggregated", ["both"] * config.num_workers),
+        (f"pd {num_prefill}P+{config.num_workers - num_prefill}D",
+         ["prefill"] * num_prefill + ["decode"] * (config.num_workers - num_prefill)),
+    ):
+        fleet = Fleet(out_dir / "logs" / label.split()[0], startup_timeout_s=config.startup_timeout_s)
+        try:
+            specs = [
+                WorkerSpec(f"worker-{i}", sizing.num_gpu_blocks_per_worker, config.num_cpu_blocks, config.block_size,
+                           1.0 / config.time_scale, role)
+                for i, role in enumerate(roles)
+            ]
+            fleet.start_workers(specs, ["--profile", str(profile_path)])
+            await fleet.wait_ready()
+            extra = None
+            if label != "aggregated":  # the model served disaggregated over the workers' roles
+                extra = {"models": [{"name": "sim", "block_size": config.block_size, "pd": {"protocol": "vllm"}}]}
+            fleet.start_gateway(gateway_policy("cache_aware", config), config.block_size, extra)
+            await fleet.wait_ready()
+            assert fleet.gateway is not None
+            replay = ReplayConfig(url=fleet.gateway.url, time_scale=config.time_scale,
+                                  max_output_tokens=config.max_output_tokens,
+                                  request_timeout_s=config.request_timeout_s)
+            outcomes.append(await replay_with_progress(
+                requests, replay, prompts, label=label, workers=[s.worker_id for s in specs], console=console,
+                show_progress=config.show_progress,
+            ))
+        finally:
+            fleet.stop()
+    return outcomes
 
 
 QUICK_NOTE = (
@@ -400,6 +452,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no live progress bars")
     parser.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
+    parser.add_argument(
+        "--pd", action="store_true",
+        help="run the requests on an aggregated fleet and on a prefill/decode fleet of the same size, side by side",
+    )
 
 
 def _demo_config(args: argparse.Namespace) -> DemoConfig:
@@ -434,6 +490,7 @@ def _demo_config(args: argparse.Namespace) -> DemoConfig:
         show_progress=not args.no_progress,
         write_plots=not args.no_plots,
         is_quick=args.quick,
+        pd=args.pd,
     )
 
 

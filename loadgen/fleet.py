@@ -43,6 +43,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
         num_cpu_blocks: CPU-tier blocks (0: none).
         block_size: tokens per block.
         time_scale: wall seconds per simulated second (the worker's ``--time-scale``).
+        role: ``prefill``, ``decode`` or ``both`` (the worker's ``--role``; the gateway entry's ``role``).
     """
 
     worker_id: str
@@ -50,6 +51,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     num_cpu_blocks: int
     block_size: int
     time_scale: float
+    role: str = "both"
 
 
 class ManagedProcess(msgspec.Struct):
@@ -94,6 +96,7 @@ class Fleet:
         self.workers: list[ManagedProcess] = []
         self.gateway: ManagedProcess | None = None
         self.replicas: list[ManagedProcess] = []
+        self.roles: dict[str, str] = {}
 
     def _spawn(self, name: str, argv: list[str], url: str) -> ManagedProcess:
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -139,18 +142,27 @@ class Fleet:
                 str(spec.block_size),
                 "--time-scale",
                 repr(spec.time_scale),
+                "--role",
+                spec.role,
                 *extra_args,
             )
+            self.roles[spec.worker_id] = spec.role
             proc = self._spawn(spec.worker_id, argv, f"http://{HOST}:{port}")
             proc.events_endpoint = f"tcp://{HOST}:{events_port}"
             proc.replay_endpoint = f"tcp://{HOST}:{replay_port}"
             self.workers.append(proc)
 
-    def gateway_config(self, policy: dict[str, Any], port: int, block_size: int) -> dict[str, Any]:
-        """The gateway YAML (as builtins) for the running workers and ``policy``."""
+    def gateway_config(
+        self, policy: dict[str, Any], port: int, block_size: int, pd: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The gateway YAML (as builtins) for the running workers and ``policy``; ``pd``: the model's ``pd``
+        section (served disaggregated over the workers' roles)."""
+        model: dict[str, Any] = {"name": self._model, "block_size": block_size}
+        if pd is not None:
+            model["pd"] = pd
         return {
             "listen": {"host": HOST, "port": port},
-            "models": [{"name": self._model, "block_size": block_size}],
+            "models": [model],
             "workers": [
                 {
                     "id": w.name,
@@ -158,6 +170,7 @@ class Fleet:
                     "model": self._model,
                     "events_endpoint": w.events_endpoint,
                     "replay_endpoint": w.replay_endpoint,
+                    "role": self.roles.get(w.name, "both"),
                 }
                 for w in self.workers
             ],

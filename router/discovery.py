@@ -13,6 +13,8 @@ The ``discovery:`` section of the gateway config (every key but ``label_selector
       model: ""                     # served model when the pod names none
       model_label: ""               # e.g. kvgate.io/model: pod label naming the served model
       model_annotation: ""          # or a pod annotation naming it (the label wins when both are set)
+      role_label: kvgate.io/role    # pod label: prefill | decode | both (absent: both)
+      bootstrap_port_annotation: sglang.ai/bootstrap-port   # a prefill pod's SGLang bootstrap port
       worker: {}                    # further workers[] keys for every discovered worker (pools, load_path, ...)
       kubeconfig: ""                # "" = in-cluster service account; a path = that kubeconfig (development)
       watch_timeout_s: 300          # server-side timeout of one watch request
@@ -28,6 +30,8 @@ and circuit breaker come on top. Each pod becomes one worker::
     events_endpoint  tcp://<podIP>:<events_port>     (connect topology: every gateway replica subscribes itself)
     replay_endpoint  tcp://<podIP>:<replay_port>
     model            label, then annotation, then `model`
+    role             the `role_label` label (prefill, decode; anything else: both)
+    bootstrap_port   the `bootstrap_port_annotation` annotation, when it holds a port
 
 The loop (``PodDiscovery.run``)::
 
@@ -133,6 +137,11 @@ def pod_to_worker(config: DiscoveryConfig, pod: Mapping[str, Any]) -> WorkerConf
         "events_endpoint": f"tcp://{host}:{config.events_port}" if config.events_port is not None else None,
         "replay_endpoint": f"tcp://{host}:{config.replay_port}" if config.replay_port is not None else None,
     }
+    role = labels.get(config.role_label, "") if config.role_label else ""
+    fields["role"] = role if role in ("prefill", "decode") else "both"
+    bootstrap = annotations.get(config.bootstrap_port_annotation, "") if config.bootstrap_port_annotation else ""
+    if bootstrap.isdigit() and 1 <= int(bootstrap) <= 65535:
+        fields["bootstrap_port"] = int(bootstrap)
     return decode_worker(fields)
 
 

@@ -15,7 +15,7 @@ from router.worker_config import decode_worker
 
 __all__ = ["OWNED_WORKER_KEYS", "DiscoveryConfig", "decode_discovery_config"]
 
-OWNED_WORKER_KEYS = frozenset({"id", "url", "model", "events_endpoint", "replay_endpoint"})
+OWNED_WORKER_KEYS = frozenset({"id", "url", "model", "events_endpoint", "replay_endpoint", "role"})
 
 
 class DiscoveryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -41,6 +41,11 @@ class DiscoveryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Pod label naming the served model; empty disables it."""
     model_annotation: str = ""
     """Pod annotation naming the served model; empty disables it."""
+    role_label: str = "kvgate.io/role"
+    """Pod label giving the worker's ``role`` (``prefill``, ``decode``, ``both``; like SGLang's router's
+    ``--prefill-selector role=prefill``); empty, absent or another value: ``both``."""
+    bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"
+    """Pod annotation giving a prefill worker's SGLang bootstrap port (the annotation SGLang's router reads)."""
     worker: dict[str, Any] = msgspec.field(default_factory=dict)
     """Further ``workers[]`` keys for every discovered worker (``pools``, ``dp_ranks``, ``load_path``...)."""
     kubeconfig: str = ""

@@ -125,6 +125,8 @@ while JSON writes 0.00002 (exponents only below 1e-6). */}}
   "model" $d.model
   "model_label" $d.modelLabel
   "model_annotation" $d.modelAnnotation
+  "role_label" (default "" $d.roleLabel)
+  "bootstrap_port_annotation" (default "" $d.bootstrapPortAnnotation)
   "worker" $d.worker
   "watch_timeout_s" $d.watchTimeoutS) }}
 {{- end }}
