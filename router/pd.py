@@ -212,6 +212,7 @@ class PDFlight:
         self.pair: PDPairDecision | None = None
         self._view: RequestView | None = None
         self._decodes: dict[str, DecodeCandidate] = {}
+        self._decode_ticket: IndexTicket | None = None
 
     def num_reserved_blocks_on(self, worker: WorkerRuntime) -> int:
         """Blocks the request holds on ``worker`` (``PDPolicy.needed_blocks``)."""
@@ -276,9 +277,14 @@ class PDFlight:
                 prefill_id = self.pair.prefill.worker_id
                 served = record.get("prefill_served_by_worker")
                 chosen = lc.router.fleet.workers.get(prefill_id) if prefill_id else None
+                ok = outcome is not None and outcome.status is not None and outcome.status < 400
                 if chosen is not None:
-                    ok = outcome is not None and outcome.status is not None and outcome.status < 400
                     ticket.settle(chosen, served, ok, lc.clock())
+                decode_id = self.pair.decode.worker_id
+                decode_chosen = lc.router.fleet.workers.get(decode_id) if decode_id else None
+                if self._decode_ticket is not None and decode_chosen is not None:
+                    decode_served = outcome.served_by if outcome is not None else None
+                    self._decode_ticket.settle(decode_chosen, decode_served, ok, lc.clock())
             if record:
                 error = outcome.error if outcome is not None else None
                 record.pop("prefill_served_by_worker", None)
@@ -368,6 +374,10 @@ class PDFlight:
         lc.ledger.reserve(self.request_id, pair.decode.worker_id, pair.num_reserved_blocks, pair.num_transfer_bytes)
         by_id = {w.worker_id: w for w in workers}
         ticket.insert_for(by_id[pair.prefill.worker_id], match, now_s)
+        # the decode worker registers the prompt's blocks once they landed: pending entries there too, so a request
+        # routed right behind this one predicts its local hit (settled, like the prefill's, after the answer)
+        self._decode_ticket = router.ticket(model, view)
+        self._decode_ticket.insert_for(by_id[pair.decode.worker_id], match, now_s)
         prefill_rank = [by_id[w] for w in _ranking(pair.prefill) if w in by_id and w in predicted]
         decode_rank = [by_id[w] for w in _ranking(pair.decode) if w in by_id and pair.fits.get(w)]
         record: dict[str, Any] = {
