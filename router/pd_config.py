@@ -22,6 +22,7 @@ The handshakes are ``common.pd_protocol``'s; the pair choice and the reservation
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -61,6 +62,11 @@ class PDConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         """Raises:
         ValueError: a value out of range (the message names the key).
         """
+        for name in ("link_bytes_per_s", "transfer_latency_s", "max_reserved_fraction", "queue_timeout_s",
+                     "retry_after_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         self.transfer()  # the link's own checks
         if self.queue_timeout_s < 0:
             raise ValueError(f"queue_timeout_s must be >= 0, got {self.queue_timeout_s}")

@@ -43,6 +43,11 @@ INF = float("inf")
 FLOAT_KEYS: list[tuple[str | int, ...]] = [
     ("listen", "body_timeout_s"),
     ("models", 0, "pending_blocks_ttl_s"),
+    ("models", 0, "pd", "link_bytes_per_s"),
+    ("models", 0, "pd", "transfer_latency_s"),
+    ("models", 0, "pd", "max_reserved_fraction"),
+    ("models", 0, "pd", "queue_timeout_s"),
+    ("models", 0, "pd", "retry_after_s"),
     ("workers", 0, "time_scale"),
     ("timeouts", "connect_s"),
     ("timeouts", "first_byte_s"),
