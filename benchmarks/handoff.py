@@ -36,13 +36,14 @@ def _time_ms(fn: Callable[[], object], repeat: int) -> float:
     torch.cuda.synchronize()
     times = []
     for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
         fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        times.append(float(start.elapsed_time(end)))
+    return float(statistics.median(times))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# device path, chunk_blocks={chunk}: {t:.3f} ms, {t_d2d_ceiling * 2 / t:.3f} of the two-pass ceiling")
 
     def gbs(t_ms: float) -> float:
-        return num_bytes / (t_ms * 1e-3) / 1e9
+        return float(num_bytes / (t_ms * 1e-3) / 1e9)
 
     rows.append(("device->device ceiling (one copy_ of the bytes)", t_d2d_ceiling, 1.0, "ceiling"))
     rows.append(("device->device two-pass ceiling (2 x copy_: gather + scatter)", 2 * t_d2d_ceiling, 1.0, "ceiling"))
