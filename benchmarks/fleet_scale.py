@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from events.types import BlockRemoved, BlockStored, EventBatch
-from router.block_hash import hash_token_blocks
+from events.types import BlockRemoved, BlockStored, EngineBlockHash, EventBatch
+from router.block_hash import BlockHash, hash_token_blocks
 from router.index.config import IndexConfig
 from router.index.index import PrefixIndex
 
@@ -106,14 +106,14 @@ def replay(records: list[list[int]], num_workers: int, duplication: int, blocks_
             for b in new:
                 mine[b] = None
             events.append(BlockStored(
-                block_hashes=tuple((b * _SCRAMBLE + 1) & _U64 for b in new),
-                parent_block_hash=((path[first - 1] * _SCRAMBLE + 1) & _U64) if first else None,
+                block_hashes=tuple(EngineBlockHash((b * _SCRAMBLE + 1) & _U64) for b in new),
+                parent_block_hash=EngineBlockHash((path[first - 1] * _SCRAMBLE + 1) & _U64) if first else None,
                 token_ids=_tokens(new), block_size=BLOCK_SIZE))
         evicted = []
         while len(mine) > worker_capacity:
             evicted.append(mine.popitem(last=False)[0])
         if evicted:
-            events.append(BlockRemoved(block_hashes=tuple((b * _SCRAMBLE + 1) & _U64 for b in evicted)))
+            events.append(BlockRemoved(block_hashes=tuple(EngineBlockHash((b * _SCRAMBLE + 1) & _U64) for b in evicted)))
         if not events:
             continue
         for d in range(duplication):
@@ -156,7 +156,7 @@ def decision_times(fleet_sizes: list[int], num_decisions: int) -> list[tuple[int
     from router.routing import Router, scored_workers
 
     policy = build_policy(decode_policy_config({"name": "cache_aware"}))
-    view = PromptView(32_768, tuple(range(2048)), BLOCK_SIZE)
+    view = PromptView(32_768, tuple(BlockHash(i) for i in range(2048)), BLOCK_SIZE)
     out = []
     for n in fleet_sizes:
         workers = tuple(WorkerRuntime(WorkerConfig(id=f"w{i}", url=f"http://127.0.0.1:{9000 + i}", model="m"),

@@ -218,8 +218,8 @@ async def bench_proxies(args: argparse.Namespace, tokenizer_path: Path, corpus: 
                         base = results.get("bare", (0.0, 0.0, float("nan"), 0))[2]
                         direct = results.get("direct", (0.0, 0.0, 0.0, 0))[0]
                         kind = "chat" if args.chat else "text"
-                        for name, (p50, p99, cpu, n) in results.items():
-                            print(f"{kind:>6} {num_tokens:7d} {turn:>9} {str(stream):>6} {c:3d} {name:8} {n:4d} "
+                        for row_name, (p50, p99, cpu, n) in results.items():
+                            print(f"{kind:>6} {num_tokens:7d} {turn:>9} {str(stream):>6} {c:3d} {row_name:8} {n:4d} "
                                   f"{p50:8.2f} {p99:8.2f} {p50 - direct:8.2f} {cpu:11.0f} {cpu / base:6.2f}",
                                   flush=True)
     finally:

@@ -123,10 +123,10 @@ def run_point(n: int, args: argparse.Namespace) -> tuple[float, float, float]:
         cpu = sum(_cpu_s(pid) for pid in children) - cpu0
         return total / args.duration_s, cpu / max(1, total) * 1e6, cpu / max(wall, args.duration_s)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
 
 
 def main(argv: list[str] | None = None) -> None:
