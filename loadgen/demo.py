@@ -450,6 +450,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--startup-timeout-s", type=float, default=d.startup_timeout_s, help="wall limit for a process to come up (s)"
     )
+    parser.add_argument(
+        "--scenario",
+        choices=("conversation", "agentic"),
+        default="conversation",
+        help="conversation: the Mooncake trace per policy; agentic: coding-agent sessions closed loop on GPU-only, "
+        "split-pool and shared-pool fleets (--trace DIR of kv-cache-tester files; default: the bundled subset)",
+    )
+    parser.add_argument("--levels", default="4,8,12,16", help="agentic: sessions in flight, comma-separated")
+    parser.add_argument("--configs", default="gpu,split,shared", help="agentic: fleet configurations")
+    parser.add_argument("--max-turns", type=int, default=10, help="agentic: turns replayed per session")
+    parser.add_argument("--max-think-s", type=float, default=60.0, help="agentic: cap on think times (simulated s)")
     parser.add_argument("--no-progress", action="store_true", help="no live progress bars")
     parser.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
     parser.add_argument(
@@ -501,6 +512,10 @@ def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run ``kvgate demo``: 0 when every request succeeded, 1 when some failed, 2 on bad input or startup
     failure, 130 when interrupted (everything started is stopped in every case)."""
+    if getattr(args, "scenario", "conversation") == "agentic":
+        from loadgen.agentic_report import main as agentic_main
+
+        return agentic_main(args)
     console = Console()
     try:
         config = _demo_config(args)

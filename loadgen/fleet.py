@@ -94,6 +94,8 @@ class Fleet:
         self._reset_path = reset_path
         self._ports = PortPicker()
         self.workers: list[ManagedProcess] = []
+        self.worker_extra: dict[str, Any] = {}
+        """Keys merged into every worker's entry of the gateway config (e.g. ``{"pools": ["MOONCAKE"]}``)."""
         self.gateway: ManagedProcess | None = None
         self.replicas: list[ManagedProcess] = []
         self.roles: dict[str, str] = {}
@@ -171,6 +173,7 @@ class Fleet:
                     "events_endpoint": w.events_endpoint,
                     "replay_endpoint": w.replay_endpoint,
                     "role": self.roles.get(w.name, "both"),
+                    **self.worker_extra,
                 }
                 for w in self.workers
             ],

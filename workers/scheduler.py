@@ -68,6 +68,7 @@ class Request:
         sampling: sampling parameters given to the engine.
         num_computed_tokens: tokens whose KV is in the request's blocks.
         num_cached_tokens: prompt tokens served from the cache at first admission (any tier), ``None`` before.
+        num_cached_tokens_by_medium: those tokens as ``(GPU, CPU, pool)``: the GPU hit, then the restores.
         status: life cycle state.
         finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished.
         num_preemptions: times preempted.
@@ -88,6 +89,7 @@ class Request:
         "kv",
         "num_computed_tokens",
         "num_cached_tokens",
+        "num_cached_tokens_by_medium",
         "status",
         "finish_reason",
         "num_preemptions",
@@ -119,6 +121,7 @@ class Request:
         self.kv = SequenceKV(request_id, lora_name, cache_salt)
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None
+        self.num_cached_tokens_by_medium: tuple[int, int, int] = (0, 0, 0)
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
@@ -411,6 +414,10 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
+                bs = self.kv.block_size
+                num_gpu = min(len(hit.gpu_block_ids) * bs, req.num_cached_tokens)
+                num_cpu = min(hit.num_cpu_blocks * bs, req.num_cached_tokens - num_gpu)
+                req.num_cached_tokens_by_medium = (num_gpu, num_cpu, req.num_cached_tokens - num_gpu - num_cpu)
             req.num_computed_tokens = num_cached
             if req.kv.restore_job_id is not None:
                 req.status = RequestStatus.RESTORING

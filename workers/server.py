@@ -116,6 +116,15 @@ class WorkerMetrics:
         self.cached_tokens = prometheus_client.Counter(
             "kvgate_worker_cached_prompt_tokens", "Prompt tokens served from any KV tier", labels, registry=r
         )
+        self.cached_tokens_by_medium = prometheus_client.Counter(
+            "kvgate_worker_cached_prompt_tokens_by_medium",
+            "Prompt tokens served from each KV tier at admission (GPU hit, CPU restore, shared pool restore)",
+            [*labels, "medium"],
+            registry=r,
+        )
+        self.restores = prometheus_client.Counter(
+            "kvgate_worker_restores", "Requests admitted with a restore from a lower tier", labels, registry=r
+        )
         self.generation_tokens = prometheus_client.Counter(
             "kvgate_worker_generation_tokens", "Generated tokens", labels, registry=r
         )
@@ -474,6 +483,11 @@ def _record(worker: Worker, req: Request, finish_reason: str) -> None:
     m.requests.labels(wid, finish_reason).inc()
     m.prompt_tokens.labels(wid).inc(req.num_prompt_tokens)
     m.cached_tokens.labels(wid).inc(req.num_cached_tokens or 0)
+    gpu, cpu, pool = req.num_cached_tokens_by_medium
+    for medium, num in (("GPU", gpu), ("CPU", cpu), ("MOONCAKE", pool)):
+        m.cached_tokens_by_medium.labels(wid, medium).inc(num)
+    if cpu or pool:
+        m.restores.labels(wid).inc()
     m.generation_tokens.labels(wid).inc(req.num_output_tokens)
 
 

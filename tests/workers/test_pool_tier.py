@@ -147,6 +147,7 @@ def test_scheduler_restores_from_pool_then_runs():
     assert step.prefills == () and step.restores == ()
     assert len(step.pool_restores) == 1 and step.pool_restores[0].dst_block_ids == (0, 1, 2, 3)
     assert req.num_cached_tokens == 16 and sched.num_running == 1
+    assert req.num_cached_tokens_by_medium == (0, 0, 16)  # all of it restored from the pool
     result = engine.execute(step)
     p = TimingProfile()
     assert result.duration_s == pytest.approx(p.pool_latency_s + 16 * p.kv_bytes_per_token / p.pool_bytes_per_s)

@@ -101,11 +101,13 @@ def test_restore_from_cpu_then_next_turn_from_gpu():
     assert result.duration_s == pytest.approx(2e-5 + 16 * 131072 / 55e9)
     sched.update(result)
     assert t2.status is RequestStatus.RUNNING and t2.num_cached_tokens == 16
+    assert t2.num_cached_tokens_by_medium == (0, 16, 0)
     run(sched, engine)
     t3 = make_request("t3", prompt + [5, 6, 7, 8, 9], max_tokens=1)
     sched.add_request(t3)
     step = sched.schedule()
     assert step.restores == () and step.prefills[0].start_pos == 20 and t3.num_cached_tokens == 20
+    assert t3.num_cached_tokens_by_medium == (20, 0, 0)
 
 
 def test_timing_model_calibration():

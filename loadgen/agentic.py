@@ -1,0 +1,373 @@
+"""``kvgate demo --scenario agentic``: coding-agent sessions, closed loop, on GPU-only, split-pool and shared-pool
+fleets.
+
+Steps:
+
+1. Read the kv-cache-tester sessions (``loadgen/data/kv-cache-tester/``, a subset of callanjfox/kv-cache-tester,
+   Apache-2.0; ``--trace DIR`` for the full set), each file its own namespace, at most ``max_turns_per_session``
+   turns each, think times capped at ``max_think_s``.
+2. Size the fleet from the sessions: the working set of the top concurrency level is ``top level × mean session
+   context`` blocks; each worker gets ``gpu_share`` of it ÷ workers GPU blocks (at least 1.25 × the longest
+   prompt) and, in the split and shared configurations, as many CPU blocks again, so GPU plus CPU hold
+   ``2 × gpu_share`` (< 1) of the top level's working set: it overflows both tiers. The shared pool holds
+   ``pool_share`` × that working set (its values are the sim's 4 bytes per token), and every level writes new
+   namespaces into it, so the master evicts.
+3. For each configuration (``gpu``, ``split``, ``shared``) start the sim workers (and, for ``shared``, a
+   ``mooncake_master`` on 127.0.0.1 that every worker's pool tier is a client of), then for each level: reset the
+   workers' caches, start the gateway (``cache_aware``, tier-aware pricing, the same for every configuration;
+   the pool workers are declared members of ``MOONCAKE``), replay every session closed loop with that many in
+   flight and their think times (``time_scale`` times faster), and read the workers' per-tier counters
+   (``kvgate_worker_cached_prompt_tokens_by_medium``) before and after.
+4. Print the table, the targets, the seeds' figures beside ours; write ``agentic.json``, ``agentic.md`` and
+   ``agentic.png`` to ``--out``.
+
+Restore times are the sim timing model's (``workers.config.TimingProfile``): ``latency + bytes ÷ bandwidth`` per
+tier for the mean restore size of the level; the sim does not time restores on a wall clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+
+from loadgen.errors import LoadgenError
+from loadgen.fleet import HOST, Fleet, WorkerSpec
+from loadgen.ports import PortPicker
+from loadgen.prompts import PromptBuilder
+from loadgen.replay import ReplayConfig
+from loadgen.runner import replay_with_progress
+from loadgen.traces import TraceRequest, read_agentic_sessions
+from workers.config import TimingProfile
+
+CONFIGS = ("gpu", "split", "shared")
+"""Fleet configurations: GPU only; GPU + per-worker CPU tier (split pools); GPU + CPU + one shared pool."""
+
+BUNDLED_DIR = Path(__file__).resolve().parent / "data" / "kv-cache-tester"
+
+SIM_VALUE_BYTES_PER_TOKEN = 4
+"""The sim pool tier stores a block's token ids (u32): its value size per token (``workers.kv.pool_tier``)."""
+
+SEEDS = (
+    ("shared ÷ per-server pool throughput at 96 and 112 sessions", "~2×"),
+    ("prompt reuse, shared pool (ceiling the traces allow)", "94–96% (96–97%)"),
+    ("pool's share of prompt tokens at 112 sessions (one server)", "46%"),
+    ("typical restore size", "110K–130K tokens"),
+    ("median TTFT at 112 sessions", "~7 s (decode memory full)"),
+)
+"""The figures the engine we learn from reported (four 8-GPU servers, 1.5 TiB pool ≈ 4× prefill KV space)."""
+
+SEEDS_NOTE = (
+    "The sim reproduces the mechanism (GPU and CPU overflow, sessions moving between workers, what a shared pool "
+    "keeps reachable) and the reuse and tier shares it implies; absolute throughput and TTFT come from the sim "
+    "timing model (one H200-class profile, prefill 1.5× Llama-3-8B), not from the seeds' hardware, and the sim has "
+    "no decode-memory pressure or prefill/decode split, so the ~7 s TTFT and the PD topology are not reproduced."
+)
+
+
+class AgenticConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Settings of one agentic run (from the command line)."""
+
+    trace_dir: str
+    out: str = "out/agentic"
+    num_workers: int = 4
+    levels: tuple[int, ...] = (4, 8, 12, 16)
+    configs: tuple[str, ...] = CONFIGS
+    max_turns_per_session: int = 10
+    max_think_s: float = 60.0
+    """Think times are capped at this many simulated seconds (the traces' tail reaches an hour of idle user)."""
+    time_scale: float = 20.0
+    max_output_tokens: int = 32
+    block_size: int = 64
+    gpu_share: float = 0.3
+    pool_share: float = 1.5
+    prefill_slowdown: float = 1.5
+    request_timeout_s: float = 120.0
+    startup_timeout_s: float = 60.0
+    show_progress: bool = True
+    write_plots: bool = True
+
+
+class Sizing(msgspec.Struct, frozen=True):
+    """The fleet's KV capacity (blocks of ``block_size`` tokens; the pool in bytes too)."""
+
+    num_sessions: int
+    num_requests: int
+    mean_session_blocks: float
+    top_working_set_blocks: int
+    num_gpu_blocks_per_worker: int
+    num_cpu_blocks_per_worker: int
+    pool_capacity_blocks: int
+    pool_segment_bytes_per_worker: int
+
+
+class LevelResult(msgspec.Struct):
+    """One configuration at one concurrency level."""
+
+    config: str
+    level: int
+    requests_ok: int
+    requests_failed: int
+    reuse: float
+    ceiling: float
+    reuse_of_ceiling: float | None
+    share_gpu: float
+    share_cpu: float
+    share_pool: float
+    share_computed: float
+    prompt_tokens_per_s: float
+    output_tokens_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    num_restores: int
+    mean_restore_tokens: float
+    mean_restore_s: float
+    cached_mismatch_ratio: float | None
+    pool_evicted_keys: int | None = None
+
+
+def read_sessions(config: AgenticConfig) -> list[TraceRequest]:
+    """The sessions of ``config.trace_dir`` (module docstring, step 1), think times capped at ``max_think_s``."""
+    requests = read_agentic_sessions([config.trace_dir], max_requests_per_session=config.max_turns_per_session)
+    cap = config.max_think_s
+    return [r if r.think_time_s <= cap else msgspec.structs.replace(r, think_time_s=cap) for r in requests]
+
+
+def size_fleet(requests: Sequence[TraceRequest], config: AgenticConfig) -> Sizing:
+    """Module docstring, step 2."""
+    longest: dict[str, int] = {}
+    for r in requests:
+        longest[r.session_id] = max(longest.get(r.session_id, 0), math.ceil(r.num_prompt_tokens / config.block_size))
+    mean = sum(longest.values()) / max(1, len(longest))
+    top = min(max(config.levels), len(longest))
+    working = math.ceil(top * mean)
+    max_prompt = max(longest.values(), default=1)
+    gpu = max(math.ceil(config.gpu_share * working / config.num_workers), math.ceil(1.25 * max_prompt))
+    pool_blocks = math.ceil(config.pool_share * working)
+    segment = math.ceil(pool_blocks * config.block_size * SIM_VALUE_BYTES_PER_TOKEN / config.num_workers)
+    return Sizing(
+        num_sessions=len(longest),
+        num_requests=len(requests),
+        mean_session_blocks=mean,
+        top_working_set_blocks=working,
+        num_gpu_blocks_per_worker=gpu,
+        num_cpu_blocks_per_worker=gpu,
+        pool_capacity_blocks=pool_blocks,
+        pool_segment_bytes_per_worker=max(segment, 1 << 20),
+    )
+
+
+def in_namespace(requests: Sequence[TraceRequest], tag: str) -> list[TraceRequest]:
+    """The same sessions under fresh namespaces (new prompt text), so a level starts cold in the shared pool."""
+    return [msgspec.structs.replace(r, namespace=f"{tag}/{r.namespace}") for r in requests]
+
+
+class MooncakeMaster:
+    """A ``mooncake_master`` on 127.0.0.1 in its own process group (stopped by ``stop``)."""
+
+    def __init__(self, log_path: Path, lease_ms: int = 2000) -> None:
+        binary = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+        if not Path(binary).exists():
+            raise LoadgenError("the shared configuration needs mooncake_master (pip install kvgate[mooncake])")
+        self.rpc_port, self.metrics_port = PortPicker().ports(2)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            self.popen = subprocess.Popen(  # noqa: S603 - a fixed binary, no shell
+                [binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}", "--metrics_host=127.0.0.1",
+                 f"--metrics_port={self.metrics_port}", f"--default_kv_lease_ttl={lease_ms}",
+                 "--eviction_high_watermark_ratio=0.9", "--eviction_ratio=0.1"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((HOST, self.rpc_port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise LoadgenError(f"mooncake_master did not start; see {log_path}")
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.rpc_port}"
+
+    async def metric(self, name: str) -> float | None:
+        """One value of the master's Prometheus metrics (``None`` when unreadable)."""
+        try:
+            async with aiohttp.ClientSession() as s, s.get(f"http://{HOST}:{self.metrics_port}/metrics") as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name:
+                    return float(sample.value)
+        return None
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(10)
+
+
+async def tier_counters(urls: Sequence[str]) -> dict[str, float]:
+    """Sum over workers of their cached tokens per medium, prompt tokens and restores (``/metrics``)."""
+    out: dict[str, float] = {"GPU": 0.0, "CPU": 0.0, "MOONCAKE": 0.0, "restores": 0.0}
+    async with aiohttp.ClientSession() as session:
+        for url in urls:
+            async with session.get(url + "/metrics") as resp:
+                text = await resp.text()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "kvgate_worker_cached_prompt_tokens_by_medium_total":
+                        out[sample.labels["medium"]] += sample.value
+                    elif sample.name == "kvgate_worker_restores_total":
+                        out["restores"] += sample.value
+    return out
+
+
+def restore_time_s(cpu_tokens: float, pool_tokens: float, profile: TimingProfile) -> float:
+    """The sim timing model's time of one restore of ``cpu_tokens`` from CPU and ``pool_tokens`` from the pool."""
+    t = 0.0
+    if cpu_tokens:
+        t += profile.copy_latency_s + cpu_tokens * profile.kv_bytes_per_token / profile.host_to_gpu_bytes_per_s
+    if pool_tokens:
+        t += profile.pool_latency_s + pool_tokens * profile.kv_bytes_per_token / profile.pool_bytes_per_s
+    return t
+
+
+async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[LevelResult], Sizing]:
+    """Module docstring, step 3; stops every process it started."""
+    from loadgen.demo import DemoConfig, gateway_policy, worker_profile  # the demo's sim profile and policy
+
+    requests = read_sessions(config)
+    if not requests:
+        raise LoadgenError(f"no sessions in {config.trace_dir}")
+    sizing = size_fleet(requests, config)
+    console.print(
+        f"sessions: {sizing.num_sessions}, {sizing.num_requests} requests, mean context "
+        f"{sizing.mean_session_blocks * config.block_size:.0f} tokens; top-level working set "
+        f"{sizing.top_working_set_blocks} blocks; per worker {sizing.num_gpu_blocks_per_worker} GPU "
+        f"(+ {sizing.num_cpu_blocks_per_worker} CPU) blocks; shared pool {sizing.pool_capacity_blocks} blocks"
+    )
+    demo = DemoConfig(trace="", prefill_slowdown=config.prefill_slowdown, block_size=config.block_size)
+    policy = gateway_policy("cache_aware", demo)
+    profile = TimingProfile()
+    out_dir = Path(config.out)
+    prompts = PromptBuilder()
+    results: list[LevelResult] = []
+    levels = [lv for lv in config.levels if lv <= sizing.num_sessions] or [sizing.num_sessions]
+    for name in config.configs:
+        fleet = Fleet(out_dir / "logs" / name, startup_timeout_s=config.startup_timeout_s)
+        master: MooncakeMaster | None = None
+        try:
+            extra: list[str] = []
+            if name == "shared":
+                master = MooncakeMaster(out_dir / "logs" / name / "mooncake_master.log")
+                extra = ["--pool-backend", "mooncake", "--mooncake-master", master.address,
+                         "--mooncake-global-segment-size", str(sizing.pool_segment_bytes_per_worker)]  # fmt: skip
+            num_cpu = 0 if name == "gpu" else sizing.num_cpu_blocks_per_worker
+            specs = [
+                WorkerSpec(f"worker-{i}", sizing.num_gpu_blocks_per_worker, num_cpu, config.block_size,
+                           1.0 / config.time_scale)
+                for i in range(config.num_workers)
+            ]  # fmt: skip
+            profile_path = out_dir / "logs" / name / "worker-profile.yaml"
+            profile_path.parent.mkdir(parents=True, exist_ok=True)
+            profile_path.write_text(yaml.safe_dump(worker_profile(demo), sort_keys=False))
+            fleet.start_workers(specs, ["--profile", str(profile_path), *extra])
+            await fleet.wait_ready()
+            if name == "shared":
+                fleet.worker_extra = {"pools": ["MOONCAKE"]}
+            for level in levels:
+                await fleet.reset_caches()
+                fleet.start_gateway(policy, config.block_size)
+                await fleet.wait_ready()
+                assert fleet.gateway is not None
+                urls = [w.url for w in fleet.workers]
+                before = await tier_counters(urls)
+                evicted_before = await master.metric("master_evicted_key_count") if master else None
+                replay = ReplayConfig(
+                    url=fleet.gateway.url, mode="closed", concurrency=level, time_scale=config.time_scale,
+                    max_output_tokens=config.max_output_tokens, request_timeout_s=config.request_timeout_s,
+                )  # fmt: skip
+                outcome = await replay_with_progress(
+                    in_namespace(requests, f"{name}-{level}"), replay, prompts, label=f"{name} @ {level}",
+                    workers=[s.worker_id for s in specs], console=console, show_progress=config.show_progress,
+                )  # fmt: skip
+                fleet.stop_gateway()
+                after = await tier_counters(urls)
+                evicted_after = await master.metric("master_evicted_key_count") if master else None
+                results.append(
+                    level_result(name, level, outcome.summary, before, after, profile, evicted_before, evicted_after)
+                )
+        finally:
+            fleet.stop()
+            if master is not None:
+                master.stop()
+    return results, sizing
+
+
+def level_result(
+    name: str,
+    level: int,
+    summary: Any,
+    before: dict[str, float],
+    after: dict[str, float],
+    profile: TimingProfile,
+    evicted_before: float | None,
+    evicted_after: float | None,
+) -> LevelResult:
+    """One row from a run's summary and the workers' counter deltas."""
+    delta = {k: after[k] - before[k] for k in after}
+    prompt = summary.num_prompt_tokens or 1
+    restores = int(delta["restores"])
+    cpu_per = delta["CPU"] / restores if restores else 0.0
+    pool_per = delta["MOONCAKE"] / restores if restores else 0.0
+    duration = summary.duration_s or 1.0
+    return LevelResult(
+        config=name,
+        level=level,
+        requests_ok=summary.requests_ok,
+        requests_failed=summary.requests_failed,
+        reuse=summary.hit_ratio,
+        ceiling=summary.ceiling_hit_ratio,
+        reuse_of_ceiling=summary.fraction_of_ceiling,
+        share_gpu=delta["GPU"] / prompt,
+        share_cpu=delta["CPU"] / prompt,
+        share_pool=delta["MOONCAKE"] / prompt,
+        share_computed=max(0.0, 1.0 - (delta["GPU"] + delta["CPU"] + delta["MOONCAKE"]) / prompt),
+        prompt_tokens_per_s=summary.num_prompt_tokens / duration,
+        output_tokens_per_s=summary.output_tokens_per_s,
+        ttft_p50_s=summary.ttft_p50_s,
+        ttft_p99_s=summary.ttft_p99_s,
+        num_restores=restores,
+        mean_restore_tokens=cpu_per + pool_per,
+        mean_restore_s=restore_time_s(cpu_per, pool_per, profile),
+        cached_mismatch_ratio=summary.cached_tokens_mismatch_ratio,
+        pool_evicted_keys=None
+        if evicted_before is None or evicted_after is None
+        else int(evicted_after - evicted_before),
+    )

@@ -1,0 +1,195 @@
+"""The agentic scenario's report: table, targets, the seeds' figures beside ours, plots, files (``loadgen.agentic``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import msgspec  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+from loadgen.agentic import (  # noqa: E402
+    BUNDLED_DIR,
+    CONFIGS,
+    SEEDS,
+    SEEDS_NOTE,
+    AgenticConfig,
+    LevelResult,
+    Sizing,
+    run_agentic,
+)
+from loadgen.errors import LoadgenError  # noqa: E402
+
+HEADER = (
+    "| config | level | ok | failed | reuse | ÷ ceiling | GPU | CPU | pool | computed | prompt tok/s | output tok/s "
+    "| TTFT p50 s | TTFT p99 s | restores | restore tokens | restore s | mismatch | pool evicted |"
+)
+
+
+def _f(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown(results: Sequence[LevelResult]) -> str:
+    """One row per configuration and level (times in simulated seconds)."""
+    lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
+    for r in results:
+        lines.append(
+            f"| {r.config} | {r.level} | {r.requests_ok} | {r.requests_failed} | {r.reuse:.3f} "
+            f"| {_f(r.reuse_of_ceiling, '.3f')} | {r.share_gpu:.3f} | {r.share_cpu:.3f} | {r.share_pool:.3f} "
+            f"| {r.share_computed:.3f} | {r.prompt_tokens_per_s:,.0f} | {r.output_tokens_per_s:,.1f} "
+            f"| {_f(r.ttft_p50_s, '.3f')} | {_f(r.ttft_p99_s, '.3f')} | {r.num_restores} "
+            f"| {r.mean_restore_tokens:,.0f} | {r.mean_restore_s:.4f} | {_f(r.cached_mismatch_ratio, '.2%')} "
+            f"| {'–' if r.pool_evicted_keys is None else r.pool_evicted_keys} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def targets(results: Sequence[LevelResult]) -> list[tuple[str, bool, str]]:
+    """The issue's targets: (name, passed, value)."""
+    shared = [r for r in results if r.config == "shared"]
+    split = {r.level: r for r in results if r.config == "split"}
+    out: list[tuple[str, bool, str]] = []
+    if shared:
+        worst = min((r.reuse_of_ceiling or 0.0) for r in shared)
+        out.append(("shared pool reuse ÷ ceiling >= 0.97 at every level", worst >= 0.97, f"{worst:.3f}"))
+        top = max(shared, key=lambda r: r.level)
+        if top.level in split and split[top.level].prompt_tokens_per_s:
+            ratio = top.prompt_tokens_per_s / split[top.level].prompt_tokens_per_s
+            out.append((f"shared ÷ split prompt throughput at {top.level} >= 1.5", ratio >= 1.5, f"{ratio:.2f}"))
+        mis = max((r.cached_mismatch_ratio or 0.0) for r in shared)
+        out.append(("shared: predicted = reported cached tokens", mis == 0.0, f"{mis:.2%}"))
+        evicted = sum(r.pool_evicted_keys or 0 for r in shared)
+        out.append(("the master evicted", evicted > 0, str(evicted)))
+    failed = sum(r.requests_failed for r in results)
+    out.append(("no failed request", failed == 0, str(failed)))
+    return out
+
+
+def plot(results: Sequence[LevelResult], path: Path) -> Path:
+    """Throughput and reuse against concurrency per configuration, and the tier shares (stacked)."""
+    configs = [c for c in CONFIGS if any(r.config == c for r in results)]
+    fig, axes = plt.subplots(1, 2 + len(configs), figsize=(5 * (2 + len(configs)), 4))
+    for c in configs:
+        rows = sorted((r for r in results if r.config == c), key=lambda r: r.level)
+        levels = [r.level for r in rows]
+        axes[0].plot(levels, [r.prompt_tokens_per_s for r in rows], marker="o", label=c)
+        axes[1].plot(levels, [r.reuse_of_ceiling or 0.0 for r in rows], marker="o", label=c)
+    axes[0].set(title="prompt tokens / simulated s", xlabel="sessions in flight")
+    axes[1].set(title="reuse ÷ ceiling", xlabel="sessions in flight")
+    for ax in axes[:2]:
+        ax.legend()
+    for ax, c in zip(axes[2:], configs, strict=True):
+        rows = sorted((r for r in results if r.config == c), key=lambda r: r.level)
+        names = [str(r.level) for r in rows]
+        bottom = [0.0] * len(rows)
+        for label, key in (("GPU", "share_gpu"), ("CPU", "share_cpu"), ("pool", "share_pool"),
+                           ("computed", "share_computed")):  # fmt: skip
+            values = [getattr(r, key) for r in rows]
+            ax.bar(names, values, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.set(title=f"{c}: share of prompt tokens", xlabel="sessions in flight", ylim=(0, 1))
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def config_from_args(args: argparse.Namespace) -> AgenticConfig:
+    """The agentic settings of ``kvgate demo --scenario agentic``.
+
+    Raises:
+        LoadgenError: bad values.
+    """
+    levels = tuple(int(x) for x in str(args.levels).split(",") if x.strip())
+    configs = tuple(x.strip() for x in str(args.configs).split(",") if x.strip())
+    if not levels or min(levels) < 1:
+        raise LoadgenError("--levels must be positive integers")
+    if not configs or any(c not in CONFIGS for c in configs):
+        raise LoadgenError(f"--configs must be from {', '.join(CONFIGS)}")
+    trace = args.trace or str(BUNDLED_DIR)
+    if not Path(trace).is_dir():
+        raise LoadgenError(f"--trace for the agentic scenario is a directory of trace_*.json files: {trace}")
+    return AgenticConfig(
+        trace_dir=trace,
+        out=args.out if args.out != "out/demo" else "out/agentic",
+        num_workers=args.num_workers,
+        levels=levels,
+        configs=configs,
+        max_turns_per_session=args.max_turns,
+        max_think_s=args.max_think_s,
+        time_scale=args.time_scale,
+        max_output_tokens=args.max_output_tokens,
+        prefill_slowdown=args.prefill_slowdown,
+        startup_timeout_s=args.startup_timeout_s,
+        show_progress=not args.no_progress,
+        write_plots=not args.no_plots,
+    )
+
+
+def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the scenario; 0 when every request succeeded, 1 otherwise, 2 on bad input or startup failure."""
+    console = Console()
+    t0 = time.monotonic()
+    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        config = config_from_args(args)
+        results, sizing = asyncio.run(run_agentic(config, console))
+    except LoadgenError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    except KeyboardInterrupt:
+        console.print("interrupted; every process the scenario started was stopped")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    report(console, config, results, sizing, time.monotonic() - t0)
+    return 0 if all(r.requests_failed == 0 for r in results) else 1
+
+
+def report(
+    console: Console, config: AgenticConfig, results: Sequence[LevelResult], sizing: Sizing, wall_s: float
+) -> list[Path]:
+    """Print and write the results (``agentic.md``, ``agentic.json``, ``agentic.png``)."""
+    table = markdown(results)
+    checks = targets(results)
+    seeds = "\n".join(f"- {name}: seeds {value}" for name, value in SEEDS)
+    pd_note = "PD variants (4–5): not run; prefill/decode roles are not in the workers yet."
+    console.print(table, markup=False, highlight=False, soft_wrap=True)
+    for name, ok, value in checks:
+        console.print(f"{'[green]PASS[/green]' if ok else '[red]FAIL[/red]'} {name}: {value}")
+    console.print(seeds + "\n" + SEEDS_NOTE + "\n" + pd_note, markup=False, highlight=False)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / "agentic.md"
+    md.write_text(
+        table + "\n" + "\n".join(f"- {'PASS' if ok else 'FAIL'} {n}: {v}" for n, ok, v in checks) + "\n\n"
+        "Seeds' figures:\n" + seeds + "\n\n" + SEEDS_NOTE + "\n\n" + pd_note + "\n",
+        encoding="utf-8",
+    )
+    js = out / "agentic.json"
+    js.write_bytes(
+        msgspec.json.format(
+            msgspec.json.encode({"config": config, "sizing": sizing, "results": results, "wall_s": wall_s}), indent=2
+        )
+    )
+    paths = [md, js]
+    if config.write_plots and results:
+        paths.append(plot(results, out / "agentic.png"))
+    console.print(f"wrote {', '.join(map(str, paths))} in {wall_s:.0f} s")
+    return paths
