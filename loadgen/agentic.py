@@ -10,8 +10,9 @@ Steps:
    context`` blocks; each worker gets ``gpu_share`` of it ÷ workers GPU blocks (at least 1.25 × the longest
    prompt) and, in the split and shared configurations, as many CPU blocks again, so GPU plus CPU hold
    ``2 × gpu_share`` (< 1) of the top level's working set: it overflows both tiers. The shared pool holds
-   ``pool_share`` × that working set (its values are the sim's 4 bytes per token), and every level writes new
-   namespaces into it, so the master evicts.
+   ``pool_share`` × that working set: each worker gives Mooncake a segment of at least 16 MiB and the block
+   values are padded (``--pool-value-bytes-per-block``) so that the segments hold that many blocks; every level
+   writes new namespaces into it, so the master evicts.
 3. For each configuration (``gpu``, ``split``, ``shared``) start the sim workers (and, for ``shared``, a
    ``mooncake_master`` on 127.0.0.1 that every worker's pool tier is a client of), then for each level: reset the
    workers' caches, start the gateway (``cache_aware``, tier-aware pricing, the same for every configuration;
@@ -62,6 +63,8 @@ BUNDLED_DIR = Path(__file__).resolve().parent / "data" / "kv-cache-tester"
 
 SIM_VALUE_BYTES_PER_TOKEN = 4
 """The sim pool tier stores a block's token ids (u32): its value size per token (``workers.kv.pool_tier``)."""
+MIN_SEGMENT_BYTES = 16 << 20
+"""The smallest segment a Mooncake client may contribute (its ``client_buffer_allocation`` refuses less)."""
 
 SEEDS = (
     ("shared ÷ per-server pool throughput at 96 and 112 sessions", "~2×"),
@@ -114,6 +117,7 @@ class Sizing(msgspec.Struct, frozen=True):
     num_cpu_blocks_per_worker: int
     pool_capacity_blocks: int
     pool_segment_bytes_per_worker: int
+    pool_value_bytes_per_block: int
 
 
 class LevelResult(msgspec.Struct):
@@ -159,7 +163,9 @@ def size_fleet(requests: Sequence[TraceRequest], config: AgenticConfig) -> Sizin
     max_prompt = max(longest.values(), default=1)
     gpu = max(math.ceil(config.gpu_share * working / config.num_workers), math.ceil(1.25 * max_prompt))
     pool_blocks = math.ceil(config.pool_share * working)
-    segment = math.ceil(pool_blocks * config.block_size * SIM_VALUE_BYTES_PER_TOKEN / config.num_workers)
+    token_bytes = config.block_size * SIM_VALUE_BYTES_PER_TOKEN
+    segment = max(MIN_SEGMENT_BYTES, math.ceil(pool_blocks * token_bytes / config.num_workers))
+    value_bytes = max(token_bytes, segment * config.num_workers // pool_blocks)
     return Sizing(
         num_sessions=len(longest),
         num_requests=len(requests),
@@ -168,7 +174,8 @@ def size_fleet(requests: Sequence[TraceRequest], config: AgenticConfig) -> Sizin
         num_gpu_blocks_per_worker=gpu,
         num_cpu_blocks_per_worker=gpu,
         pool_capacity_blocks=pool_blocks,
-        pool_segment_bytes_per_worker=max(segment, 1 << 20),
+        pool_segment_bytes_per_worker=segment,
+        pool_value_bytes_per_block=value_bytes,
     )
 
 
@@ -287,7 +294,8 @@ async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[Lev
             if name == "shared":
                 master = MooncakeMaster(out_dir / "logs" / name / "mooncake_master.log")
                 extra = ["--pool-backend", "mooncake", "--mooncake-master", master.address,
-                         "--mooncake-global-segment-size", str(sizing.pool_segment_bytes_per_worker)]  # fmt: skip
+                         "--mooncake-global-segment-size", str(sizing.pool_segment_bytes_per_worker),
+                         "--pool-value-bytes-per-block", str(sizing.pool_value_bytes_per_block)]  # fmt: skip
             num_cpu = 0 if name == "gpu" else sizing.num_cpu_blocks_per_worker
             specs = [
                 WorkerSpec(f"worker-{i}", sizing.num_gpu_blocks_per_worker, num_cpu, config.block_size,

@@ -44,12 +44,13 @@ from events.counters import EventCounters
 from events.decode import EventDecoder
 from events.publisher import offset_endpoint
 from events.subscriber import KVEventSubscriber, WorkerSpec
-from events.types import EventBatch, Resync
+from events.types import EventBatch, Medium, Resync, normalize_medium
 from router.config import GatewayConfig
 from router.errors import GatewayError
 from router.fleet import WorkerRuntime
 from router.index import PrefixIndex, UnknownWorkerError
 from router.index.recovery import SnapshotSplice
+from router.pool_media import to_pool_medium
 from router.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -59,10 +60,16 @@ SNAPSHOT_FETCH_ATTEMPTS = 50
 SNAPSHOT_RETRY_S = 0.2
 
 
+def pool_media_of(worker: WorkerRuntime) -> frozenset[Medium]:
+    """The media the worker's engine publishes its pool stores under (``WorkerConfig.pool_event_media``)."""
+    media = (normalize_medium(name) for name in worker.config.pool_event_media)
+    return frozenset(m for m in media if m is not None)
+
+
 class _Tracked:
     """What the event path keeps per worker."""
 
-    __slots__ = ("worker", "index", "splice", "warmup", "event_lag_s")
+    __slots__ = ("worker", "index", "splice", "warmup", "event_lag_s", "pool_media")
 
     def __init__(self, worker: WorkerRuntime, index: PrefixIndex, splice: SnapshotSplice) -> None:
         self.worker = worker
@@ -71,6 +78,7 @@ class _Tracked:
         self.warmup: asyncio.Task[None] | None = None
         self.event_lag_s: float | None = None
         """Receipt wall time minus the publisher's time of the worker's last batch, seconds (None before one)."""
+        self.pool_media = pool_media_of(worker)
 
 
 class EventPath:
@@ -124,6 +132,8 @@ class EventPath:
             self._rewarm(tracked)
             return
         tracked.event_lag_s = time.time() - item.ts_s
+        if tracked.pool_media:
+            item = to_pool_medium(item, tracked.pool_media)
         step = tracked.splice.admit(item)
         if step.fetch == "cancel":
             self._cancel_warmup(tracked)
@@ -302,7 +312,7 @@ class EventPath:
                 logger.warning("worker %s: snapshot of dp rank %d refused (the worker has %d%s)", worker.worker_id,
                                batch.dp_rank, len(ranks), f" from dp rank {ranks.start}" if ranks.start else "")
                 return None
-            index.apply(batch)
+            index.apply(to_pool_medium(batch, pool_media_of(worker)))
             logger.info("worker %s warmed from its snapshot (%d events, last seq %d)", worker.worker_id,
                         len(batch.events), last_seq)
             return last_seq

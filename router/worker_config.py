@@ -117,6 +117,9 @@ class WorkerConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
             rank's address: rank ``dp_rank_offset + i`` publishes on its port plus ``i``.
         pools: shared pools (``MOONCAKE`` tier, or an engine's name for it) this worker is attached to; a worker's
             own tiers (``CPU``, ``DISK``) are refused.
+        pool_event_media: media under which the worker's engine publishes its stores to the shared pool (vLLM's
+            Mooncake store connector: ``CPU``); its events on them are applied as ``MOONCAKE`` (``router.pool_media``).
+            Needs ``pools``; ``GPU`` is refused.
         block_size: the worker's block size in tokens, a multiple of its model's ``block_size``; ``None`` takes the
             model's.
         load_path: the worker's load endpoint (polled; returns load and start id), or ``None``.
@@ -141,6 +144,7 @@ class WorkerConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
     dp_ranks: int = 1
     dp_rank_offset: Annotated[int, msgspec.Meta(ge=0)] = 0
     pools: tuple[str, ...] = ()
+    pool_event_media: tuple[str, ...] = ()
     block_size: AtLeastOne | None = None
     load_path: str | None = "/load"
     snapshot_path: str | None = "/kv/snapshot"
@@ -169,6 +173,12 @@ class WorkerConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
             if normalize_medium(pool) is not Medium.MOONCAKE:  # a worker's own tiers are never shared
                 raise ValueError(f"pools: {pool!r} is not a shared pool tier; the shared tier is MOONCAKE (also "
                                  f"named EXTERNAL, STORAGE or L3)")
+        for name in self.pool_event_media:
+            medium = normalize_medium(name)
+            if medium is None or medium is Medium.GPU:
+                raise ValueError(f"pool_event_media: {name!r} is not a medium an engine publishes pool stores under")
+        if self.pool_event_media and not self.pools:
+            raise ValueError("pool_event_media needs pools: the worker's pool stores go to a shared pool it is in")
         for name, path in (("load_path", self.load_path), ("snapshot_path", self.snapshot_path),
                            ("health_path", self.health_path)):
             if path is not None and not path.startswith("/"):  # appended to url, which has no trailing "/"

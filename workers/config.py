@@ -60,6 +60,10 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename
     """Mooncake client transfer buffer (at least one block's value)."""
     protocol: str = "tcp"
     """Mooncake transport."""
+    value_bytes_per_block: NonNegative = 0
+    """Size of a block's value in the pool, bytes: the sim engine's token ids (4 bytes each) padded with zeros to
+    this size, so a pool of a given byte size holds as many blocks as a real engine's would (0: the token ids
+    only)."""
 
 
 class CacheGroupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):

@@ -167,7 +167,15 @@ class KVCacheManager:
         )
         self._store_policy = config.cpu_store_policy if self.cpu is not None else "none"
         self.pool: PoolTier | None = (
-            PoolTier(pool_store, config.block_size, self._emit, self.gpu.holds_all) if pool_store is not None else None
+            PoolTier(
+                pool_store,
+                config.block_size,
+                self._emit,
+                self.gpu.holds_all,
+                value_bytes_per_block=config.pool.value_bytes_per_block if config.pool is not None else 0,
+            )
+            if pool_store is not None
+            else None
         )
         self._pool_policy = (config.pool.store_policy if config.pool is not None else "all") if self.pool else "none"
         self._pending_pool_stores: list[BlockCopy] = []

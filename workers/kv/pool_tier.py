@@ -63,9 +63,11 @@ def pool_key(block_hash: BlockHash) -> str:
     return KEY_PREFIX + block_hash.hex()
 
 
-def block_value(token_ids: Sequence[int]) -> bytes:
-    """A block's value in the sim engine: its token ids as little-endian u32."""
-    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+def block_value(token_ids: Sequence[int], size_bytes: int = 0) -> bytes:
+    """A block's value in the sim engine: its token ids as little-endian u32, padded with zeros to
+    ``size_bytes`` (``PoolConfig.value_bytes_per_block``; never cut)."""
+    value = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return value if len(value) >= size_bytes else value + bytes(size_bytes - len(value))
 
 
 class PoolStore(Protocol):
@@ -259,9 +261,11 @@ class PoolTier:
         emit: Callable[[KVEvent], None],
         on_gpu: Callable[[Sequence[BlockHash]], bool] | None = None,
         max_known_fetched: int = 1 << 18,
+        value_bytes_per_block: int = 0,
     ) -> None:
         """Wrap ``store``; events go to ``emit``; ``on_gpu`` picks the store event's shape; ``max_known_fetched``
-        bounds the fetched blocks kept for snapshots (module docstring)."""
+        bounds the fetched blocks kept for snapshots; values are padded to ``value_bytes_per_block`` (module
+        docstring)."""
         self.store = store
         self.block_size = block_size
         self._emit = emit
@@ -271,6 +275,7 @@ class PoolTier:
         self._stored_here: dict[str, BlockMeta] = {}
         self._fetched: OrderedDict[str, BlockMeta] = OrderedDict()
         self._max_known_fetched = max_known_fetched
+        self.value_bytes_per_block = value_bytes_per_block
         self.num_stores_skipped_in_flight = 0
         self.num_stores_skipped_stored = 0
         self.num_stores_failed = 0
@@ -316,7 +321,8 @@ class PoolTier:
             job_hashes = [hashes[i] for i in chosen]
             job_metas = [metas[i] for i in chosen]
             in_flight.update(job_hashes)
-            self._jobs[job_id] = (job_hashes, job_metas, [block_value(m.token_ids) for m in job_metas])
+            size = self.value_bytes_per_block
+            self._jobs[job_id] = (job_hashes, job_metas, [block_value(m.token_ids, size) for m in job_metas])
         return chosen
 
     def complete_store(self, job_id: int) -> None:
@@ -356,7 +362,7 @@ class PoolTier:
         values = self.store.get([pool_key(m.block_hash) for m in metas])
         n = 0
         for meta, value in zip(metas, values, strict=True):
-            if value is None or value != block_value(meta.token_ids):
+            if value is None or value != block_value(meta.token_ids, self.value_bytes_per_block):
                 break
             n += 1
         self.num_blocks_fetched += n
