@@ -221,10 +221,9 @@ class MooncakeMaster:
                 text = await resp.text()
         except (aiohttp.ClientError, TimeoutError):
             return None
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name:
-                    return float(sample.value)
+        for line in text.splitlines():  # plain lines: a parser renames the master's un-suffixed counters
+            if line.startswith(name + " "):
+                return float(line.split()[1])
         return None
 
     def stop(self) -> None:

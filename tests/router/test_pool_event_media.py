@@ -32,11 +32,20 @@ def worker(worker_id: str, port: int, **extra) -> dict:
 
 def test_the_rewrite_moves_only_the_named_media():
     clear_all = AllBlocksCleared()
-    events = (cpu_stored(), BlockRemoved(block_hashes=(14,), medium=Medium.CPU),
-              BlockRemoved(block_hashes=(1,), medium=Medium.GPU), AllBlocksCleared(medium=Medium.CPU), clear_all)  # fmt: skip
+    events = (
+        cpu_stored(),
+        BlockRemoved(block_hashes=(14,), medium=Medium.CPU),
+        BlockRemoved(block_hashes=(1,), medium=Medium.GPU),
+        AllBlocksCleared(medium=Medium.CPU),
+        clear_all,
+    )
     out = to_pool_medium(batch("a", 0, *events), frozenset({Medium.CPU}))
     assert [getattr(e, "medium", None) for e in out.events] == [
-        Medium.MOONCAKE, Medium.MOONCAKE, Medium.GPU, Medium.MOONCAKE, None
+        Medium.MOONCAKE,
+        Medium.MOONCAKE,
+        Medium.GPU,
+        Medium.MOONCAKE,
+        None,
     ]
     assert out.events[0].token_ids == tuple(TOKENS) and out.events[1].block_hashes == (14,)
     same = batch("a", 1, events[2])

@@ -281,6 +281,7 @@ class PoolTier:
         self.num_stores_failed = 0
         self.num_blocks_stored = 0
         self.num_blocks_fetched = 0
+        self.num_fetch_mismatches = 0
 
     def on_evict(self, keys: list[str]) -> None:
         """The pool evicted ``keys``: ``BlockRemoved`` (MOONCAKE) for those this worker stored or fetched."""
@@ -362,7 +363,11 @@ class PoolTier:
         values = self.store.get([pool_key(m.block_hash) for m in metas])
         n = 0
         for meta, value in zip(metas, values, strict=True):
-            if value is None or value != block_value(meta.token_ids, self.value_bytes_per_block):
+            if value is None:
+                break
+            if value != block_value(meta.token_ids, self.value_bytes_per_block):
+                self.num_fetch_mismatches += 1  # bytes that are not the block's: never restored
+                logger.warning("pool block %s read back with other bytes; computed instead", meta.block_hash.hex())
                 break
             n += 1
         self.num_blocks_fetched += n
