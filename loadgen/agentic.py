@@ -7,9 +7,10 @@ Steps:
    Apache-2.0; ``--trace DIR`` for the full set), each file its own namespace, at most ``max_turns_per_session``
    turns each, think times capped at ``max_think_s``.
 2. Size the fleet from the sessions: the working set of the top concurrency level is ``top level × mean session
-   context`` blocks; each worker gets ``gpu_share`` of it ÷ workers GPU blocks (at least 1.25 × the longest
-   prompt) and, in the split and shared configurations, as many CPU blocks again, so GPU plus CPU hold
-   ``2 × gpu_share`` (< 1) of the top level's working set: it overflows both tiers. The shared pool holds
+   context`` blocks; each worker gets ``gpu_share`` of it ÷ workers GPU blocks (at least 1.05 × the longest
+   prompt) and, in the split and shared configurations, CPU blocks up to ``2 × gpu_share`` of it ÷ workers (at
+   least a quarter of its GPU blocks), so GPU plus CPU hold about ``2 × gpu_share`` (< 1) of the top level's
+   working set: it overflows both tiers (the printed sizing says by how much). The shared pool holds
    ``pool_share`` × that working set: each worker gives Mooncake a segment of at least 16 MiB and the block
    values are padded (``--pool-value-bytes-per-block``) so that the segments hold that many blocks; every level
    writes new namespaces into it, so the master evicts.
@@ -161,7 +162,9 @@ def size_fleet(requests: Sequence[TraceRequest], config: AgenticConfig) -> Sizin
     top = min(max(config.levels), len(longest))
     working = math.ceil(top * mean)
     max_prompt = max(longest.values(), default=1)
-    gpu = max(math.ceil(config.gpu_share * working / config.num_workers), math.ceil(1.25 * max_prompt))
+    gpu = max(math.ceil(config.gpu_share * working / config.num_workers), math.ceil(1.05 * max_prompt))
+    own = math.ceil(2 * config.gpu_share * working / config.num_workers)  # GPU + CPU per worker
+    cpu = max(math.ceil(0.25 * gpu), own - gpu)
     pool_blocks = math.ceil(config.pool_share * working)
     token_bytes = config.block_size * SIM_VALUE_BYTES_PER_TOKEN
     segment = max(MIN_SEGMENT_BYTES, math.ceil(pool_blocks * token_bytes / config.num_workers))
@@ -172,7 +175,7 @@ def size_fleet(requests: Sequence[TraceRequest], config: AgenticConfig) -> Sizin
         mean_session_blocks=mean,
         top_working_set_blocks=working,
         num_gpu_blocks_per_worker=gpu,
-        num_cpu_blocks_per_worker=gpu,
+        num_cpu_blocks_per_worker=cpu,
         pool_capacity_blocks=pool_blocks,
         pool_segment_bytes_per_worker=segment,
         pool_value_bytes_per_block=value_bytes,
@@ -272,11 +275,15 @@ async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[Lev
     if not requests:
         raise LoadgenError(f"no sessions in {config.trace_dir}")
     sizing = size_fleet(requests, config)
+    own_blocks = (sizing.num_gpu_blocks_per_worker + sizing.num_cpu_blocks_per_worker) * config.num_workers
+    own_share = own_blocks / max(1, sizing.top_working_set_blocks)
     console.print(
         f"sessions: {sizing.num_sessions}, {sizing.num_requests} requests, mean context "
         f"{sizing.mean_session_blocks * config.block_size:.0f} tokens; top-level working set "
         f"{sizing.top_working_set_blocks} blocks; per worker {sizing.num_gpu_blocks_per_worker} GPU "
-        f"(+ {sizing.num_cpu_blocks_per_worker} CPU) blocks; shared pool {sizing.pool_capacity_blocks} blocks"
+        f"(+ {sizing.num_cpu_blocks_per_worker} CPU) blocks, GPU + CPU = "
+        f"{own_share:.2f} "
+        f"of the top level's working set; shared pool {sizing.pool_capacity_blocks} blocks"
     )
     demo = DemoConfig(trace="", prefill_slowdown=config.prefill_slowdown, block_size=config.block_size)
     policy = gateway_policy("cache_aware", demo)

@@ -50,8 +50,9 @@ def test_fleet_overflows_gpu_and_cpu_at_the_top_level_and_the_pool_holds_it():
     config = AgenticConfig(trace_dir="", levels=(2, 4), num_workers=4, gpu_share=0.3, pool_share=1.5)
     s = size_fleet(requests, config)
     assert (s.num_sessions, s.mean_session_blocks, s.top_working_set_blocks) == (4, 55.0, 220)
-    assert s.num_gpu_blocks_per_worker == 125  # max(ceil(0.3 * 220 / 4) = 17, ceil(1.25 * 100))
-    assert s.num_cpu_blocks_per_worker == 125 and s.pool_capacity_blocks == 330
+    assert s.num_gpu_blocks_per_worker == 105  # max(ceil(0.3 * 220 / 4) = 17, ceil(1.05 * 100))
+    assert s.num_cpu_blocks_per_worker == 27  # max(ceil(105 / 4), ceil(0.6 * 220 / 4) - 105)
+    assert s.pool_capacity_blocks == 330
     assert s.pool_segment_bytes_per_worker == 16 << 20  # 330 * 64 * 4 / 4 bytes, raised to Mooncake's 16 MiB
     assert s.pool_value_bytes_per_block == (64 << 20) // 330  # padded so 4 segments hold 330 blocks
     moved = in_namespace(requests, "shared-4")
