@@ -22,6 +22,7 @@ pd          gateway CPU per disaggregated request (two legs, ``router.pd``) vs t
 handoff     prefill -> decode KV handoff, gathered (``workers.model.kv_handoff``) vs per-block copies and copy ceilings
 soak        RSS, descriptors, tasks, index entries of the gateway and sim workers over an hour of trace with churn
 chaos       a trace replay on two gateway replicas sharing Redis while workers, Redis and a replica fail
+pool        pool tier store/restore through the worker vs raw Mooncake batch calls; restored vs recomputed TTFT
 ==========  ==================================================================================================
 
 Benchmarks may import any runtime package (``router``, ``workers``, ``kernels``, ...); no runtime package imports
@@ -30,5 +31,5 @@ Benchmarks may import any runtime package (``router``, ``workers``, ``kernels``,
 
 NAMES: tuple[str, ...] = ("events", "index", "fleet_scale", "policies", "gateway", "long_turns", "processes",
                           "sessions", "worker", "kernels", "hybrid", "soak", "chaos",
-                          "handoff", "pd")
+                          "handoff", "pd", "pool")
 """The benchmark modules, ``benchmarks.<name>``."""

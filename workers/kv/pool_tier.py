@@ -41,6 +41,7 @@ the hit (they are computed instead).
 
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 from collections import OrderedDict
@@ -66,8 +67,22 @@ def pool_key(block_hash: BlockHash) -> str:
 def block_value(token_ids: Sequence[int], size_bytes: int = 0) -> bytes:
     """A block's value in the sim engine: its token ids as little-endian u32, padded with zeros to
     ``size_bytes`` (``PoolConfig.value_bytes_per_block``; never cut)."""
-    value = struct.pack(f"<{len(token_ids)}I", *token_ids)
-    return value if len(value) >= size_bytes else value + bytes(size_bytes - len(value))
+    return struct.pack(f"<{len(token_ids)}I", *token_ids).ljust(size_bytes, b"\0")
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros(num_bytes: int) -> bytes:
+    return bytes(num_bytes)
+
+
+def is_block_value(value: bytes, token_ids: Sequence[int], size_bytes: int = 0) -> bool:
+    """Whether ``value`` is ``block_value(token_ids, size_bytes)``, compared in place (memcmp of the token ids and
+    of the padding against a cached run of zeros; no padded copy is built)."""
+    packed = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    n = len(packed)
+    if len(value) != max(n, size_bytes) or not value.startswith(packed):
+        return False
+    return n >= size_bytes or value.endswith(_zeros(size_bytes - n))
 
 
 class PoolStore(Protocol):
@@ -365,7 +380,7 @@ class PoolTier:
         for meta, value in zip(metas, values, strict=True):
             if value is None:
                 break
-            if value != block_value(meta.token_ids, self.value_bytes_per_block):
+            if not is_block_value(value, meta.token_ids, self.value_bytes_per_block):
                 self.num_fetch_mismatches += 1  # bytes that are not the block's: never restored
                 logger.warning("pool block %s read back with other bytes; computed instead", meta.block_hash.hex())
                 break
