@@ -55,6 +55,7 @@ from loadgen.prompts import PromptBuilder
 from loadgen.replay import ReplayConfig
 from loadgen.runner import replay_with_progress
 from loadgen.traces import TraceRequest, read_agentic_sessions
+from policies.config import CacheAwareConfig
 from workers.config import TimingProfile
 
 CONFIGS = ("gpu", "split", "shared")
@@ -267,10 +268,31 @@ def restore_time_s(cpu_tokens: float, pool_tokens: float, profile: TimingProfile
     return t
 
 
+def sim_profile(prefill_slowdown: float) -> dict[str, Any]:
+    """The sim workers' ``--profile``: the default timing with prefill ``prefill_slowdown`` times slower (as the
+    conversation demo's)."""
+    base = TimingProfile()
+    return {
+        "timing": {
+            "prefill-s-per-token": base.prefill_s_per_token * prefill_slowdown,
+            "attention-s-per-token-pair": base.attention_s_per_token_pair * prefill_slowdown,
+        }
+    }
+
+
+def cache_aware_policy(prefill_slowdown: float) -> dict[str, Any]:
+    """``cache_aware`` with the workers' prefill rates and no online calibration (as the conversation demo's)."""
+    defaults = CacheAwareConfig()
+    return {
+        "name": "cache_aware",
+        "prefill_linear_tokens_per_s": defaults.prefill_linear_tokens_per_s / prefill_slowdown,
+        "prefill_quadratic_tokens_sq_per_s": defaults.prefill_quadratic_tokens_sq_per_s / prefill_slowdown,
+        "enable_calibration": False,
+    }
+
+
 async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[LevelResult], Sizing]:
     """Module docstring, step 3; stops every process it started."""
-    from loadgen.demo import DemoConfig, gateway_policy, worker_profile  # the demo's sim profile and policy
-
     requests = read_sessions(config)
     if not requests:
         raise LoadgenError(f"no sessions in {config.trace_dir}")
@@ -285,8 +307,7 @@ async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[Lev
         f"{own_share:.2f} "
         f"of the top level's working set; shared pool {sizing.pool_capacity_blocks} blocks"
     )
-    demo = DemoConfig(trace="", prefill_slowdown=config.prefill_slowdown, block_size=config.block_size)
-    policy = gateway_policy("cache_aware", demo)
+    policy = cache_aware_policy(config.prefill_slowdown)
     profile = TimingProfile()
     out_dir = Path(config.out)
     prompts = PromptBuilder()
@@ -310,7 +331,7 @@ async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[Lev
             ]  # fmt: skip
             profile_path = out_dir / "logs" / name / "worker-profile.yaml"
             profile_path.parent.mkdir(parents=True, exist_ok=True)
-            profile_path.write_text(yaml.safe_dump(worker_profile(demo), sort_keys=False))
+            profile_path.write_text(yaml.safe_dump(sim_profile(config.prefill_slowdown), sort_keys=False))
             fleet.start_workers(specs, ["--profile", str(profile_path), *extra])
             await fleet.wait_ready()
             if name == "shared":
