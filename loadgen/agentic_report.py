@@ -169,7 +169,7 @@ def report(
     table = markdown(results)
     checks = targets(results)
     seeds = "\n".join(f"- {name}: seeds {value}" for name, value in SEEDS)
-    pd_note = "PD variants (4–5): not run; prefill/decode roles are not in the workers yet."
+    pd_note = "PD variants (4–5): not run by this scenario yet (the PD fleet is not wired into it)."
     console.print(table, markup=False, highlight=False, soft_wrap=True)
     for name, ok, value in checks:
         console.print(f"{'[green]PASS[/green]' if ok else '[red]FAIL[/red]'} {name}: {value}")
