@@ -113,7 +113,8 @@ def replay(records: list[list[int]], num_workers: int, duplication: int, blocks_
         while len(mine) > worker_capacity:
             evicted.append(mine.popitem(last=False)[0])
         if evicted:
-            events.append(BlockRemoved(block_hashes=tuple(EngineBlockHash((b * _SCRAMBLE + 1) & _U64) for b in evicted)))
+            removed = tuple(EngineBlockHash((b * _SCRAMBLE + 1) & _U64) for b in evicted)
+            events.append(BlockRemoved(block_hashes=removed))
         if not events:
             continue
         for d in range(duplication):
