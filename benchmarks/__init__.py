@@ -16,6 +16,7 @@ processes   requests/s and CPU per request of ``kvgate serve --processes N`` at 
 fleet_scale Mooncake trace replayed into 1,000 workers (Dynamo's method); decision time at 8-1,000 workers
 sessions    latency the session store adds (``router.sessions``), Redis vs in-memory
 worker      reference worker scheduler + KV manager CPU per step, CPU tier on / off (``workers``)
+routing     kvgate's policies beside sglang-router and vllm-router on one sim fleet: hit ÷ ceiling, TTFT, balance
 kernels     GPU kernels (``kernels``) vs copy / pinned bandwidth and torch SDPA (``gpu`` extra; kernels_h200.md)
 hybrid      recurrent-state checkpoints (``workers.kv.hybrid``): zero-reuse throughput and resumed-session TTFT vs off
 pd          gateway CPU per disaggregated request (two legs, ``router.pd``) vs the aggregated path, same run
@@ -31,5 +32,5 @@ Benchmarks may import any runtime package (``router``, ``workers``, ``kernels``,
 
 NAMES: tuple[str, ...] = ("events", "index", "fleet_scale", "policies", "gateway", "long_turns", "processes",
                           "sessions", "worker", "kernels", "hybrid", "soak", "chaos",
-                          "handoff", "pd", "pool")
+                          "handoff", "pd", "pool", "routing")
 """The benchmark modules, ``benchmarks.<name>``."""

@@ -209,6 +209,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_PREDICTED_CACHED_HEADER,
         help="response header: the gateway's predicted cached tokens",
     )
+    target.add_argument(
+        "--metrics-url",
+        default="auto",
+        help="a kvgate gateway's /metrics, read before and after the run to split the cached-token mismatch by "
+        "cause (auto: URL/metrics; none: not read)",
+    )
     target.add_argument("--workers", default="", help="comma-separated worker ids of the fleet (for load balance)")
     run = parser.add_argument_group("replay")
     run.add_argument(
@@ -253,6 +259,18 @@ def _trace_source(args: argparse.Namespace) -> TraceSource:
     )
 
 
+def _metrics_url(args: argparse.Namespace) -> str | None:
+    """``--metrics-url``: ``auto`` is the target's ``/metrics`` (past any ``/v1...`` path), ``none`` none."""
+    value = str(getattr(args, "metrics_url", "auto"))
+    if value == "none":
+        return None
+    if value == "auto":
+        base = str(args.url).rstrip("/")
+        cut = base.find("/v1")
+        return (base[:cut] if cut >= 0 else base) + "/metrics"
+    return value
+
+
 def _replay_config(args: argparse.Namespace) -> ReplayConfig:
     session_prefix = new_session_prefix() if args.session_prefix is None else args.session_prefix
     return ReplayConfig(
@@ -268,6 +286,7 @@ def _replay_config(args: argparse.Namespace) -> ReplayConfig:
         session_header=args.session_header,
         worker_header=args.worker_header,
         predicted_cached_header=args.predicted_cached_header,
+        metrics_url=_metrics_url(args),
         session_prefix=session_prefix,
     )
 

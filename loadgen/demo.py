@@ -13,8 +13,11 @@ Steps:
    ``cache_aware`` gets the same rates and no online calibration), then for each policy: reset the workers'
    prefix caches, start ``kvgate serve`` with that policy, replay the slice open-loop on its timestamps
    (``time_scale`` times faster; times reported in simulated seconds), stop the gateway.
+   Then each installed peer router (``loadgen.peers``: sglang-router, vllm-router, from ``scripts/setup-peers``)
+   the same way, so the table gains their rows.
 4. Print the comparison table and the acceptance checks, write ``results.json``, ``results.md``,
-   ``records.jsonl`` and the plots to ``--out``; stop every process it started, also on Ctrl-C or SIGTERM.
+   ``records.jsonl`` and the plots to ``--out``; stop every process it started, also on Ctrl-C or SIGTERM. The
+   exit status is 1 when a check fails or a request failed.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ import yaml
 from rich.console import Console
 
 from loadgen.ceiling import CacheBound, ceiling, lru_bound
-from loadgen.errors import LoadgenError
+from loadgen.errors import FleetError, LoadgenError
 from loadgen.fleet import Fleet, WorkerSpec
+from loadgen.peers import PEER_ENV, SIM_WORKER_HEADER, PeerRouter, installed_peers, peer_argv, resolve_peer
 from loadgen.prompts import PromptBuilder
 from loadgen.replay import ReplayConfig
 from loadgen.report import RunSummary, markdown_table
@@ -117,6 +121,8 @@ class DemoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename
     pd: bool = False
     """Instead of the policy runs: the same requests on an aggregated fleet (``cache_aware``) and on a
     disaggregated fleet of the same size (half prefill, half decode workers, ``models[].pd``), side by side."""
+    peers: tuple[str, ...] = ()
+    """Peer router runs after kvgate's (``loadgen.peers``), by label (``sglang:cache_aware``...)."""
 
 
 def worker_profile(config: DemoConfig) -> dict[str, Any]:
@@ -204,14 +210,15 @@ class AcceptanceCheck(msgspec.Struct, frozen=True):
         limit: the limit ``value`` is compared with.
         passed: whether ``value`` meets the limit.
         unit: how ``value`` and ``limit`` are shown: ``"ratio"`` (3 decimals), ``"percent"`` (a fraction shown
-            as a percentage, as the table's ``cached mismatch``) or ``"count"``.
+            as a percentage, as the table's ``cached mismatch``), ``"count"`` or ``"seconds"`` (shown with the
+            limit).
     """
 
     name: str
     value: float | None
     limit: float
     passed: bool
-    unit: Literal["ratio", "percent", "count"] = "ratio"
+    unit: Literal["ratio", "percent", "count", "seconds"] = "ratio"
 
     def format_value(self) -> str:
         """``value`` in the check's unit (``–`` when missing)."""
@@ -221,15 +228,52 @@ class AcceptanceCheck(msgspec.Struct, frozen=True):
             return f"{self.value:.2%}"
         if self.unit == "count":
             return f"{self.value:.0f}"
+        if self.unit == "seconds":
+            return f"{self.value:.2f} (limit {self.limit:.2f})"
         return f"{self.value:.3f}"
 
 
-def acceptance(summaries: Sequence[RunSummary]) -> list[AcceptanceCheck]:
-    """The issue's acceptance checks of ``cache_aware`` against ``round_robin`` (empty without both)."""
+DEFAULT_POLICY = "session_sticky+cache_aware"
+"""The gateway's default policy, held to the peers' standard (``standard_checks``)."""
+
+
+def standard_checks(summaries: Sequence[RunSummary], peers: Sequence[str]) -> list[AcceptanceCheck]:
+    """The default policy against the peers' runs (labels in ``peers``) and the fixed bars: hit ratio ÷ ceiling at
+    least 0.97 and within 0.01 of the best peer's, TTFT p50 and p99 under every peer's, and no cached-token
+    mismatch from a wrong index (empty without a run of the default policy)."""
+    by = {s.policy: s for s in summaries}
+    ours = by.get(DEFAULT_POLICY)
+    if ours is None:
+        return []
+    frac = ours.fraction_of_ceiling
+    checks = [AcceptanceCheck(f"{DEFAULT_POLICY} hit ratio ÷ ceiling >= 0.97", frac, 0.97,
+                              frac is not None and frac >= 0.97)]
+    theirs = [by[p] for p in peers if p in by]
+    if theirs:
+        best = max(p.fraction_of_ceiling or 0.0 for p in theirs)
+        checks.append(AcceptanceCheck(f"{DEFAULT_POLICY} hit ratio ÷ ceiling >= best peer's - 0.01", frac,
+                                      best - 0.01, frac is not None and frac >= best - 0.01))
+        for name, ours_s, peer_values in (
+            ("p50", ours.ttft_p50_s, [p.ttft_p50_s for p in theirs]),
+            ("p99", ours.ttft_p99_s, [p.ttft_p99_s for p in theirs]),
+        ):
+            limit = min(v for v in peer_values if v is not None) if any(v is not None for v in peer_values) else 0.0
+            checks.append(AcceptanceCheck(f"{DEFAULT_POLICY} TTFT {name} < every peer's (s)", ours_s, limit,
+                                          ours_s is not None and ours_s < limit, unit="seconds"))
+    wrong = ours.cached_mismatch_index_ratio
+    if wrong is not None:
+        checks.append(AcceptanceCheck(f"{DEFAULT_POLICY} cached-token mismatch from a wrong index = 0", wrong, 0.0,
+                                      wrong == 0.0, unit="percent"))
+    return checks
+
+
+def acceptance(summaries: Sequence[RunSummary], peers: Sequence[str] = ()) -> list[AcceptanceCheck]:
+    """The acceptance checks of ``cache_aware`` against ``round_robin`` (when both ran), then
+    ``standard_checks`` of the default policy against the peers in ``peers``."""
     by = {s.policy: s for s in summaries}
     ca, rr = by.get("cache_aware"), by.get("round_robin")
     if ca is None or rr is None:
-        return []
+        return standard_checks(summaries, peers)
     checks: list[AcceptanceCheck] = []
     frac = ca.hit_ratio / ca.ceiling_hit_ratio if ca.ceiling_hit_ratio else None
     checks.append(
@@ -253,7 +297,7 @@ def acceptance(summaries: Sequence[RunSummary]) -> list[AcceptanceCheck]:
     )
     failed = sum(s.requests_failed for s in summaries)
     checks.append(AcceptanceCheck("no failed request (all runs)", float(failed), 0.0, failed == 0, unit="count"))
-    return checks
+    return checks + standard_checks(summaries, peers)
 
 
 async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcome], FleetSizing]:
@@ -312,6 +356,7 @@ async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcom
                 time_scale=config.time_scale,
                 max_output_tokens=config.max_output_tokens,
                 request_timeout_s=config.request_timeout_s,
+                metrics_url=fleet.gateway.url + "/metrics",
             )
             outcome = await replay_with_progress(
                 requests,
@@ -324,6 +369,10 @@ async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcom
             )
             outcomes.append(outcome)
             fleet.stop_gateway()
+        for peer in map(resolve_peer, config.peers):
+            outcome_or_none = await _run_peer(fleet, peer, requests, prompts, config, specs, console)
+            if outcome_or_none is not None:
+                outcomes.append(outcome_or_none)
     finally:
         fleet.stop()
     return outcomes, sizing
@@ -374,6 +423,37 @@ async def _run_pd_demo(
         finally:
             fleet.stop()
     return outcomes
+
+
+async def _run_peer(
+    fleet: Fleet, peer: PeerRouter, requests: Sequence[TraceRequest], prompts: PromptBuilder, config: DemoConfig,
+    specs: Sequence[WorkerSpec], console: Console,
+) -> RunOutcome | None:
+    """One replay through a peer router (caches reset first); ``None``, with the reason printed, when it is not
+    installed or does not start."""
+    if peer.skip_reason is not None:
+        console.print(f"skipping {peer.label}: {peer.skip_reason}", markup=False, highlight=False)
+        return None
+    await fleet.reset_caches()
+    port, metrics_port = fleet.free_port(), fleet.free_port()
+    fleet.start_router(peer.label.replace(":", "-"), peer_argv(peer, [w.url for w in fleet.workers], port,
+                                                               metrics_port), port, env=PEER_ENV)
+    try:
+        await fleet.wait_ready()
+    except FleetError as exc:
+        console.print(f"skipping {peer.label}: {exc}", markup=False, highlight=False)
+        fleet.stop_gateway()
+        return None
+    assert fleet.gateway is not None
+    replay = ReplayConfig(url=fleet.gateway.url, time_scale=config.time_scale,
+                          max_output_tokens=config.max_output_tokens, request_timeout_s=config.request_timeout_s,
+                          session_header=peer.session_header, worker_header=SIM_WORKER_HEADER)
+    try:
+        return await replay_with_progress(requests, replay, prompts, label=peer.label,
+                                          workers=[s.worker_id for s in specs], console=console,
+                                          show_progress=config.show_progress)
+    finally:
+        fleet.stop_gateway()
 
 
 QUICK_NOTE = (
@@ -461,6 +541,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default="gpu,split,shared", help="agentic: fleet configurations")
     parser.add_argument("--max-turns", type=int, default=10, help="agentic: turns replayed per session")
     parser.add_argument("--max-think-s", type=float, default=60.0, help="agentic: cap on think times (simulated s)")
+    parser.add_argument(
+        "--peers",
+        default="auto",
+        help="peer routers replayed after kvgate's policies: auto (every one scripts/setup-peers installed), none, "
+        "or comma-separated labels (sglang:cache_aware, sglang:manual, vllm:cache_aware, vllm:consistent_hash)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no live progress bars")
     parser.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
     parser.add_argument(
@@ -477,6 +563,14 @@ def _demo_config(args: argparse.Namespace) -> DemoConfig:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         raise LoadgenError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    if args.peers == "auto":
+        peers = tuple(p.label for p in installed_peers())
+    elif args.peers == "none":
+        peers = ()
+    else:
+        peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
+        for label in peers:
+            resolve_peer(label)  # LoadgenError for an unknown one
     max_requests = args.max_requests or (QUICK_MAX_REQUESTS if args.quick else DEFAULT_MAX_REQUESTS)
     if args.num_workers < 1 or max_requests < 1 or args.time_scale <= 0 or args.max_output_tokens < 1:
         raise LoadgenError("--num-workers, --max-requests, --time-scale and --max-output-tokens must be positive")
@@ -502,6 +596,7 @@ def _demo_config(args: argparse.Namespace) -> DemoConfig:
         write_plots=not args.no_plots,
         is_quick=args.quick,
         pd=args.pd,
+        peers=peers,
     )
 
 
@@ -510,8 +605,8 @@ def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``kvgate demo``: 0 when every request succeeded, 1 when some failed, 2 on bad input or startup
-    failure, 130 when interrupted (everything started is stopped in every case)."""
+    """Run ``kvgate demo``: 0 when every request succeeded and every acceptance check passed, 1 otherwise, 2 on
+    bad input or startup failure, 130 when interrupted (everything started is stopped in every case)."""
     if getattr(args, "scenario", "conversation") == "agentic":
         from loadgen.agentic_report import main as agentic_main
 
@@ -535,7 +630,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     summaries = [o.summary for o in outcomes]
-    checks = acceptance(summaries)
+    checks = acceptance(summaries, config.peers)
     _print_results(console, summaries, checks, is_quick=config.is_quick)
     paths = write_results(
         Path(config.out),
@@ -544,4 +639,5 @@ def main(args: argparse.Namespace) -> int:
         plots=config.write_plots,
     )
     console.print(f"wrote {', '.join(str(p) for p in paths)} in {time.monotonic() - t0:.0f} s")
-    return 0 if all(s.requests_failed == 0 for s in summaries) else 1
+    is_ok = all(s.requests_failed == 0 for s in summaries) and all(c.passed for c in checks)
+    return 0 if is_ok else 1

@@ -64,6 +64,8 @@ class ManagedProcess(msgspec.Struct):
     events_endpoint: str | None = None
     replay_endpoint: str | None = None
     argv: list[str] = msgspec.field(default_factory=list)
+    ready_path: str = "/ready"
+    """What ``wait_ready`` polls on a router (a peer router answers ``/health``)."""
 
 
 def _kvgate_command(*args: str) -> list[str]:
@@ -100,7 +102,7 @@ class Fleet:
         self.replicas: list[ManagedProcess] = []
         self.roles: dict[str, str] = {}
 
-    def _spawn(self, name: str, argv: list[str], url: str) -> ManagedProcess:
+    def _spawn(self, name: str, argv: list[str], url: str, env: dict[str, str] | None = None) -> ManagedProcess:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self._log_dir / f"{name}.log"
         with open(log_path, "ab") as log:
@@ -111,6 +113,7 @@ class Fleet:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # own process group: stopped as a group, spared the terminal's Ctrl-C
                 cwd=Path(__file__).resolve().parent.parent,
+                env=None if env is None else {**os.environ, **env},
             )
         logger.info("started %s (pid %d): %s", name, popen.pid, " ".join(argv))
         return ManagedProcess(name=name, url=url, log_path=log_path, popen=popen, argv=list(argv))
@@ -178,7 +181,7 @@ class Fleet:
                 for w in self.workers
             ],
             "policy": policy,
-            "admin": {"disable_auth": True},
+            "admin": {"disable_auth": True, "num_recent_decisions": 1024},
         }
 
     def _spawn_gateway(
@@ -231,6 +234,20 @@ class Fleet:
             self.kill(proc)
         proc.popen = self._spawn(proc.name, proc.argv, proc.url).popen
 
+    def start_router(self, name: str, argv: Sequence[str], port: int, *, ready_path: str = "/health",
+                     env: dict[str, str] | None = None) -> ManagedProcess:
+        """Start another router in front of the running workers (a peer of kvgate's gateway, listening on
+        ``127.0.0.1:port``; stopping a previous gateway first). It takes the gateway's place: ``wait_ready`` polls
+        its ``ready_path`` and ``stop_gateway`` stops it."""
+        self.stop_gateway()
+        self.gateway = self._spawn(name, list(argv), f"http://{HOST}:{port}", env=env)
+        self.gateway.ready_path = ready_path
+        return self.gateway
+
+    def free_port(self) -> int:
+        """A free port on 127.0.0.1 (for a peer router's listeners)."""
+        return self._ports.port()
+
     async def _wait_http(self, session: aiohttp.ClientSession, proc: ManagedProcess, path: str) -> None:
         deadline = time.monotonic() + self._startup_timeout_s
         last_error = "no answer"
@@ -260,7 +277,7 @@ class Fleet:
         async with aiohttp.ClientSession() as session:
             await asyncio.gather(*(self._wait_http(session, w, "/health") for w in self.workers))
             gateways = [self.gateway, *self.replicas] if self.gateway is not None else self.replicas
-            await asyncio.gather(*(self._wait_http(session, g, "/ready") for g in gateways))
+            await asyncio.gather(*(self._wait_http(session, g, g.ready_path) for g in gateways))
 
     async def reset_caches(self) -> None:
         """Clear every worker's prefix cache (POST ``reset_path``).

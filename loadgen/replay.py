@@ -100,6 +100,9 @@ class ReplayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rena
     """Response header naming the serving worker."""
     predicted_cached_header: str = DEFAULT_PREDICTED_CACHED_HEADER
     """Response header with the gateway's predicted cached tokens."""
+    metrics_url: str | None = None
+    """A kvgate gateway's ``/metrics``: read before and after the run for its cached-token mismatches by cause
+    (``kvgate_cached_tokens_mismatches_total``); ``None``: not read."""
     session_prefix: Annotated[str, msgspec.Meta(pattern=SESSION_PREFIX_PATTERN)] = ""
     """Put in front of every session id sent (the session header) and recorded (``RequestRecord.session_id``);
     empty: the trace's bare ids. ``kvgate loadgen`` sets a fresh one per run (``new_session_prefix``)."""

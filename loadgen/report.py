@@ -18,7 +18,12 @@ scale 1 they are wall seconds):
   shows them as ``not sent``, and a caption line gives the reason.
 * ``cached_tokens_mismatch_ratio``: share of successful requests with both a predicted and a reported cached
   token count whose two numbers differ (requests without a prediction are counted in
-  ``num_unpredicted``).
+  ``num_unpredicted``). With the gateway's counts by cause (``mismatches_by_cause``, read from a kvgate gateway's
+  ``/metrics`` before and after the run), the same share is split: ``cached_mismatch_index_ratio`` (the index
+  predicted blocks the worker did not hold and no eviction explains: a bug), ``cached_mismatch_evicted_ratio``
+  (the worker evicted predicted blocks after the decision: a forecast miss), ``cached_mismatch_pending_ratio``
+  (the first block missed was pending at the decision, still being computed by a request in flight: a burst
+  before the events) and ``cached_mismatch_late_ratio`` (the worker held more than the index knew).
 """
 
 from __future__ import annotations
@@ -69,6 +74,10 @@ class RunSummary(msgspec.Struct):
     num_skipped: int = 0
     skip_reason: SkipReason | None = None
     session_prefix: str = ""
+    cached_mismatch_index_ratio: float | None = None
+    cached_mismatch_evicted_ratio: float | None = None
+    cached_mismatch_pending_ratio: float | None = None
+    cached_mismatch_late_ratio: float | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -97,6 +106,7 @@ def summarize(
     num_skipped: int = 0,
     skip_reason: SkipReason | None = None,
     session_prefix: str = "",
+    mismatches_by_cause: dict[str, int] | None = None,
 ) -> RunSummary:
     """Summarize one replay.
 
@@ -110,6 +120,8 @@ def summarize(
         num_skipped: requests of the slice that were never sent.
         skip_reason: why (``None`` when every request was sent).
         session_prefix: the prefix of the run's session ids.
+        mismatches_by_cause: the gateway's cached-token mismatches during the run by cause (``index``,
+            ``evicted``, ``pending``, ``late``), or ``None`` when not known.
 
     Raises:
         ValueError: ``time_scale`` <= 0, ``duration_s`` < 0, ``num_skipped`` < 0, or ``num_skipped`` > 0 without
@@ -141,6 +153,9 @@ def summarize(
     compared = [r for r in ok if r.num_predicted_cached_tokens is not None and r.num_cached_tokens is not None]
     mismatched = sum(1 for r in compared if r.num_predicted_cached_tokens != r.num_cached_tokens)
     hit_ratio = cached_tokens / prompt_tokens if prompt_tokens else 0.0
+    by_cause: dict[str, float | None] = dict.fromkeys(("index", "evicted", "pending", "late"))
+    if mismatches_by_cause is not None and compared:
+        by_cause = {c: mismatches_by_cause.get(c, 0) / len(compared) for c in by_cause}
     return RunSummary(
         policy=policy,
         requests_ok=len(ok),
@@ -171,11 +186,23 @@ def summarize(
         num_skipped=num_skipped,
         skip_reason=skip_reason if num_skipped else None,
         session_prefix=session_prefix,
+        cached_mismatch_index_ratio=by_cause["index"],
+        cached_mismatch_evicted_ratio=by_cause["evicted"],
+        cached_mismatch_pending_ratio=by_cause["pending"],
+        cached_mismatch_late_ratio=by_cause["late"],
     )
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
+
+
+def _by_cause(s: RunSummary) -> str:
+    """The mismatch split by cause (``–`` without the gateway's counts)."""
+    if s.cached_mismatch_index_ratio is None:
+        return "–"
+    return " / ".join(_fmt(v, ".2%") for v in (s.cached_mismatch_index_ratio, s.cached_mismatch_evicted_ratio,
+                                              s.cached_mismatch_pending_ratio, s.cached_mismatch_late_ratio))
 
 
 MARKDOWN_COLUMNS: tuple[str, ...] = (
@@ -262,8 +289,8 @@ def times_caption(time_scale: float) -> str:
 
 def markdown_table(summaries: Sequence[RunSummary]) -> str:
     """The comparison table in Markdown (one row per run, labelled by the run's name), with the ceiling and the
-    time unit in a caption line, then a line per run that left requests unsent (``not_sent_line``) and the
-    errors by kind."""
+    time unit in a caption line, then a line per run that left requests unsent (``not_sent_line``), the cached
+    mismatch by cause (runs whose gateway gave it) and the errors by kind."""
     lines = [
         "| " + " | ".join(MARKDOWN_COLUMNS) + " |",
         "|" + "|".join("---" for _ in MARKDOWN_COLUMNS) + "|",
@@ -273,6 +300,10 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
         lines.append("")
         lines.append(f"{ceiling_caption(summaries)} {times_caption(summaries[0].time_scale)}")
         lines.extend(f"{s.policy}: {not_sent_line(s)}." for s in summaries if s.num_skipped)
+        split = [f"{s.policy} {_by_cause(s)}" for s in summaries if s.cached_mismatch_index_ratio is not None]
+        if split:
+            lines.append("Cached mismatch by cause (index wrong / evicted after the decision / still pending at the "
+                         "decision / stored before the index knew), share of requests: " + "; ".join(split) + ".")
         errors = {s.policy: s.errors_by_kind for s in summaries if s.errors_by_kind}
         if errors:
             lines.append("Errors by kind: " + "; ".join(f"{p}: {e}" for p, e in errors.items()) + ".")

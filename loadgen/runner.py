@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -20,6 +22,35 @@ from loadgen.report import RunSummary, markdown_table, summarize
 from loadgen.traces import TraceRequest
 
 logger = logging.getLogger(__name__)
+
+_MISMATCH_SERIES = re.compile(r'^kvgate_cached_tokens_mismatches_total\{([^}]*)\}\s+([0-9.eE+-]+)', re.MULTILINE)
+_CAUSE_LABEL = re.compile(r'cause="([^"]*)"')
+
+
+def parse_mismatches(text: str) -> dict[str, int]:
+    """The gateway's cached-token mismatches by cause, summed over workers, from its Prometheus text."""
+    out: dict[str, int] = {}
+    for labels, value in _MISMATCH_SERIES.findall(text):
+        cause = _CAUSE_LABEL.search(labels)
+        if cause is not None:
+            out[cause.group(1)] = out.get(cause.group(1), 0) + int(float(value))
+    return out
+
+
+async def read_mismatches(metrics_url: str | None) -> dict[str, int] | None:
+    """``parse_mismatches`` of ``metrics_url`` (``None`` when not given, unreachable, or without the series)."""
+    if metrics_url is None:
+        return None
+    try:
+        async with aiohttp.ClientSession() as session, session.get(
+                metrics_url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        logger.warning("could not read %s: %s", metrics_url, exc)
+        return None
+    return parse_mismatches(text) if "kvgate_" in text else None
 
 
 class RunOutcome(msgspec.Struct):
@@ -75,7 +106,9 @@ async def replay_with_progress(
                 num_failed += 1
             progress.update(task, advance=1, failed=num_failed)
 
+        before = await read_mismatches(config.metrics_url)
         result = await Replayer(requests, config, prompts, on_complete).run()
+        after = await read_mismatches(config.metrics_url) if before is not None else None
     bound = served_ceiling(requests, result.records)
     summary = summarize(
         result.records,
@@ -87,6 +120,8 @@ async def replay_with_progress(
         num_skipped=result.num_skipped,
         skip_reason=result.skip_reason,
         session_prefix=config.session_prefix,
+        mismatches_by_cause=None if before is None or after is None else {
+            cause: n - before.get(cause, 0) for cause, n in after.items()},
     )
     return RunOutcome(summary=summary, records=result.records)
 

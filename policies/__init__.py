@@ -6,6 +6,7 @@ Public API::
     build_policy(config, previous=None) -> Policy       registry; ``previous`` carries learned speed factors over
     policy.select(view, snapshot) -> Decision           every policy (``policies.base``)
     find_calibrator(policy) -> TTFTCalibrator | None    the gateway reports observed TTFTs here
+    cost_terms(policy, view, snapshot)                  each candidate's ranking cost term by term (admin)
     SessionStickyPolicy.select_inner / .resolve         the one-round-trip session flow (``policies.sticky``)
     derive_session_key(key_sources, headers, user, opening_hash) -> str | None
 """
@@ -28,7 +29,7 @@ from policies.config import (
 from policies.consistent_hash import ConsistentHashPolicy
 from policies.cost_model import TTFTBreakdown, TTFTCalibrator, TTFTCostModel
 from policies.errors import PolicyConfigError, PolicyError, UnknownPolicyError
-from policies.registry import build_policy, find_calibrator
+from policies.registry import build_policy, cost_terms, find_calibrator
 from policies.sticky import SessionStickyPolicy, derive_session_key, resolve_sticky
 
 __all__ = [
@@ -63,5 +64,6 @@ __all__ = [
     "derive_session_key",
     "encode_policy_config",
     "find_calibrator",
+    "cost_terms",
     "resolve_sticky",
 ]

@@ -50,6 +50,10 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
         kv_usage: fraction of GPU KV blocks in use, 0..1 (polled).
         num_inflight_prompt_tokens: prompt tokens of the requests in flight on the worker through this gateway
             (the context its decode steps read, up to the tokens generated since).
+        num_recent_assignments: how many of the gateway's latest decisions went to this worker (a window of a
+            few decisions per worker; ``router.routing.RecentAssignments``): ties between equally costly workers
+            go to the one given least lately, so new sessions on an idle fleet spread instead of piling onto the
+            first configured worker.
     """
 
     worker_id: str
@@ -63,6 +67,7 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
     num_pending_prefill_tokens: int = 0
     kv_usage: float = 0.0
     num_inflight_prompt_tokens: int = 0
+    num_recent_assignments: int = 0
 
     @property
     def num_cached_tokens(self) -> int:

@@ -22,8 +22,10 @@ landing on the worker that holds it while others idle: past a few running reques
 would share outweighs the prefill the hit saves. ``Decision.scores`` stay the estimated TTFT (the calibrator
 compares them with observed TTFTs; ``session_sticky``'s margins compare them).
 
-Tie-break rule (deterministic): scores are compared at microsecond resolution (``round(score * 1e6)``); equal
-scores prefer more GPU-cached tokens, then fewer running requests, then configuration order.
+Tie-break rule (deterministic): ranking costs are compared at microsecond resolution (``round(cost * 1e6)``);
+equal costs prefer more GPU-cached tokens, then the lighter load (fewer running plus waiting requests, then fewer
+pending prefill tokens), then fewer recent assignments (``WorkerState.num_recent_assignments``: the worker given
+least lately, so cold sessions on an idle fleet spread), and only then configuration order.
 
 Softmax (as Dynamo's router does it): ranking costs of the competing workers are min-max normalized to [0, 1] (all
 equal: all 0), ``p_i = exp(-x_i / temperature) / sum_j exp(-x_j / temperature)``, one ``rng.random()`` draw.
@@ -41,6 +43,8 @@ import random
 from collections.abc import Mapping
 from operator import itemgetter
 
+import msgspec
+
 from policies.base import Decision, RequestView, Snapshot, WorkerState
 from policies.candidates import eligible_workers, no_worker_decision
 from policies.config import CacheAwareConfig
@@ -48,11 +52,41 @@ from policies.cost_model import TTFTBreakdown, TTFTCalibrator, TTFTCostModel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CacheAwarePolicy"]
+__all__ = ["CacheAwarePolicy", "CostTerms"]
+
+
+class CostTerms(msgspec.Struct, frozen=True, gc=False):
+    """One candidate's ranking cost term by term (seconds, each already scaled by the speed factor).
+
+    Attributes:
+        queue_s: queued work ahead of the request.
+        prefill_s: prefill of the tokens the worker lacks.
+        restore_s: restore of blocks held only on CPU or in the pool.
+        overhead_s: fixed per-request time.
+        ttft_s: the estimated TTFT, ``overhead_s + queue_s + prefill_s + restore_s`` (``Decision.scores``).
+        recompute_penalty_s: ``recompute_penalty * prefill_s``.
+        decode_load_penalty_s: ``decode_penalty`` times the decode load (``TTFTCostModel.decode_load_s``).
+        cost_s: what the candidates are ranked by: ``ttft_s + recompute_penalty_s + decode_load_penalty_s``.
+        speed_factor: the worker's online speed factor.
+        num_computed_tokens: prompt tokens the worker would compute.
+        is_saturated: over a busy threshold (competes only when every candidate is).
+    """
+
+    queue_s: float
+    prefill_s: float
+    restore_s: float
+    overhead_s: float
+    ttft_s: float
+    recompute_penalty_s: float
+    decode_load_penalty_s: float
+    cost_s: float
+    speed_factor: float
+    num_computed_tokens: int
+    is_saturated: bool
 
 _SCORE_RESOLUTION_PER_S = 1e6
 """Scores closer than one microsecond tie."""
-_WORKER_ID_OF_KEY = itemgetter(5)
+_WORKER_ID_OF_KEY = itemgetter(7)
 """The worker id of a sort key (see ``select``)."""
 
 
@@ -118,6 +152,24 @@ class CacheAwarePolicy:
             for w in eligible_workers(snapshot)
         }
 
+    def cost_terms(self, view: RequestView, snapshot: Snapshot) -> dict[str, CostTerms]:
+        """Every candidate's ranking cost term by term, as ``select`` adds them (the admin's decision list)."""
+        config = self.config
+        out: dict[str, CostTerms] = {}
+        for w in eligible_workers(snapshot):
+            b = self.cost_model.breakdown(w, view.num_prompt_tokens, self.speed_factor(w.worker_id),
+                                          view.num_max_output_tokens)
+            f = b.speed_factor
+            recompute = config.recompute_penalty * f * b.prefill_s
+            decode = config.decode_penalty * f * b.decode_load_s
+            out[w.worker_id] = CostTerms(
+                queue_s=f * b.queue_s, prefill_s=f * b.prefill_s, restore_s=f * b.restore_s, overhead_s=b.overhead_s,
+                ttft_s=b.ttft_s, recompute_penalty_s=recompute, decode_load_penalty_s=decode,
+                cost_s=b.ttft_s + recompute + decode, speed_factor=f, num_computed_tokens=b.num_computed_tokens,
+                is_saturated=self.is_saturated(w),
+            )
+        return out
+
     def select(self, view: RequestView, snapshot: Snapshot) -> Decision:
         """Choose the candidate with the lowest estimated TTFT (see the module docstring)."""
         # The cost model's formula (TTFTCostModel.work_s) and is_saturated, inlined: this loop is the request path.
@@ -135,10 +187,11 @@ class CacheAwarePolicy:
         factors = self._log_factors
         workers = snapshot.workers
         scores: dict[str, float] = {}
-        # Sort keys (rounded cost, -GPU-cached tokens, running requests, position in snapshot, cost, worker id); the
-        # position is unique, so the items after it are never compared.
-        competing: list[tuple[int, int, int, int, float, str]] = []
-        saturated: list[tuple[int, int, int, int, float, str]] = []
+        # Sort keys (rounded cost, -GPU-cached tokens, running + waiting requests, pending prefill tokens, recent
+        # assignments, position in snapshot, cost, worker id); the position is unique, so the items after it are
+        # never compared.
+        competing: list[tuple[int, int, int, int, int, int, float, str]] = []
+        saturated: list[tuple[int, int, int, int, int, int, float, str]] = []
         prefill_uncached = n * s_per_token + n_sq * s_per_token_sq  # the prefill below with k = 0
         for index, w in enumerate(workers):
             if not w.is_healthy or w.is_draining:  # policies.candidates.is_eligible, inlined
@@ -183,7 +236,8 @@ class CacheAwarePolicy:
             score = overhead_s + work
             scores[worker_id] = score
             cost = score + recompute_penalty * prefill + decode
-            key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, running, index, cost, worker_id)
+            key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, running + waiting, pending,
+                   w.num_recent_assignments, index, cost, worker_id)
             if has_thresholds and (
                 (max_running is not None and running >= max_running)
                 or (max_kv_usage is not None and w.kv_usage >= max_kv_usage)
@@ -200,10 +254,10 @@ class CacheAwarePolicy:
         if len(competing) > 1:
             competing.sort()
             if self.config.temperature > 0.0:
-                pick = self._softmax_index([key[4] for key in competing])
+                pick = self._softmax_index([key[6] for key in competing])
                 competing.insert(0, competing.pop(pick))
                 reason = "softmax" + reason[8:]
-        chosen = workers[competing[0][3]]
+        chosen = workers[competing[0][5]]
         return Decision(
             chosen.worker_id,
             reason,

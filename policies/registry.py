@@ -11,9 +11,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from policies.base import Policy
+from policies.base import Policy, RequestView, Snapshot
 from policies.baselines import LeastLoadedPolicy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
-from policies.cache_aware import CacheAwarePolicy
+from policies.cache_aware import CacheAwarePolicy, CostTerms
 from policies.config import (
     CacheAwareConfig,
     ConsistentHashConfig,
@@ -76,6 +76,14 @@ def find_calibrator(policy: object) -> TTFTCalibrator | None:
     while isinstance(policy, SessionStickyPolicy):
         policy = policy.inner
     return policy.calibrator if isinstance(policy, CacheAwarePolicy) else None
+
+
+def cost_terms(policy: object, view: RequestView, snapshot: Snapshot) -> dict[str, CostTerms]:
+    """Every candidate's ranking cost term by term under ``policy`` (``CacheAwarePolicy.cost_terms``, seen
+    through ``SessionStickyPolicy.inner``); empty for a policy that ranks by no cost (the baselines)."""
+    while isinstance(policy, SessionStickyPolicy):
+        policy = policy.inner
+    return policy.cost_terms(view, snapshot) if isinstance(policy, CacheAwarePolicy) else {}
 
 
 def build_policy(config: PolicyConfig, *, previous: object | None = None) -> Policy:

@@ -15,7 +15,7 @@ Routes (JSON in and out; errors are OpenAI-style JSON)::
                                               then re-warm them as after a resync (``clear_index``)
     GET    /admin/policy                      the policy config and learned speed factors
     PUT    /admin/policy                      replace the policy (validated first; the old one stays on error)
-    GET    /admin/decisions?limit=N           recent decisions with every candidate's score
+    GET    /admin/decisions?limit=N           recent decisions with every candidate's score and cost terms
     GET    /admin/debug/memory?limit=N        top allocation sites of a tracemalloc snapshot (a gateway started
                                               with PYTHONTRACEMALLOC=<frames>; ``common.process_stats``)
 
@@ -37,6 +37,7 @@ from common.process_stats import memory_report
 from policies import PolicyError, build_policy, decode_policy_config, encode_policy_config
 from router.api import error_response
 from router.config import decode_worker
+from router.decisions import DecisionRecord
 from router.errors import (
     AuthError,
     ConfigError,
@@ -286,8 +287,11 @@ async def recent_decisions(request: web.Request) -> web.StreamResponse:
     records.reverse()
     now_s = gw.clock()
     decisions = []
+    hidden = ("request", "snapshot", "policy")
     for record in records:  # ``at_s`` is the gateway's monotonic clock; ``age_s`` reads without it
-        item = msgspec.to_builtins(record)
+        item = msgspec.to_builtins({f: getattr(record, f) for f in record.__struct_fields__ if f not in hidden})
+        if isinstance(record, DecisionRecord):  # a prefill/decode pair's record has no candidate costs
+            item["cost_terms"] = record.cost_terms()
         item["age_s"] = round(max(0.0, now_s - record.at_s), 3)
         decisions.append(item)
     return _json({"decisions": decisions})

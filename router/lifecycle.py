@@ -185,6 +185,12 @@ class RequestFlight:
                 return
             served = outcome.served_by
             status = outcome.status
+            reported = outcome.reported_cached_tokens
+            if served is not None and reported is not None:
+                predicted = plan.predicted_cached_tokens.get(served.worker_id, 0)
+                if predicted != reported and plan.ticket is not None:  # the cause, before settle changes the index
+                    cause = plan.ticket.mismatch_cause(served.worker_id, predicted, reported)
+                    lc.metrics.worker(served.worker_id).num_mismatches[cause] += 1
             if plan.ticket is not None:
                 plan.ticket.settle(plan.chosen, served, status is not None and status < 400, lc.now_s())
             key = plan.session_key

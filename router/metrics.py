@@ -23,6 +23,15 @@ Series (all prefixed ``kvgate_``)::
                                                     the hit ratio's denominator, served and predicted
     cached_tokens_checks_total{worker,result}       result = match | mismatch | unchecked (a 200 whose answer
                                                     carries no usage: a stream without include_usage)
+    cached_tokens_mismatches_total{worker,cause}    every mismatch by cause: index (predicted more than the worker
+                                                    held and it reported no eviction of those blocks since the
+                                                    decision: the index was wrong), evicted (the worker reported
+                                                    evicting a predicted block after the decision: a forecast miss
+                                                    under memory pressure), pending (the first block missed was
+                                                    only pending at the decision, computed by a request in flight
+                                                    and stored after this one was admitted), late (the worker
+                                                    held more than the index knew at the decision: its store
+                                                    events were in flight)
     inflight_requests{worker}                       requests in flight through this gateway
     admission_inflight / admission_waiting          (scrape time) admitted requests, requests in the queue
     index_blocks{worker,medium}                     (scrape time) index entries
@@ -124,6 +133,10 @@ class HistogramCounts:
         return out
 
 
+MISMATCH_CAUSES: tuple[str, ...] = ("index", "evicted", "pending", "late")
+"""Causes of a cached-token mismatch (``cached_tokens_mismatches_total``; ``router.routing.IndexTicket``)."""
+
+
 class WorkerMetrics:
     """One worker's request-path series as plain numbers, exported at scrape time (a ``prometheus_client`` child
     costs a lock and label checks per update: too much for several updates per request).
@@ -138,12 +151,14 @@ class WorkerMetrics:
         num_checks_match: ``cached_tokens_checks_total{worker,result="match"}``.
         num_checks_mismatch: ``cached_tokens_checks_total{worker,result="mismatch"}``.
         num_checks_unchecked: ``cached_tokens_checks_total{worker,result="unchecked"}``.
+        num_mismatches: ``cached_tokens_mismatches_total{worker,cause}`` keyed by cause (``MISMATCH_CAUSES``).
         num_requests: ``requests_total{worker,policy,status}`` keyed by ``(policy, status)``.
         duration_s: ``request_duration_seconds{worker,policy}`` keyed by policy.
     """
 
     __slots__ = ("worker_id", "num_inflight", "ttft_s", "num_predicted_cached_tokens", "num_reported_cached_tokens",
-                 "num_prompt_tokens", "num_checks_match", "num_checks_mismatch", "num_checks_unchecked", "num_requests",
+                 "num_prompt_tokens", "num_checks_match", "num_checks_mismatch", "num_checks_unchecked",
+                 "num_mismatches", "num_requests",
                  "duration_s")
 
     def __init__(self, worker_id: str) -> None:
@@ -156,6 +171,7 @@ class WorkerMetrics:
         self.num_checks_match = 0
         self.num_checks_mismatch = 0
         self.num_checks_unchecked = 0
+        self.num_mismatches: dict[str, int] = dict.fromkeys(MISMATCH_CAUSES, 0)
         self.num_requests: dict[tuple[str, int], int] = {}
         self.duration_s: dict[str, HistogramCounts] = {}
 
@@ -196,6 +212,9 @@ class _RequestPathCollector(Collector):
         checks = CounterMetricFamily("kvgate_cached_tokens_checks",
                                      "Honesty checks: predicted vs reported cached tokens.",
                                      labels=["worker", "result"])
+        mismatches = CounterMetricFamily("kvgate_cached_tokens_mismatches",
+                                         "Cached-token mismatches by cause (index, evicted, pending, late).",
+                                         labels=["worker", "cause"])
         inflight = GaugeMetricFamily("kvgate_inflight_requests", "Requests in flight through this gateway.",
                                      labels=["worker"])
         for w in workers:
@@ -211,6 +230,8 @@ class _RequestPathCollector(Collector):
             checks.add_metric([wid, "match"], float(w.num_checks_match))
             checks.add_metric([wid, "mismatch"], float(w.num_checks_mismatch))
             checks.add_metric([wid, "unchecked"], float(w.num_checks_unchecked))
+            for cause, n in w.num_mismatches.items():
+                mismatches.add_metric([wid, cause], float(n))
             inflight.add_metric([wid], float(w.num_inflight))
         decision = HistogramMetricFamily("kvgate_decision_seconds",
                                          "Routing decision time (view, sessions, policy), seconds.")
@@ -219,7 +240,8 @@ class _RequestPathCollector(Collector):
                                         labels=["policy", "reason"])
         for (policy, reason), n in list(m.num_decisions.items()):
             decisions.add_metric([policy, reason], float(n))
-        yield from (requests, duration, ttft, decision, decisions, predicted, reported, prompt, checks, inflight)
+        yield from (requests, duration, ttft, decision, decisions, predicted, reported, prompt, checks, mismatches,
+                    inflight)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

@@ -50,6 +50,7 @@ from policies.cost_model import TTFTCostModel
 from policies.pd import DecodeCandidate, PDPairDecision, PDPolicy
 from router.admission import Admission
 from router.config import ModelConfig
+from router.decisions import PDRecord
 from router.errors import (
     GatewayError,
     NoWorkerError,
@@ -73,7 +74,7 @@ from router.proxy import (
     usage_from_sse_tail,
 )
 from router.request_view import ParsedRequest, PromptView
-from router.routing import IndexTicket, PDRecord, RoutePlan, Router
+from router.routing import IndexTicket, RoutePlan, Router
 from router.transport import Transport, UpstreamRequest
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,11 @@
    A chain already held by the chosen worker and inserted for it less than ``REFRESH_FRACTION`` of its TTL ago
    is not re-inserted (a repeated prompt would otherwise re-touch every block and queue one expiry record per
    request): its entries may then expire up to that fraction of the TTL before a per-request refresh would have;
-6. the decision (every candidate's score) goes to a bounded ring for ``/admin/decisions``;
+6. the decision (every candidate's score, and its inputs, from which ``/admin/decisions`` shows each candidate's
+   cost terms) goes to a bounded ring; for a request with a session key that the policy placed (not forced), the
+   chosen worker's recent assignments count one more (``RecentAssignments``: what the snapshot of the next
+   request with a session key carries, the policies' last tie-break before configuration order, so sessions that
+   tie on an idle fleet spread; requests without a session keep configuration order);
 7. after the answer, ``IndexTicket.settle`` (called by ``RequestFlight.finish``): when the chosen worker did not
    serve the request (it refused it, failed before the first byte, every attempt failed, or the client left before
    the first byte), the pending entries of step 5 are withdrawn, and the worker that served it after a retry gets
@@ -47,6 +51,7 @@ from policies.base import Decision, Policy, RequestView, Snapshot, WorkerState
 from policies.config import KeySource, PolicyConfig
 from policies.cost_model import TTFTCalibrator
 from router.config import ModelConfig
+from router.decisions import DecisionRecord, PDRecord, RecentAssignments
 from router.errors import InvalidFieldError, NoWorkerError
 from router.fleet import CircuitState, Fleet, WorkerRuntime
 from router.index.config import IndexConfig
@@ -128,6 +133,13 @@ class IndexLike(Protocol):
 
     def withdraw_approximate(self, inserted: ApproxInsert) -> int: ...
 
+    @property
+    def journal_seq(self) -> int: ...
+
+    def evicted_since(self, worker_id: str, block_hash: int, seq: int) -> bool: ...
+
+    def confirmed_since(self, worker_id: str, block_hash: int, seq: int) -> bool: ...
+
 
 class PolicyHolder:
     """The live policy and its config; the admin API swaps both at once (no restart)."""
@@ -155,7 +167,7 @@ class IndexTicket:
         pending: the chosen worker's entries this request inserted, or ``None`` (none, or already withdrawn).
     """
 
-    __slots__ = ("_index", "_model", "_view", "_memo", "pending")
+    __slots__ = ("_index", "_model", "_view", "_memo", "pending", "_journal_seq")
 
     def __init__(self, index: IndexLike | None, model: ModelConfig, view: PromptView,
                  memo: dict[tuple[str, int, int], float]) -> None:
@@ -164,6 +176,7 @@ class IndexTicket:
         self._view = view
         self._memo = memo
         self.pending: ApproxInsert | None = None
+        self._journal_seq = 0
 
     def match(self) -> MatchResult | None:
         """Every worker's cached depth of the prompt's blocks, or ``None`` (no index or no block).
@@ -174,10 +187,34 @@ class IndexTicket:
         index = self._index
         if index is None:
             return None
+        self._journal_seq = index.journal_seq
         view = self._view
         if index.is_hybrid:
             return index.match(view.block_hashes[: view.num_cacheable_blocks])
         return index.match(view.block_hashes)
+
+    def mismatch_cause(self, worker_id: str, predicted_tokens: int, reported_tokens: int) -> str:
+        """Why ``worker_id`` reported ``reported_tokens`` cached where ``predicted_tokens`` were predicted (they
+        differ; ``router.metrics.MISMATCH_CAUSES``): ``"late"`` when it held more than predicted; for the predicted
+        blocks it did not serve from cache (blocks ``reported // block_size`` up to ``predicted // block_size``),
+        ``"evicted"`` when it reported evicting one after the decision, ``"pending"`` when the first was at the
+        decision only a pending entry that a store confirmed afterwards (a request in flight was computing it, and
+        the worker admitted this one before that block was cached: a burst before the events); ``"index"``
+        otherwise: it held fewer blocks than the index said, and nothing the worker reported explains it."""
+        if reported_tokens > predicted_tokens:
+            return "late"
+        index = self._index
+        if index is not None:
+            bs = self._view.block_size
+            hashes = self._view.block_hashes
+            seq = self._journal_seq
+            first, end = reported_tokens // bs, min(predicted_tokens // bs, len(hashes))
+            for i in range(first, end):
+                if index.evicted_since(worker_id, hashes[i], seq):
+                    return "evicted"
+            if first < end and index.confirmed_since(worker_id, hashes[first], seq):
+                return "pending"
+        return "index"
 
     def insert_for(self, worker: WorkerRuntime, match: MatchResult | None, now_s: float) -> None:
         """The chosen worker's entries for the request (module doc, step 5), kept as ``pending``."""
@@ -280,77 +317,6 @@ class RoutePlan(msgspec.Struct, frozen=True, gc=False):
         return out[:max_workers]
 
 
-class DecisionRecord(msgspec.Struct, frozen=True, gc=False):
-    """One entry of ``/admin/decisions``."""
-
-    request_id: str
-    model: str
-    worker_id: str | None
-    reason: str
-    detail: str
-    session_key: str | None
-    num_prompt_tokens: int
-    predicted_cached_tokens: int
-    scores: Mapping[str, float]
-    cached_tokens: dict[str, int]
-    decision_s: float
-    at_s: float
-
-
-class PDRecord(msgspec.Struct, frozen=True, gc=False):
-    """One disaggregated entry of ``/admin/decisions`` (``router.pd``): both legs with every candidate's score.
-
-    Attributes:
-        request_id: the gateway's id.
-        model: the model.
-        protocol: ``vllm`` or ``sglang``.
-        prefill_worker_id: the prefill leg's chosen worker.
-        decode_worker_id: the decode leg's chosen worker.
-        prefill_reason: the prefill decision's reason.
-        decode_reason: the decode decision's reason.
-        prefill_scores: per prefill candidate, estimated TTFT plus the transfer to the decode worker (seconds).
-        decode_scores: per decode candidate, transfer plus decode load (seconds).
-        decode_fits: per decode candidate, whether the request fit its free blocks.
-        predicted_cached_tokens: per prefill candidate, predicted cached prompt tokens.
-        num_reserved_blocks: blocks reserved on the decode worker.
-        num_transfer_bytes: KV bytes the decode worker pulls.
-        transfer_s: expected transfer time, seconds.
-        num_prompt_tokens: prompt tokens.
-        session_key: the session key, or ``None``.
-        decision_s: time the decision took, seconds.
-        at_s: when it was made (monotonic).
-        reported_cached_tokens: cached tokens the prefill worker reported (the honesty check), or ``None``.
-        prefill_served_by: the worker that answered the prefill leg (after retries), or ``None``.
-        decode_served_by: the worker whose answer was relayed, or ``None``.
-        outcome: ``ok``, ``client_gone``, or the error's class name.
-        kind: ``pd`` (aggregated entries are ``DecisionRecord``).
-    """
-
-    request_id: str
-    model: str
-    protocol: str
-    prefill_worker_id: str | None
-    decode_worker_id: str | None
-    prefill_reason: str
-    decode_reason: str
-    prefill_scores: dict[str, float]
-    decode_scores: dict[str, float]
-    decode_fits: dict[str, bool]
-    predicted_cached_tokens: dict[str, int]
-    num_reserved_blocks: int
-    num_transfer_bytes: int
-    transfer_s: float
-    num_prompt_tokens: int
-    session_key: str | None
-    decision_s: float
-    at_s: float
-    reported_cached_tokens: int | None = None
-    prefill_served_by: str | None = None
-    decode_served_by: str | None = None
-    outcome: str = "ok"
-    kind: str = "pd"
-
-
 class Router:
     """Turns a parsed request and its prompt view into a ``RoutePlan``."""
 
@@ -368,6 +334,7 @@ class Router:
         self._num_decisions = 0
         """Decisions in fleets over ``MAX_SCORED_WORKERS`` (moves the load sample's window)."""
         self._inserted_at_s: dict[tuple[str, int, int], float] = {}
+        self.assignments = RecentAssignments()
 
     @property
     def fleet(self) -> Fleet:
@@ -385,7 +352,7 @@ class Router:
     @staticmethod
     def states(
         candidates: Sequence[WorkerRuntime], view: PromptView, now_s: float, max_inflight: int,
-        match: MatchResult | None,
+        match: MatchResult | None, recent: Mapping[str, int] | None = None,
     ) -> tuple[tuple[WorkerState, ...], dict[str, int]]:
         """Each candidate's ``WorkerState`` (the policy's view of it) and its predicted cached tokens.
 
@@ -393,7 +360,7 @@ class Router:
         module docstring says. Load: requests in flight through this gateway, or the polled count when larger;
         waiting requests and KV usage as polled (0 without a poll). Healthy: its health checks pass, it has fewer
         than ``max_inflight`` requests in flight (0: no limit), and its circuit lets a request through at
-        ``now_s``.
+        ``now_s``. ``recent`` gives each worker's recent assignments (``RecentAssignments.counts``; none: 0).
 
         Returns:
             ``(states in candidate order, predicted cached tokens (all tiers) by worker id)``.
@@ -404,6 +371,7 @@ class Router:
         if cap < 0:
             cap = 0
         limit = max_inflight if max_inflight > 0 else _NO_LIMIT
+        recent = recent or {}
         states: list[WorkerState] = []
         predicted: dict[str, int] = {}
         for worker in candidates:
@@ -434,12 +402,13 @@ class Router:
             if load is None:
                 states.append(WorkerState(worker_id, is_healthy, worker.is_draining, gpu_tokens, cpu_tokens,
                                           pool_tokens, running, 0, worker.num_pending_prefill_tokens, 0.0,
-                                          worker.num_inflight_prompt_tokens))
+                                          worker.num_inflight_prompt_tokens, recent.get(worker_id, 0)))
             else:
                 states.append(WorkerState(
                     worker_id, is_healthy, worker.is_draining, gpu_tokens, cpu_tokens, pool_tokens,
                     max(running, load.num_running_requests), load.num_waiting_requests,
                     worker.num_pending_prefill_tokens, load.kv_usage, worker.num_inflight_prompt_tokens,
+                    recent.get(worker_id, 0),
                 ))
         return tuple(states), predicted
 
@@ -464,11 +433,12 @@ class Router:
         if len(candidates) > MAX_SCORED_WORKERS and not any(name in headers for name in FORCE_WORKER_HEADERS):
             self._num_decisions += 1
             candidates = tuple(scored_workers(candidates, self._fleet.workers, match, self._num_decisions))
-        states, predicted = self.states(candidates, view, now_s, max_inflight_per_worker, match)
         if headers or parsed.user is not None or view.opening_hash is not None:
             session_key = derive_session_key(self.holder.key_sources, headers, parsed.user, view.opening_hash)
         else:
             session_key = None  # no source has a value
+        states, predicted = self.states(candidates, view, now_s, max_inflight_per_worker, match,
+                                        self.assignments.counts if session_key is not None else None)
         req = RequestView(request_id, parsed.model, view.num_tokens, parsed.max_tokens or model.default_max_tokens,
                           view.block_size, session_key)
         return t0, now_s, candidates, ticket, match, predicted, req, Snapshot(states, None, now_s)
@@ -525,12 +495,13 @@ class Router:
                 decision = await self.ownership.claim(sticky, session_key, req, snapshot)
             else:
                 decision = holder.policy.select(req, snapshot)
-        return self._plan(t0, now_s, parsed, view, ticket, match, predicted, req, decision, sticky is not None)
+        return self._plan(t0, now_s, parsed, view, ticket, match, predicted, req, decision, sticky is not None,
+                          snapshot)
 
     def _plan(
         self, t0: float, now_s: float, parsed: ParsedRequest, view: PromptView, ticket: IndexTicket,
         match: MatchResult | None, predicted: dict[str, int], req: RequestView, decision: Decision,
-        is_session_sticky: bool,
+        is_session_sticky: bool, snapshot: Snapshot | None = None,
     ) -> RoutePlan:
         """The plan for ``decision``: workers in order, pending or approximate index entries, the decision record.
 
@@ -552,12 +523,15 @@ class Router:
                                     reason="worker_removed")
             chosen = workers[chosen_id]
         ticket.insert_for(chosen, match, now_s)
+        if req.session_key is not None and decision.reason != "forced":  # sessions placed by the policy
+            self.assignments.add(chosen_id, len(predicted))
         calibrator = self.holder.calibrator
         factor = calibrator.speed_factor(chosen_id) if calibrator is not None else 1.0
         decision_s = time.perf_counter() - t0
         self.recent.append(DecisionRecord(
             req.request_id, parsed.model, chosen_id, decision.reason, decision.detail, req.session_key,
             view.num_tokens, predicted[chosen_id], decision.scores, predicted, decision_s, now_s,
+            req, snapshot, self.holder.policy,
         ))
         return RoutePlan(decision, chosen, predicted, view.num_tokens, req.session_key, factor, decision_s, workers,
                          ticket, calibrator, is_session_sticky)

@@ -97,6 +97,9 @@ from workers.scheduler import Request, Scheduler
 
 logger = logging.getLogger(__name__)
 
+WORKER_ID_HEADER = "x-worker-id"
+"""Response header naming the worker that streamed the answer (a router in front relays it; the side-by-side
+benchmark reads it to count each peer router's load per worker)."""
 SAMPLE_TEXT = " the of and to a in is it you that he was for on are with as I his they be at one have this from"
 
 
@@ -503,7 +506,8 @@ async def _stream_response(
     req = stream.request
     rid = req.request_id
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       WORKER_ID_HEADER: worker.config.worker_id})
     await resp.prepare(http_request)
     base: dict[str, Any] = {
         "id": rid,

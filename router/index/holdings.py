@@ -193,6 +193,8 @@ class Holdings:
         if lane_key == GPU0 and slot.approx.pop(block_hash, None) is not None:
             self.state.num_approx -= 1
             self.state.counters["num_approx_blocks_confirmed"] += 1
+            self.state.journal_seq += 1
+            slot.note_confirmed(block_hash, self.state.journal_seq)
             return
         key = (lane_key, block_hash)
         slot.copies[key] = slot.copies.get(key, 0) + 1

@@ -163,6 +163,23 @@ class PrefixIndex:
         """Whether ``match`` applies the hybrid per-group rule (``Query.is_hybrid``)."""
         return self.query.is_hybrid
 
+    @property
+    def journal_seq(self) -> int:
+        """GPU evictions and pending confirmations reported so far (a stamp to read ``evicted_since`` and
+        ``confirmed_since`` against)."""
+        return self.state.journal_seq
+
+    def evicted_since(self, worker_id: str, block_hash: int, seq: int) -> bool:
+        """Whether ``worker_id`` reported evicting ``block_hash`` from its GPU (any dp rank) after the index's
+        ``journal_seq`` was ``seq`` (within each slot's journal of its latest ``MAX_EVICTED`` evictions)."""
+        return any(slot.evicted.get(block_hash, 0) > seq for slot in self.state.worker_slots(worker_id))
+
+    def confirmed_since(self, worker_id: str, block_hash: int, seq: int) -> bool:
+        """Whether a store of ``worker_id`` confirmed ``block_hash``, until then only a pending entry, after the
+        index's ``journal_seq`` was ``seq``: at that time the block was still being computed by a request in
+        flight (within each slot's journal of its latest ``MAX_EVICTED`` confirmations)."""
+        return any(slot.confirmed.get(block_hash, 0) > seq for slot in self.state.worker_slots(worker_id))
+
     def num_blocks(self) -> int:
         """Indexed blocks (entries)."""
         return self.state.num_entries

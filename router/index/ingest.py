@@ -47,7 +47,7 @@ from router.block_hash import (
 )
 from router.index.holdings import Holdings
 from router.index.slots import LaneKey, Slot
-from router.index.state import IndexState
+from router.index.state import GPU0, IndexState
 from router.index.upkeep import Upkeep
 
 logger = logging.getLogger(__name__)
@@ -323,6 +323,9 @@ class Ingest:
                     dropped = self.holdings.drop(slot, lane_key, target) or dropped
             if dropped:
                 counters["num_blocks_removed"] += 1
+                if lane_key == GPU0:
+                    self.state.journal_seq += 1
+                    slot.note_evicted(block_hash, self.state.journal_seq)
             else:
                 counters["num_removals_not_held"] += 1
             if not self.state.slot_holds_hash(slot, block_hash):

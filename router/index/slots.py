@@ -15,6 +15,20 @@ LaneKey = tuple[int, Medium]
 """(cache group index, medium): one holder-mask table of the index."""
 
 
+MAX_EVICTED = 65536
+"""Blocks each slot's eviction journal remembers (``Slot.evicted``)."""
+
+
+def _journal(journal: dict[int, int], block_hash: int, seq: int) -> None:
+    """Stamp ``block_hash`` with ``seq`` as the newest entry, dropping the oldest half past ``MAX_EVICTED``."""
+    journal.pop(block_hash, None)
+    journal[block_hash] = seq
+    if len(journal) > MAX_EVICTED:
+        keep = list(journal.items())[MAX_EVICTED // 2:]
+        journal.clear()
+        journal.update(keep)
+
+
 class Slot:
     """What the index knows about one engine (worker, dp_rank).
 
@@ -42,6 +56,11 @@ class Slot:
             (``router.index.state``); 0 lets ``match`` binary-search this slot's depth.
         is_live: false once the slot is removed (stale expiry records skip it).
         warned: index counters this slot's refused events were already logged under at warning level.
+        evicted: our hash -> the index's journal sequence number when the worker last reported removing that
+            block from its group 0 GPU lane (``BlockRemoved``), the most recent ``MAX_EVICTED`` blocks; the
+            honesty check reads it to tell an eviction after the decision from a wrong prediction.
+        confirmed: our hash -> the journal sequence number when a ``BlockStored`` confirmed that block, held until
+            then only as a pending entry of a routed request (the most recent ``MAX_EVICTED``).
     """
 
     __slots__ = (
@@ -60,6 +79,8 @@ class Slot:
         "num_gaps",
         "is_live",
         "warned",
+        "evicted",
+        "confirmed",
     )
 
     def __init__(self, worker_id: str, dp_rank: int, bit: int) -> None:
@@ -78,6 +99,16 @@ class Slot:
         self.num_gaps = 0
         self.is_live = True
         self.warned: set[str] = set()
+        self.evicted: dict[int, int] = {}
+        self.confirmed: dict[int, int] = {}
+
+    def note_evicted(self, block_hash: int, seq: int) -> None:
+        """Journal one GPU eviction (``evicted``)."""
+        _journal(self.evicted, block_hash, seq)
+
+    def note_confirmed(self, block_hash: int, seq: int) -> None:
+        """Journal one pending entry confirmed by the worker's store (``confirmed``)."""
+        _journal(self.confirmed, block_hash, seq)
 
     def num_parked(self) -> int:
         """Stores waiting for a parent."""

@@ -158,6 +158,7 @@ class IndexState:
         self.approx_queue: list[tuple[float, int, Slot, tuple[int, ...]]] = []  # heap by expiry
         self.approx_seq = 0
         self.num_approx = 0
+        self.journal_seq = 0  # GPU evictions and pending confirmations so far (``Slot.evicted``, ``confirmed``)
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         for medium, workers in (pool_members or {}).items():
             self.set_pool_members(medium, workers)

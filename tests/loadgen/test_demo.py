@@ -135,7 +135,7 @@ def test_quick_demo_end_to_end(tmp_path):
     out = tmp_path / "demo"
     rc = kvgate(
         ["demo", "--trace", TRACE, "--out", str(out), "--max-requests", "60", "--num-workers", "2",
-         "--policies", "round_robin,cache_aware", "--no-progress", "--time-scale", "10"]
+         "--policies", "round_robin,cache_aware", "--no-progress", "--time-scale", "10", "--peers", "none"]
     )  # fmt: skip
     data = json.loads((out / "results.json").read_text())
     runs = {r["policy"]: r for r in data["runs"]}
@@ -145,6 +145,38 @@ def test_quick_demo_end_to_end(tmp_path):
         assert 0 < run["hit_ratio"] <= run["ceiling_hit_ratio"] + 0.05
         assert run["ttft_p50_s"] > 0 and set(run["requests_by_worker"]) == {"worker-0", "worker-1"}
         assert sum(run["requests_by_worker"].values()) == 60
-    assert rc == 0
+    assert rc == (0 if all(c["passed"] for c in data["acceptance"]) else 1)  # a failed check fails the demo
     assert (out / "ttft_cdf.png").stat().st_size > 1000
     assert data["sizing"]["worker_share_of_distinct"] < 0.5
+
+
+def _summary(label: str, *, cached: int, ttft: float):
+    from loadgen.report import summarize
+
+    from .builders import make_record
+
+    return summarize([make_record(i, worker=f"w{i % 2}", cached=cached, predicted=cached, ttft=ttft)
+                      for i in range(20)], policy=label, ceiling_hit_ratio=0.5, duration_s=1.0,
+                     mismatches_by_cause={"index": 0, "evicted": 1, "late": 0})
+
+
+@pytest.mark.unit
+def test_default_policy_is_held_to_the_best_peer():
+    from loadgen.demo import standard_checks
+
+    ours = _summary("session_sticky+cache_aware", cached=49, ttft=0.4)  # hit 0.49 of 0.5: 0.98 of the ceiling
+    peer_a = _summary("sglang:cache_aware", cached=50, ttft=0.5)  # 1.00 of the ceiling
+    peer_b = _summary("vllm:cache_aware", cached=45, ttft=0.3)
+    checks = {c.name: (c.value, c.limit, c.passed) for c in standard_checks([ours, peer_a, peer_b],
+                                                                           ["sglang:cache_aware", "vllm:cache_aware"])}
+    name = "session_sticky+cache_aware"
+    assert checks[f"{name} hit ratio ÷ ceiling >= 0.97"] == (pytest.approx(0.98), 0.97, True)
+    assert checks[f"{name} hit ratio ÷ ceiling >= best peer's - 0.01"] == (pytest.approx(0.98), pytest.approx(0.99),
+                                                                          False)
+    # TTFT is the same for every record of a run: p50 = p99 = its ttft (the records' times are simulated at scale 1).
+    assert checks[f"{name} TTFT p50 < every peer's (s)"] == (pytest.approx(0.4), pytest.approx(0.3), False)
+    assert checks[f"{name} TTFT p99 < every peer's (s)"] == (pytest.approx(0.4), pytest.approx(0.3), False)
+    assert checks[f"{name} cached-token mismatch from a wrong index = 0"] == (0.0, 0.0, True)
+    # Without peers only the fixed bars apply.
+    assert [c.name for c in standard_checks([ours], [])] == [
+        f"{name} hit ratio ÷ ceiling >= 0.97", f"{name} cached-token mismatch from a wrong index = 0"]

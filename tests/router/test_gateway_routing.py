@@ -246,3 +246,23 @@ async def test_remove_worker_clears_index_and_sessions(workers):
         _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX},
                                      headers={"x-session-id": "s"})
         assert headers["x-kvgate-worker"] == "w1"
+
+
+async def test_new_sessions_on_an_idle_fleet_spread_and_requests_without_one_keep_configuration_order(workers):
+    async with GatewayHarness(make_config(workers), workers=workers) as h:
+        placed = []
+        for i in range(6):  # one after the other: every worker idle and holding nothing of these prompts
+            status, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": f"{i}" * 40},
+                                              headers={"x-session-id": f"s{i}"})
+            assert status == 200
+            placed.append(headers["x-kvgate-worker"])
+        assert placed == ["w0", "w1", "w2", "w0", "w1", "w2"]
+        _, headers, _ = await h.post("/v1/completions", {"model": "m", "prompt": "z" * 40})
+        assert headers["x-kvgate-worker"] == "w0"
+        status, body = await h.admin("GET", "/admin/decisions?limit=1")
+        terms = body["decisions"][0]["cost_terms"]
+        assert sorted(terms) == ["w0", "w1", "w2"]
+        t = terms["w0"]
+        assert t["cost_s"] == pytest.approx(t["ttft_s"] + t["recompute_penalty_s"] + t["decode_load_penalty_s"])
+        assert t["ttft_s"] == pytest.approx(t["overhead_s"] + t["queue_s"] + t["prefill_s"] + t["restore_s"])
+        assert t["num_computed_tokens"] == 40

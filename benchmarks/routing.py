@@ -1,0 +1,257 @@
+"""Routing side by side: kvgate's policies and the peer routers on one sim fleet, the same slice, interleaved.
+
+Run: ``python -m benchmarks routing [--workload mooncake|agentic|synthetic] [--start-s S] [--max-requests N]
+[--repetitions 2] [--routers LABEL,...] [--concurrency 8] [--num-cpu-blocks B] [--out DIR]``.
+
+Method:
+
+1. Read the workload: a slice of the bundled Mooncake conversation trace (``--start-s``, ``--max-requests``; the
+   demo's slice by default), the agentic coding sessions of ``../shared/traces/kv-cache-tester`` (closed loop,
+   ``--concurrency`` sessions in flight), or the synthetic agentic generator (closed loop).
+2. Size one fleet of sim workers as ``kvgate demo`` sizes it (``loadgen.demo.size_fleet``; prefill
+   ``prefill_slowdown`` times slower than the default profile, kvgate's cost model told the same rates), start it
+   once.
+3. For each repetition, for each router (A B C A B C): reset every worker's prefix cache, start the router (a fresh
+   process: fresh tree, fresh session table), replay the slice through it, stop it. Peers are started from their
+   own venvs (``scripts/setup-peers``); a peer that is not installed is skipped with the reason printed.
+4. Print one table: requests ok / failed, hit ratio ÷ the ceiling over the same successful requests, TTFT
+   p50 / p90 / p99 (simulated seconds), load imbalance (max ÷ mean prompt tokens per worker) and kvgate's cached
+   token mismatch by cause (the index wrong / the worker evicted after the decision / the block was still pending
+   at the decision / it held more than the index knew), each as the mean over
+   repetitions with the spread (min–max) beside it. ``results.json`` and ``records.jsonl`` go to ``--out``.
+
+Peers, their session headers and how they start: ``loadgen.peers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+import yaml
+from rich.console import Console
+
+from loadgen.ceiling import ceiling
+from loadgen.demo import DemoConfig, find_default_trace, gateway_policy, size_fleet, worker_profile
+from loadgen.errors import FleetError, LoadgenError
+from loadgen.fleet import Fleet, WorkerSpec
+from loadgen.peers import PEER_ENV, SIM_WORKER_HEADER, PeerRouter, peer_argv, peer_labels, resolve_peer
+from loadgen.prompts import PromptBuilder
+from loadgen.replay import ReplayConfig, new_session_prefix
+from loadgen.report import RunSummary
+from loadgen.runner import RunOutcome, replay_with_progress, write_results
+from loadgen.sessions import derive_sessions
+from loadgen.synthetic import SyntheticConfig, generate
+from loadgen.traces import TraceRequest, read_agentic_sessions, read_mooncake
+
+__all__ = ["main", "summarize_router"]
+
+KVGATE_ROUTERS: tuple[str, ...] = ("kvgate:cache_aware", "kvgate:session_sticky+cache_aware")
+"""kvgate's runs, ``kvgate:<loadgen.demo.POLICIES label>``."""
+AGENTIC_TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "kv-cache-tester"
+"""The agentic coding sessions, beside the checkout (``../shared/traces/kv-cache-tester``)."""
+
+
+def default_routers() -> list[str]:
+    """kvgate's two policies, then every peer policy."""
+    return [*KVGATE_ROUTERS, *peer_labels()]
+
+
+def resolve_routers(labels: Sequence[str]) -> list[PeerRouter]:
+    """Each label's run (kvgate's as a ``PeerRouter`` without a python); a peer without its venv is skipped."""
+    out = []
+    for label in labels:
+        if label.startswith("kvgate:"):
+            out.append(PeerRouter(label))
+        else:
+            try:
+                out.append(resolve_peer(label))
+            except LoadgenError as exc:
+                raise SystemExit(str(exc)) from exc
+    return out
+
+
+def load_workload(args: argparse.Namespace) -> list[TraceRequest]:
+    """The slice (module docstring, step 1), sessions assigned."""
+    if args.workload == "mooncake":
+        trace = args.trace or find_default_trace()
+        if trace is None:
+            raise SystemExit("no trace: pass --trace")
+        return derive_sessions(read_mooncake(trace, start_s=args.start_s, max_requests=args.max_requests))
+    if args.workload == "agentic":
+        requests = read_agentic_sessions([args.trace or AGENTIC_TRACES],
+                                         max_requests_per_session=args.max_requests_per_session)
+        return requests[: args.max_requests]
+    return generate(SyntheticConfig(num_sessions=args.num_sessions, seed=args.seed))[: args.max_requests]
+
+
+def _spread(values: Sequence[float | None], spec: str) -> str:
+    """``mean (min–max)`` of the values present; ``–`` for none; one value alone."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return "–"
+    mean = statistics.fmean(present)
+    if len(present) == 1 or max(present) == min(present):
+        return format(mean, spec)
+    return f"{format(mean, spec)} ({format(min(present), spec)}–{format(max(present), spec)})"
+
+
+COLUMNS = ("router", "ok", "failed", "hit ÷ ceiling", "TTFT p50 (s)", "TTFT p90 (s)", "TTFT p99 (s)",
+           "imbalance", "mismatch: index", "mismatch: evicted",
+           "mismatch: pending", "mismatch: late")
+
+
+def summarize_router(label: str, runs: Sequence[RunSummary]) -> list[str]:
+    """One table row over a router's repetitions (``COLUMNS``)."""
+    return [
+        label,
+        str(sum(r.requests_ok for r in runs)),
+        str(sum(r.requests_failed for r in runs)),
+        _spread([r.fraction_of_ceiling for r in runs], ".3f"),
+        _spread([r.ttft_p50_s for r in runs], ".2f"),
+        _spread([r.ttft_p90_s for r in runs], ".2f"),
+        _spread([r.ttft_p99_s for r in runs], ".2f"),
+        _spread([r.load_imbalance for r in runs], ".2f"),
+        _spread([r.cached_mismatch_index_ratio for r in runs], ".2%"),
+        _spread([r.cached_mismatch_evicted_ratio for r in runs], ".2%"),
+        _spread([r.cached_mismatch_pending_ratio for r in runs], ".2%"),
+        _spread([r.cached_mismatch_late_ratio for r in runs], ".2%"),
+    ]
+
+
+def markdown(rows: Sequence[Sequence[str]], skipped: Sequence[PeerRouter]) -> str:
+    """The table, then a line per skipped router."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines.extend("| " + " | ".join(row) + " |" for row in rows)
+    lines.extend(f"skipped {s.label}: {s.skip_reason}" for s in skipped)
+    return "\n".join(lines) + "\n"
+
+
+async def run(args: argparse.Namespace, console: Console) -> tuple[dict[str, list[RunOutcome]], list[PeerRouter]]:
+    """Steps 2–3 of the module docstring: outcomes by router label, and the skipped routers."""
+    requests = load_workload(args)
+    if not requests:
+        raise SystemExit("the slice holds no requests")
+    demo = DemoConfig(trace="", num_workers=args.num_workers, time_scale=args.time_scale,
+                      max_output_tokens=args.max_output_tokens, num_cpu_blocks=args.num_cpu_blocks)
+    sizing = size_fleet(requests, demo)
+    bound = ceiling(requests)
+    console.print(f"{args.workload}: {len(requests)} requests, {len({r.session_id for r in requests})} sessions, "
+                  f"ceiling {bound.hit_ratio:.3f}; fleet {args.num_workers} × {sizing.num_gpu_blocks_per_worker} "
+                  f"GPU blocks (+{args.num_cpu_blocks} CPU)", markup=False, highlight=False)
+    specs = resolve_routers(args.routers.split(",") if args.routers else default_routers())
+    running = [s for s in specs if s.skip_reason is None]
+    out = Path(args.out)
+    fleet = Fleet(out / "logs", startup_timeout_s=90.0)
+    outcomes: dict[str, list[RunOutcome]] = {s.label: [] for s in running}
+    failed_to_start: dict[str, str] = {}
+    prompts = PromptBuilder()
+    worker_specs = [WorkerSpec(f"worker-{i}", sizing.num_gpu_blocks_per_worker, args.num_cpu_blocks,
+                               demo.block_size, 1.0 / args.time_scale) for i in range(args.num_workers)]
+    try:
+        profile_path = out / "logs" / "worker-profile.yaml"
+        profile_path.parent.mkdir(parents=True, exist_ok=True)
+        profile_path.write_text(yaml.safe_dump(worker_profile(demo), sort_keys=False))
+        fleet.start_workers(worker_specs, ["--profile", str(profile_path)])
+        await fleet.wait_ready()
+        for repetition in range(args.repetitions):
+            for spec in list(running):
+                await fleet.reset_caches()
+                kind, _, policy = spec.label.partition(":")
+                if kind == "kvgate":
+                    fleet.start_gateway(gateway_policy(policy, demo), demo.block_size)
+                    session_header, worker_header = "x-session-id", "x-kvgate-worker"
+                else:
+                    port, metrics_port = fleet.free_port(), fleet.free_port()
+                    fleet.start_router(spec.label.replace(":", "-"),
+                                       peer_argv(spec, [w.url for w in fleet.workers], port, metrics_port), port,
+                                       env=PEER_ENV)
+                    session_header = spec.session_header
+                    worker_header = SIM_WORKER_HEADER
+                try:
+                    await fleet.wait_ready()
+                except FleetError as exc:  # a peer that does not start here is skipped with the reason
+                    if kind == "kvgate":
+                        raise
+                    console.print(f"skipping {spec.label}: {exc}", markup=False, highlight=False)
+                    fleet.stop_gateway()
+                    failed_to_start[spec.label] = str(exc)
+                    running = [s for s in running if s.label != spec.label]
+                    continue
+                assert fleet.gateway is not None
+                replay = ReplayConfig(
+                    url=fleet.gateway.url, mode="open" if args.workload == "mooncake" else "closed",
+                    time_scale=args.time_scale, concurrency=args.concurrency,
+                    max_output_tokens=args.max_output_tokens, request_timeout_s=args.request_timeout_s,
+                    session_header=session_header, worker_header=worker_header, session_prefix=new_session_prefix(),
+                    metrics_url=fleet.gateway.url + "/metrics" if kind == "kvgate" else None,
+                )
+                outcome = await replay_with_progress(requests, replay, prompts, label=spec.label,
+                                                     workers=[w.worker_id for w in worker_specs], console=console,
+                                                     show_progress=False)
+                outcomes[spec.label].append(outcome)
+                if kind == "kvgate":  # the latest decisions, every candidate's cost terms (for diagnosis)
+                    await _save_decisions(fleet.gateway.url, out / f"decisions-{policy}-{repetition + 1}.json")
+                s = outcome.summary
+                console.print(f"rep {repetition + 1} {spec.label}: {s.requests_ok} ok, of ceiling "
+                              f"{s.fraction_of_ceiling or 0:.3f}, TTFT p50 {s.ttft_p50_s or 0:.2f} s, "
+                              f"p99 {s.ttft_p99_s or 0:.2f} s", markup=False, highlight=False)
+                fleet.stop_gateway()
+    finally:
+        fleet.stop()
+    skipped = [s for s in specs if s.skip_reason is not None]
+    skipped.extend(PeerRouter(label, None, f"did not start: {why}") for label, why in failed_to_start.items())
+    return outcomes, skipped
+
+
+async def _save_decisions(url: str, path: Path) -> None:
+    """``/admin/decisions`` of a kvgate gateway (its ring of recent decisions) into ``path``."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/admin/decisions?limit=100000") as resp:
+        path.write_bytes(await resp.read())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=("mooncake", "agentic", "synthetic"), default="mooncake")
+    parser.add_argument("--trace", default=None, help="the Mooncake .jsonl, or the agentic sessions' directory")
+    parser.add_argument("--start-s", type=float, default=0.0, help="Mooncake: trace time where the slice starts")
+    parser.add_argument("--max-requests", type=int, default=450, help="requests in the slice")
+    parser.add_argument("--max-requests-per-session", type=int, default=None, help="agentic: first turns only")
+    parser.add_argument("--num-sessions", type=int, default=16, help="synthetic: sessions")
+    parser.add_argument("--seed", type=int, default=0, help="synthetic: seed")
+    parser.add_argument("--concurrency", type=int, default=8, help="closed loop: sessions in flight")
+    parser.add_argument("--repetitions", type=int, default=2, help="interleaved repetitions (A B C A B C)")
+    parser.add_argument("--routers", default="", help="comma-separated labels (default: " +
+                        ",".join(default_routers()) + ")")
+    parser.add_argument("--num-workers", type=int, default=4)
+    parser.add_argument("--num-cpu-blocks", type=int, default=0, help="CPU-tier blocks per worker")
+    parser.add_argument("--time-scale", type=float, default=5.0, help="simulated seconds per wall second")
+    parser.add_argument("--max-output-tokens", type=int, default=16)
+    parser.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.add_argument("--out", default="out/bench-routing")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; 0 when every request of every run succeeded, 1 otherwise."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks routing", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    console = Console()
+    outcomes, skipped = asyncio.run(run(args, console))
+    rows = [summarize_router(label, [o.summary for o in runs]) for label, runs in outcomes.items() if runs]
+    table = markdown(rows, skipped)
+    console.print(table, markup=False, highlight=False, soft_wrap=True)
+    out = Path(args.out)
+    write_results(out, [o for runs in outcomes.values() for o in runs],
+                  extra={"workload": args.workload, "start_s": args.start_s, "table": rows}, plots=False)
+    (out / "table.md").write_text(table, encoding="utf-8")
+    failed = sum(o.summary.requests_failed for runs in outcomes.values() for o in runs)
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The gateway's record of its routing decisions: ``RecentAssignments`` (how many of the latest decisions went to
+each worker, the policies' last tie-break), and the entries of ``/admin/decisions`` (``DecisionRecord``, whose
+``cost_terms`` gives every candidate's ranking cost term by term, and ``PDRecord`` for a disaggregated pair)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+
+import msgspec
+
+from policies import cost_terms
+from policies.base import RequestView, Snapshot
+
+__all__ = ["DecisionRecord", "PDRecord", "RecentAssignments"]
+
+
+class RecentAssignments:
+    """How many of the latest decisions went to each worker: a window of ``num_per_worker`` decisions per worker of
+    the fleet (``WorkerState.num_recent_assignments``, the policies' last tie-break before configuration order).
+
+    O(1) per decision: a ring of worker ids and their counts.
+    """
+
+    __slots__ = ("_ring", "counts", "_num_per_worker")
+
+    def __init__(self, num_per_worker: int = 4) -> None:
+        self._ring: deque[str] = deque()
+        self.counts: dict[str, int] = {}
+        self._num_per_worker = num_per_worker
+
+    def add(self, worker_id: str, num_workers: int) -> None:
+        """Count one decision for ``worker_id``, forgetting the oldest past ``num_per_worker * num_workers``."""
+        ring, counts = self._ring, self.counts
+        ring.append(worker_id)
+        counts[worker_id] = counts.get(worker_id, 0) + 1
+        while len(ring) > self._num_per_worker * max(1, num_workers):
+            old = ring.popleft()
+            n = counts[old] - 1
+            if n:
+                counts[old] = n
+            else:
+                del counts[old]
+
+
+class DecisionRecord(msgspec.Struct, frozen=True, gc=False):
+    """One entry of ``/admin/decisions``; ``cost_terms`` gives every candidate's ranking cost term by term from the
+    decision's own inputs (``request``, ``snapshot``, ``policy``, which ``/admin/decisions`` does not show)."""
+
+    request_id: str
+    model: str
+    worker_id: str | None
+    reason: str
+    detail: str
+    session_key: str | None
+    num_prompt_tokens: int
+    predicted_cached_tokens: int
+    scores: Mapping[str, float]
+    cached_tokens: dict[str, int]
+    decision_s: float
+    at_s: float
+    request: RequestView | None = None
+    snapshot: Snapshot | None = None
+    policy: object = None
+
+    def cost_terms(self) -> dict[str, dict[str, float | int | bool]]:
+        """Each candidate's cost terms (``policies.cost_terms``) by worker id; empty for a forced worker or a
+        policy that ranks by no cost."""
+        if self.request is None or self.snapshot is None or self.reason == "forced":
+            return {}
+        return {w: msgspec.structs.asdict(t) for w, t in cost_terms(self.policy, self.request, self.snapshot).items()}
+
+
+class PDRecord(msgspec.Struct, frozen=True, gc=False):
+    """One disaggregated entry of ``/admin/decisions`` (``router.pd``): both legs with every candidate's score.
+
+    Attributes:
+        request_id: the gateway's id.
+        model: the model.
+        protocol: ``vllm`` or ``sglang``.
+        prefill_worker_id: the prefill leg's chosen worker.
+        decode_worker_id: the decode leg's chosen worker.
+        prefill_reason: the prefill decision's reason.
+        decode_reason: the decode decision's reason.
+        prefill_scores: per prefill candidate, estimated TTFT plus the transfer to the decode worker (seconds).
+        decode_scores: per decode candidate, transfer plus decode load (seconds).
+        decode_fits: per decode candidate, whether the request fit its free blocks.
+        predicted_cached_tokens: per prefill candidate, predicted cached prompt tokens.
+        num_reserved_blocks: blocks reserved on the decode worker.
+        num_transfer_bytes: KV bytes the decode worker pulls.
+        transfer_s: expected transfer time, seconds.
+        num_prompt_tokens: prompt tokens.
+        session_key: the session key, or ``None``.
+        decision_s: time the decision took, seconds.
+        at_s: when it was made (monotonic).
+        reported_cached_tokens: cached tokens the prefill worker reported (the honesty check), or ``None``.
+        prefill_served_by: the worker that answered the prefill leg (after retries), or ``None``.
+        decode_served_by: the worker whose answer was relayed, or ``None``.
+        outcome: ``ok``, ``client_gone``, or the error's class name.
+        kind: ``pd`` (aggregated entries are ``DecisionRecord``).
+    """
+
+    request_id: str
+    model: str
+    protocol: str
+    prefill_worker_id: str | None
+    decode_worker_id: str | None
+    prefill_reason: str
+    decode_reason: str
+    prefill_scores: dict[str, float]
+    decode_scores: dict[str, float]
+    decode_fits: dict[str, bool]
+    predicted_cached_tokens: dict[str, int]
+    num_reserved_blocks: int
+    num_transfer_bytes: int
+    transfer_s: float
+    num_prompt_tokens: int
+    session_key: str | None
+    decision_s: float
+    at_s: float
+    reported_cached_tokens: int | None = None
+    prefill_served_by: str | None = None
+    decode_served_by: str | None = None
+    outcome: str = "ok"
+    kind: str = "pd"

@@ -1,0 +1,90 @@
+"""The honesty check's causes: the index's journal of GPU evictions, and ``IndexTicket.mismatch_cause`` over it."""
+
+from __future__ import annotations
+
+import pytest
+
+from events.types import BlockRemoved, BlockStored, EventBatch, Medium
+from router.block_hash import hash_token_blocks
+from router.config import ModelConfig
+from router.index import IndexConfig, PrefixIndex
+from router.request_view import PromptView
+from router.routing import IndexTicket
+
+pytestmark = pytest.mark.unit
+
+BS = 4
+TOKENS = tuple(range(100, 124))  # 6 blocks of 4
+HASHES = hash_token_blocks(list(TOKENS), BS)
+
+
+def stored(first: int, last: int) -> BlockStored:
+    return BlockStored(
+        block_hashes=tuple(1000 + i for i in range(first, last)),
+        parent_block_hash=(1000 + first - 1) if first else None,
+        token_ids=TOKENS[first * BS: last * BS],
+        block_size=BS,
+    )
+
+
+def batch(worker: str, *events: object) -> EventBatch:
+    return EventBatch(worker, 0, 0, 0.0, tuple(events))  # type: ignore[arg-type]
+
+
+def ticket(index: PrefixIndex) -> IndexTicket:
+    view = PromptView(num_tokens=len(TOKENS), block_hashes=tuple(HASHES), block_size=BS)
+    return IndexTicket(index, ModelConfig(name="m", block_size=BS), view, {})
+
+
+def test_eviction_journal_stamps_gpu_removals_after_a_given_sequence():
+    index = PrefixIndex(IndexConfig(block_size=BS))
+    index.apply(batch("w0", stored(0, 6)))
+    seq = index.journal_seq
+    assert seq == 0
+    index.apply(batch("w0", BlockRemoved(block_hashes=(1004, 1005))))
+    assert index.journal_seq == 2
+    assert index.evicted_since("w0", HASHES[4], seq) and index.evicted_since("w0", HASHES[5], seq)
+    assert not index.evicted_since("w0", HASHES[3], seq)
+    assert not index.evicted_since("w1", HASHES[4], seq)
+    assert not index.evicted_since("w0", HASHES[4], 2)  # nothing since stamp 2
+
+
+def test_cpu_removals_are_not_gpu_evictions():
+    index = PrefixIndex(IndexConfig(block_size=BS))
+    index.apply(batch("w0", stored(0, 6), BlockStored(block_hashes=(1005,), parent_block_hash=1004,
+                                                      token_ids=TOKENS[20:24], block_size=BS, medium=Medium.CPU)))
+    index.apply(batch("w0", BlockRemoved(block_hashes=(1005,), medium=Medium.CPU)))
+    assert index.journal_seq == 0
+
+
+def test_mismatch_causes():
+    index = PrefixIndex(IndexConfig(block_size=BS))
+    index.apply(batch("w0", stored(0, 6)))
+    t = ticket(index)
+    assert t.match() is not None  # stamps the ticket with journal_seq 0
+    # The worker reports 12 cached tokens where 20 were predicted: blocks 3 and 4 were not served from cache.
+    assert t.mismatch_cause("w0", 20, 12) == "index"  # no eviction reported: the index was wrong
+    index.apply(batch("w0", BlockRemoved(block_hashes=(1005,))))
+    assert t.mismatch_cause("w0", 20, 12) == "index"  # block 5 is past the predicted 20 tokens
+    index.apply(batch("w0", BlockRemoved(block_hashes=(1004,))))
+    assert t.mismatch_cause("w0", 20, 12) == "evicted"  # block 4 (tokens 16..19) was evicted after the decision
+    assert t.mismatch_cause("w0", 12, 20) == "late"  # the worker held more than the index knew
+    later = ticket(index)
+    later.match()
+    assert later.mismatch_cause("w0", 20, 12) == "index"  # that eviction came before this decision
+
+
+def test_a_block_pending_at_the_decision_and_stored_after_it_is_a_pending_miss():
+    index = PrefixIndex(IndexConfig(block_size=BS))
+    index.apply(batch("w0", stored(0, 2)))
+    index.insert_approximate("w0", HASHES[:6], 0.0, ttl_s=60.0)  # an earlier request routed there: 2..5 pending
+    assert index.match(HASHES).workers["w0"].num_gpu_blocks == 6
+    t = ticket(index)
+    t.match()
+    index.apply(batch("w0", stored(2, 6)))  # that request's blocks, stored after this one was admitted
+    assert index.journal_seq == 4  # four pending entries confirmed
+    assert t.mismatch_cause("w0", 20, 8) == "pending"  # blocks 2..4 were computed by the request in flight
+    assert t.mismatch_cause("w0", 4, 8) == "late"
+    later = ticket(index)
+    later.match()
+    assert later.mismatch_cause("w0", 20, 8) == "index"  # confirmed before this decision: the index was right
