@@ -197,6 +197,11 @@ async def run(args: argparse.Namespace, console: Console) -> tuple[dict[str, lis
                 outcomes[spec.label].append(outcome)
                 if kind == "kvgate":  # the latest decisions, every candidate's cost terms (for diagnosis)
                     await _save_decisions(fleet.gateway.url, out / f"decisions-{policy}-{repetition + 1}.json")
+                    behind = await _gateway_share(fleet.gateway.url, outcome, args.time_scale)
+                    if behind is not None:
+                        console.print(f"  {spec.label}: mean TTFT {behind[0]:.2f} s at the client, {behind[1]:.2f} s "
+                                      "from the gateway's send to the first token (simulated s)", markup=False,
+                                      highlight=False)
                 s = outcome.summary
                 console.print(f"rep {repetition + 1} {spec.label}: {s.requests_ok} ok, of ceiling "
                               f"{s.fraction_of_ceiling or 0:.3f}, TTFT p50 {s.ttft_p50_s or 0:.2f} s, "
@@ -213,6 +218,23 @@ async def _save_decisions(url: str, path: Path) -> None:
     """``/admin/decisions`` of a kvgate gateway (its ring of recent decisions) into ``path``."""
     async with aiohttp.ClientSession() as session, session.get(url + "/admin/decisions?limit=100000") as resp:
         path.write_bytes(await resp.read())
+
+
+async def _gateway_share(url: str, outcome: RunOutcome, time_scale: float) -> tuple[float, float] | None:
+    """``(mean TTFT at the client, mean TTFT from the gateway's send)`` in simulated seconds: what the gateway's
+    own time (tokenizing, routing, its event loop) adds is the difference. ``None`` without the series."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("kvgate_ttft_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("kvgate_ttft_seconds_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    ttfts = [r.ttft_s for r in outcome.records if r.is_ok and r.ttft_s is not None]
+    if not count or not ttfts:
+        return None
+    return sum(ttfts) / len(ttfts) * time_scale, total / count * time_scale
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
