@@ -84,6 +84,8 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
     t0 = time.perf_counter()
     client_headers = gw.client_headers.read(request.raw_headers, request.headers)
     request_id = client_headers.request_id or gw.next_request_id()  # the client's own id is kept end to end
+    tracer = gw.tracer  # None unless tracing.enabled (router.tracing): then no span object is made
+    trace = tracer.begin(t0, request.headers) if tracer is not None else None
     try:
         limit = gw.config.listen.max_body_bytes
         num_body_bytes = request.content_length
@@ -103,11 +105,15 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not decode with
             raise unreadable_body_error(exc) from exc
         parsed = parse_request(kind, body)
+        if trace is not None:
+            trace.parsed()
         model = gw.config.model(parsed.model)
         if model is None:
             raise UnknownModelError(f"the model {parsed.model!r} does not exist", param="model",
                                     code="model_not_found")
         view = await gw.tokenizers[model.name].view_async(parsed)
+        if trace is not None:
+            trace.tokenized()
         if view.num_tokens == 0:
             raise InvalidFieldError("the prompt has no tokens", param="prompt")
         per_worker = gw.config.admission.max_inflight_per_worker
@@ -117,14 +123,17 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
             await gw.admission.acquire(lambda: _may_proceed(fleet.candidates(model_name), per_worker))
     except GatewayError as exc:
         gw.metrics.rejected_total.labels(type(exc).__name__).inc()
+        if trace is not None:
+            trace.request_id = request_id
+            trace.fail(exc)
         return error_response(exc, request_id)
     # From here the flight holds the admission slot and settles the request, whatever happens (router.lifecycle).
-    if model.pd is not None:  # disaggregated: a prefill leg and a decode leg (router.pd)
+    if model.pd is not None:  # disaggregated: a prefill leg and a decode leg (router.pd; not traced)
         outcome = await gw.pd.start(request_id).run(request, body, parsed, model, view, client_headers,
                                                     received_at=t0)
     else:
-        outcome = await gw.lifecycle.start(request_id).run(request, body, parsed, model, view, client_headers,
-                                                           received_at=t0)
+        flight = gw.lifecycle.start(request_id) if trace is None else trace.start_flight(gw.lifecycle, request_id)
+        outcome = await flight.run(request, body, parsed, model, view, client_headers, received_at=t0)
     if outcome.response is None:
         error = outcome.error if outcome.error is not None else GatewayError("the request got no answer")
         gw.metrics.rejected_total.labels(type(error).__name__).inc()

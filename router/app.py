@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -34,11 +35,15 @@ from router.config import GatewayConfig
 from router.gateway import CLEANUP_CONTEXTS, GATEWAY, Gateway
 from router.transport import Transport
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
 __all__ = ["build_app"]
 
 
 def build_app(
     config: GatewayConfig, *, transport: Transport | None = None, clock: Callable[[], float] = time.monotonic,
+    span_exporter: SpanExporter | None = None,
 ) -> web.Application:
     """Build the gateway application (nothing starts until the app runs).
 
@@ -46,13 +51,14 @@ def build_app(
         config: the decoded configuration.
         transport: the upstream transport (default ``AiohttpTransport``; tests pass a ``MockTransport``).
         clock: monotonic clock in seconds (injected in tests: session expiry, breakers, readiness).
+        span_exporter: replaces the OTLP exporter when ``tracing.enabled`` (tests: the SDK's in-memory one).
 
     Raises:
         ConfigError: a section that does not validate, a tokenizer that does not load, or no admin token.
     """
     admin_token = config.admin.resolve_token()
     app = web.Application(client_max_size=config.listen.max_body_bytes)
-    app[GATEWAY] = Gateway(config, transport=transport, clock=clock)
+    app[GATEWAY] = Gateway(config, transport=transport, clock=clock, span_exporter=span_exporter)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -41,6 +41,7 @@ from router.discovery_config import DiscoveryConfig
 from router.errors import ConfigError
 from router.index.config import IndexConfig
 from router.sessions.config import SessionsConfig
+from router.tracing_config import TracingConfig
 from router.worker_config import (
     MAX_DP_RANKS,
     ModelConfig,
@@ -325,6 +326,7 @@ class GatewayConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_on
         discovery: Kubernetes worker discovery (``router.discovery_config.DiscoveryConfig``); ``None`` disables it.
         max_response_bytes: a non-streamed worker answer (read whole before it is relayed) over this many bytes
             gets the client a 502 (``upstream_error``); streams are relayed chunk by chunk, uncapped.
+        tracing: OpenTelemetry request traces (``router.tracing_config.TracingConfig``); off by default.
     """
 
     models: tuple[ModelConfig, ...]
@@ -346,6 +348,7 @@ class GatewayConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_on
         "x-session-id", "x-smg-routing-key", "user")
     discovery: DiscoveryConfig | None = None
     max_response_bytes: AtLeastOne = DEFAULT_MAX_RESPONSE_BYTES
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         if not self.models:

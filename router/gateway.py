@@ -35,7 +35,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -60,6 +60,11 @@ from router.routing import PolicyHolder, Router
 from router.sessions.base import SessionStore
 from router.sessions.config import build_session_store
 from router.transport import AiohttpTransport, Transport
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from router.tracing import RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -86,13 +91,17 @@ class Gateway:
         admission: the global in-flight limit.
         lifecycle: runs one request from routing to its settlement (``router.lifecycle``).
         pd: runs one request of a disaggregated model: both legs, the decode reservations (``router.pd``).
+        tracer: the request tracer when ``tracing.enabled`` (``router.tracing``; then ``router`` is its
+            ``TracedRouter`` and ``router.api`` starts traced flights), else ``None``.
     """
 
     def __init__(
         self, config: GatewayConfig, *, transport: Transport | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, span_exporter: SpanExporter | None = None,
     ) -> None:
         """Build every component (nothing starts: see the cleanup contexts).
+
+        ``span_exporter`` replaces the OTLP exporter when tracing is enabled (tests: the SDK's in-memory one).
 
         Raises:
             ConfigError: a section that does not validate, or a tokenizer that does not load.
@@ -107,9 +116,17 @@ class Gateway:
         self.transport: Transport = transport if transport is not None else AiohttpTransport(config.timeouts)
         self.events = EventPath(config, self.indexes, self.transport)
         self.fleet = Fleet(config, self.transport, clock=clock, on_start_id_changed=self.events.on_start_id_changed)
-        self.router = Router(
+        self.tracer: RequestTracer | None = None
+        router_type: type[Router] = Router
+        router_kwargs: dict[str, Any] = {}
+        if config.tracing.enabled:  # OpenTelemetry (the otel extra) only when tracing is on
+            from router.tracing import RequestTracer, TracedRouter
+
+            self.tracer = RequestTracer(config.tracing, exporter=span_exporter)
+            router_type, router_kwargs = TracedRouter, {"tracer": self.tracer}
+        self.router = router_type(
             self.fleet, self.indexes, self.sessions, self.holder,
-            num_recent_decisions=config.admin.num_recent_decisions, clock=clock,
+            num_recent_decisions=config.admin.num_recent_decisions, clock=clock, **router_kwargs,
         )
         self.proxy = Proxy(self.transport, config.retry, self.metrics, clock=clock,
                            max_response_bytes=config.max_response_bytes)
@@ -238,11 +255,17 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 
 async def transport_context(app: web.Application) -> AsyncIterator[None]:
-    """The upstream transport: nothing to open; its pooled connections close last."""
+    """The upstream transport: nothing to open; its pooled connections close last (after the tracer's last spans
+    are flushed, when tracing is on)."""
     try:
         yield
     finally:
-        await app[GATEWAY].transport.aclose()
+        gw = app[GATEWAY]
+        try:
+            await gw.transport.aclose()
+        finally:
+            if gw.tracer is not None:
+                await asyncio.to_thread(gw.tracer.shutdown)
 
 
 async def subscriber_context(app: web.Application) -> AsyncIterator[None]:

@@ -28,6 +28,7 @@ from router.config import (
     validate_sessions,
 )
 from router.sessions.config import SessionsConfig
+from router.tracing_config import TracingConfig
 
 pytestmark = pytest.mark.unit
 
@@ -58,6 +59,7 @@ def test_sections_show_the_defaults(example):
     assert example.circuit_breaker == CircuitBreakerConfig()
     assert example.load_poll == LoadPollConfig()
     assert example.admin == AdminConfig()
+    assert example.tracing == TracingConfig()
     defaults = GatewayConfig(models=(ModelConfig(name="m"),))
     assert (example.ready_timeout_s, example.index, example.session_key_sources, example.discovery) == (
         defaults.ready_timeout_s, defaults.index, defaults.session_key_sources, defaults.discovery
