@@ -68,4 +68,8 @@ def build_app(
     add_admin_routes(app, admin_token)
     _add_json_fallbacks(app)
     app.cleanup_ctx.extend(CLEANUP_CONTEXTS)
+    if config.endpoint_picker is not None:  # grpcio (the epp extra) only when the endpoint picker runs
+        from router.epp import epp_context
+
+        app.cleanup_ctx.append(epp_context)
     return app

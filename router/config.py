@@ -38,6 +38,7 @@ from router.config_base import (
     rename_deprecated_keys,
 )
 from router.discovery_config import DiscoveryConfig
+from router.epp_config import EndpointPickerConfig
 from router.errors import ConfigError
 from router.index.config import IndexConfig
 from router.sessions.config import SessionsConfig
@@ -327,6 +328,8 @@ class GatewayConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_on
         max_response_bytes: a non-streamed worker answer (read whole before it is relayed) over this many bytes
             gets the client a 502 (``upstream_error``); streams are relayed chunk by chunk, uncapped.
         tracing: OpenTelemetry request traces (``router.tracing_config.TracingConfig``); off by default.
+        endpoint_picker: the Gateway API Inference Extension's Endpoint Picker, an Envoy ext_proc server
+            (``router.epp_config.EndpointPickerConfig``); ``None`` (default) runs none.
     """
 
     models: tuple[ModelConfig, ...]
@@ -349,6 +352,7 @@ class GatewayConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_on
     discovery: DiscoveryConfig | None = None
     max_response_bytes: AtLeastOne = DEFAULT_MAX_RESPONSE_BYTES
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+    endpoint_picker: EndpointPickerConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.models:

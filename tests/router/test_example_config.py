@@ -60,6 +60,7 @@ def test_sections_show_the_defaults(example):
     assert example.load_poll == LoadPollConfig()
     assert example.admin == AdminConfig()
     assert example.tracing == TracingConfig()
+    assert example.endpoint_picker is None
     defaults = GatewayConfig(models=(ModelConfig(name="m"),))
     assert (example.ready_timeout_s, example.index, example.session_key_sources, example.discovery) == (
         defaults.ready_timeout_s, defaults.index, defaults.session_key_sources, defaults.discovery
