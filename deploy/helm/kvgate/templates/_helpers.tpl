@@ -130,5 +130,30 @@ while JSON writes 0.00002 (exponents only below 1e-6). */}}
   "worker" $d.worker
   "watch_timeout_s" $d.watchTimeoutS) }}
 {{- end }}
+{{- if .Values.endpointPicker.enabled }}
+{{- $_ := set $cfg "endpoint_picker" (dict
+  "host" "0.0.0.0"
+  "port" (int .Values.endpointPicker.port)
+  "num_fallback_endpoints" (int .Values.endpointPicker.numFallbackEndpoints)) }}
+{{- end }}
 {{- toPrettyJson (mergeOverwrite $cfg (deepCopy .Values.gateway.extraConfig)) }}
+{{- end }}
+
+{{/*
+The InferencePool's selector: endpointPicker.inferencePool.matchLabels, else the equality terms of
+discovery.labelSelector (the pods discovery watches are the pool's), which must then have no other kind of term.
+*/}}
+{{- define "kvgate.inferencePoolMatchLabels" -}}
+{{- $labels := .Values.endpointPicker.inferencePool.matchLabels }}
+{{- if not $labels }}
+{{- $labels = dict }}
+{{- range $term := splitList "," .Values.discovery.labelSelector }}
+{{- $kv := splitList "=" (trim $term) }}
+{{- if or (ne (len $kv) 2) (contains "!" $term) (not (index $kv 0)) }}
+{{- fail (printf "endpointPicker.inferencePool: discovery.labelSelector term %q is not key=value; set endpointPicker.inferencePool.matchLabels" $term) }}
+{{- end }}
+{{- $_ := set $labels (trim (index $kv 0)) (trim (index $kv 1)) }}
+{{- end }}
+{{- end }}
+{{- toYaml $labels }}
 {{- end }}
