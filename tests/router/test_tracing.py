@@ -26,7 +26,7 @@ PREFIX = "A" * 40  # 10 blocks of 4 byte-tokens
 
 class TracedHarness(GatewayHarness):
     def __init__(self, workers: list[FakeWorker], exporter: InMemorySpanExporter, **overrides: object) -> None:
-        super().__init__(make_config(workers, tracing={"enabled": True}, **overrides), workers=workers)
+        super().__init__(make_config(workers, **overrides), workers=workers)  # then the traced app replaces it
         self.app = build_app(make_config(workers, tracing={"enabled": True}, **overrides), span_exporter=exporter)
         self.runner = web.AppRunner(self.app, handler_cancellation=True)
 
