@@ -99,6 +99,7 @@ FLOAT_KEYS: list[tuple[str | int, ...]] = [
     ("discovery", "watch_timeout_s"),
     ("discovery", "backoff_initial_s"),
     ("discovery", "backoff_max_s"),
+    ("tracing", "sample_ratio"),
 ]
 """Every float key of the gateway's YAML, as a path from the top (``test_float_keys_are_all_listed`` keeps it
 complete)."""
