@@ -488,13 +488,13 @@ class ModelTokenizer:
     def _text_plan(self, prompt: str, ns: Namespace) -> ViewPlan:
         bs = self.block_size
         seed = hash((ns, bs)) & SEED_MASK
+        # The same text again (a retry, a benchmark, a fleet-wide prompt) is one lookup, whatever the tokenizer.
+        full_key = xxhash.xxh3_64_intdigest(prompt.encode("utf-8", "surrogatepass"), seed)
+        cached = self._prompts.get(full_key)
+        if cached is not None:
+            view = PromptView(cached.num_tokens, cached.block_hashes, bs, len(cached.block_hashes))
+            return ViewPlan([], lambda _: view)
         if not self.composes_at_line_starts:
-            full_key = xxhash.xxh3_64_intdigest(prompt.encode("utf-8", "surrogatepass"), seed)
-            cached = self._prompts.get(full_key)
-            if cached is not None:
-                view = PromptView(cached.num_tokens, cached.block_hashes, bs)
-                return ViewPlan([], lambda _: view)
-
             def finish_whole(ids: list[list[int]]) -> PromptView:
                 state = extend_state(EMPTY_STATE, ids[0], bs, ns)
                 self._prompts.put(full_key, state)
@@ -511,6 +511,7 @@ class ModelTokenizer:
         if cut < 0:
             def finish_tail(ids: list[list[int]]) -> PromptView:
                 state = extend_state(start_state, ids[0], bs, ns)
+                self._prompts.put(full_key, state)
                 return PromptView(state.num_tokens, state.block_hashes, bs, num_reused)
 
             return ViewPlan([self._pieces(prompt, start)], finish_tail)
@@ -520,6 +521,7 @@ class ModelTokenizer:
             middle = extend_state(start_state, ids[0], bs, ns)
             texts.put(key, TextCheckpoint(prompt[:cut], middle), used_id)
             state = extend_state(middle, ids[1], bs, ns)
+            self._prompts.put(full_key, state)
             return PromptView(state.num_tokens, state.block_hashes, bs, num_reused)
 
         return ViewPlan([self._pieces(prompt, start, cut), self._pieces(prompt, cut)], finish_cut)
