@@ -138,6 +138,8 @@ class IndexLike(Protocol):
 
     def evicted_since(self, worker_id: str, block_hash: int, seq: int) -> bool: ...
 
+    def any_evicted_since(self, worker_id: str, block_hashes: Sequence[int], seq: int) -> bool: ...
+
     def confirmed_since(self, worker_id: str, block_hash: int, seq: int) -> bool: ...
 
 
@@ -209,9 +211,8 @@ class IndexTicket:
             hashes = self._view.block_hashes
             seq = self._journal_seq
             first, end = reported_tokens // bs, min(predicted_tokens // bs, len(hashes))
-            for i in range(first, end):
-                if index.evicted_since(worker_id, hashes[i], seq):
-                    return "evicted"
+            if first < end and index.any_evicted_since(worker_id, hashes[first:end], seq):
+                return "evicted"
             if first < end and index.confirmed_since(worker_id, hashes[first], seq):
                 return "pending"
         return "index"

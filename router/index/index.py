@@ -174,6 +174,15 @@ class PrefixIndex:
         ``journal_seq`` was ``seq`` (within each slot's journal of its latest ``MAX_EVICTED`` evictions)."""
         return any(slot.evicted.get(block_hash, 0) > seq for slot in self.state.worker_slots(worker_id))
 
+    def any_evicted_since(self, worker_id: str, block_hashes: Sequence[int], seq: int) -> bool:
+        """``evicted_since`` for any of ``block_hashes``, reading the worker's slots once (a mismatch's cause is
+        found per request on the answer path; a slot that reported no eviction costs one test)."""
+        for slot in self.state.worker_slots(worker_id):
+            evicted = slot.evicted
+            if evicted and any(evicted.get(h, 0) > seq for h in block_hashes):
+                return True
+        return False
+
     def confirmed_since(self, worker_id: str, block_hash: int, seq: int) -> bool:
         """Whether a store of ``worker_id`` confirmed ``block_hash``, until then only a pending entry, after the
         index's ``journal_seq`` was ``seq``: at that time the block was still being computed by a request in

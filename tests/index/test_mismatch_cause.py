@@ -47,6 +47,12 @@ def test_eviction_journal_stamps_gpu_removals_after_a_given_sequence():
     assert not index.evicted_since("w0", HASHES[3], seq)
     assert not index.evicted_since("w1", HASHES[4], seq)
     assert not index.evicted_since("w0", HASHES[4], 2)  # nothing since stamp 2
+    # The same question for a run of blocks, as a mismatch's cause asks it: any of them evicted since the stamp.
+    assert index.any_evicted_since("w0", HASHES[2:5], seq) and index.any_evicted_since("w0", HASHES[5:], seq)
+    assert not index.any_evicted_since("w0", HASHES[:4], seq)
+    assert not index.any_evicted_since("w1", HASHES, seq)
+    assert not index.any_evicted_since("w0", HASHES, 2)
+    assert not index.any_evicted_since("w0", (), seq)
 
 
 def test_cpu_removals_are_not_gpu_evictions():
