@@ -28,7 +28,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from router.sessions.base import SessionStore
-from router.sessions.config import SessionsConfig, build_session_store
+from router.sessions.config import SessionsConfig
+from router.sessions.factory import build_session_store
 
 
 def _free_port() -> int:

@@ -58,7 +58,7 @@ from router.proxy import ClientHeaderReader, Proxy
 from router.request_view import ModelTokenizer
 from router.routing import PolicyHolder, Router
 from router.sessions.base import SessionStore
-from router.sessions.config import build_session_store
+from router.sessions.factory import build_session_store
 from router.transport import AiohttpTransport, Transport
 
 if TYPE_CHECKING:

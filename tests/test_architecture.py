@@ -288,9 +288,7 @@ def test_graph_sees_module_and_function_level_imports(graph: dict[str, dict[str,
     assert len(graph) > 100
 
 
-KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset({"router.sessions.config", "router.sessions.redis_store"}),  # the store factory imports lazily
-)
+KNOWN_CYCLES: tuple[frozenset[str], ...] = ()
 """The modules of each cycle in the tree when this test was written. Rule (a) is expected to fail until they are
 all gone (the strict ``xfail`` then turns into a failure: remove the entry); no other cycle may appear meanwhile."""
 

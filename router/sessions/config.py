@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import math
 import os
-import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
 
-from router.sessions.base import SessionStore
 from router.sessions.errors import SessionConfigError
 
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -193,27 +191,3 @@ def resolve_redis_target(config: SessionsConfig, environ: Mapping[str, str] | No
     elif config.password_file:
         password = _read_secret("password_file", config.password_file)
     return RedisTarget(url, password)
-
-
-def build_session_store(
-    config: SessionsConfig,
-    clock: Callable[[], float] = time.monotonic,
-    environ: Mapping[str, str] | None = None,
-) -> SessionStore:
-    """Build the configured store. Opens nothing: the gateway then awaits ``store.start()``.
-
-    Args:
-        config: the sessions config.
-        clock: monotonic clock in seconds (injected in tests); drives idle expiry of local state.
-        environ: environment for ``url_env``/``password_env`` (``os.environ`` when ``None``).
-
-    Raises:
-        SessionConfigError: the Redis secrets cannot be resolved.
-    """
-    from router.sessions.memory import MemorySessionStore
-
-    if config.store == "memory":
-        return MemorySessionStore(config.idle_timeout_s, clock=clock, max_num_sessions=config.max_num_sessions)
-    from router.sessions.redis_store import RedisSessionStore
-
-    return RedisSessionStore(config, resolve_redis_target(config, environ), clock=clock)

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from router.sessions.config import SessionsConfig, build_session_store
+from router.sessions.config import SessionsConfig
+from router.sessions.factory import build_session_store
 from router.sessions.memory import REAP_SLICE, MemorySessionStore
 from router.sessions.redis_store import RedisSessionStore, _RefreshTable
 from tests.ports import free_port

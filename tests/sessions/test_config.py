@@ -6,8 +6,9 @@ import msgspec
 import pytest
 import yaml
 
-from router.sessions.config import SessionsConfig, build_session_store, redact_url, resolve_redis_target
+from router.sessions.config import SessionsConfig, redact_url, resolve_redis_target
 from router.sessions.errors import SessionConfigError
+from router.sessions.factory import build_session_store
 from router.sessions.memory import MemorySessionStore
 
 pytestmark = pytest.mark.unit

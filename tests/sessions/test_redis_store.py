@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import redis.asyncio as aioredis
 
-from router.sessions.config import SessionsConfig, build_session_store
+from router.sessions.config import SessionsConfig
+from router.sessions.factory import build_session_store
 from router.sessions.redis_store import RedisSessionStore
 from tests.sessions.fakes import FakeClock
 
