@@ -12,6 +12,7 @@ index       prefix index ingest / match / hashing / bytes per entry (``router.in
 policies    decision time per routing policy (``policies``) vs ``min()`` over the workers
 gateway     gateway CPU and added latency per proxied request (``kvgate serve``) vs a bare aiohttp proxy
 long_turns  gateway CPU, added latency and event-loop lag for 32K-200K-token turns vs bare proxy, Rust routers
+huge_prompt small requests' p50/p99 and the event loop's max lag while one 15 MB prompt is routed vs without it
 processes   requests/s and CPU per request of ``kvgate serve --processes N`` at N = 1, 2, 4, 8
 fleet_scale Mooncake trace replayed into 1,000 workers (Dynamo's method); decision time at 8-1,000 workers
 sessions    latency the session store adds (``router.sessions``), Redis vs in-memory
@@ -24,13 +25,16 @@ handoff     prefill -> decode KV handoff, gathered (``workers.model.kv_handoff``
 soak        RSS, descriptors, tasks, index entries of the gateway and sim workers over an hour of trace with churn
 chaos       a trace replay on two gateway replicas sharing Redis while workers, Redis and a replica fail
 pool        pool tier store/restore through the worker vs raw Mooncake batch calls; restored vs recomputed TTFT
+pool_churn  churn on a real mooncake_master that evicts and restarts: stale pool predictions, byte checks
+api_fuzz    schemathesis against a live gateway over sim workers: case counts and findings (no speed figure)
+event_fuzz  atheris (coverage-guided) on the KV event decoder and the index it feeds: inputs, drops, findings
 ==========  ==================================================================================================
 
 Benchmarks may import any runtime package (``router``, ``workers``, ``kernels``, ...); no runtime package imports
 ``benchmarks`` (``tests/test_architecture.py`` checks it).
 """
 
-NAMES: tuple[str, ...] = ("events", "index", "fleet_scale", "policies", "gateway", "long_turns", "processes",
-                          "sessions", "worker", "kernels", "hybrid", "soak", "chaos",
-                          "handoff", "pd", "pool", "routing")
+NAMES: tuple[str, ...] = ("events", "index", "fleet_scale", "policies", "gateway", "long_turns", "huge_prompt",
+                          "processes", "sessions", "worker", "kernels", "hybrid", "soak", "chaos",
+                          "handoff", "pd", "pool", "pool_churn", "routing", "api_fuzz", "event_fuzz")
 """The benchmark modules, ``benchmarks.<name>``."""

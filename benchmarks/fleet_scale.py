@@ -14,7 +14,25 @@ and at 64 workers, beside Dynamo's published figures.
 
 (b) **Decision time against fleet size**: the gateway's state building (``Router.states`` over the scored
 workers, ``router.routing.scored_workers``) plus ``cache_aware``'s ``select`` for a prompt whose prefix 2 workers
-hold, at 8, 64, 256 and 1,000 workers (all candidates, and the bounded set the gateway scores).
+hold, at 8, 64, 256 and 1,000 workers (all candidates, and the bounded set the gateway scores); and with a real
+index match whose first block every worker holds (match, scoring of the 64 deepest holders plus the sample, select).
+
+Measured on the quiet 16-core host (Python 3.12, five benchmarks side by side, full trace), before / after the
+index's levels-of-masks match, run-by-run store and inlined removal::
+
+    1,000 workers x 1   ingest 0.36 / 0.82 M blocks/s per core   match p50 749 / 17 us, p99 1,043 / 48 us
+                        51,007 queries/s per core (was 1,495)    266 B per holding (305 before; 283 at 64 workers)
+    143 x 7 = 1,001     ingest 0.62 M blocks/s per core (13.2 M blocks, 20% removals), match p50 40 us, p99 397 us
+    64 workers          ingest 0.24 / 0.32 M blocks/s, match p50 77 / 41 us, p99 396 / 397 us
+    decision, shared    36 / 209 / 186 / 295 us at 8 / 64 / 256 / 1,000 workers (72 scored past 64)
+
+After the walk of slots with gaps in runs of consecutive ids (the same host, ``--num-workers 1000`` and
+``--num-workers 143 --duplication 7 --skip-decision`` side by side)::
+
+    1,000 workers x 1   ingest 0.70 M blocks/s per core, match p50 19 us, p99 61 us, 266 B per holding
+    143 x 7 = 1,001     ingest 0.94 M blocks/s per core, match p50 28 us, p99 145 us, 103 B per holding
+    64 workers          ingest 0.40 M blocks/s, match p50 30 us, p99 216 us (283 B per holding)
+    decision, shared    27 / 156 / 169 / 216 us at 8 / 64 / 256 / 1,000 workers
 """
 
 from __future__ import annotations
@@ -34,7 +52,8 @@ from router.block_hash import BlockHash, hash_token_blocks
 from router.index.config import IndexConfig
 from router.index.index import PrefixIndex
 
-TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "conversation_trace.jsonl"
+"""The whole Mooncake conversation trace, beside the checkout (``../shared/traces``); ``--trace`` names another."""
 BLOCK_SIZE = 16
 _SCRAMBLE = 0x9E3779B97F4A7C15
 _U64 = (1 << 64) - 1
@@ -90,9 +109,9 @@ def replay(records: list[list[int]], num_workers: int, duplication: int, blocks_
         match_s.append(time.perf_counter() - t0)
         cpu_match += time.thread_time() - c0
         # The deepest holder when it holds most of the prompt (a cache-aware router's choice), else any worker.
-        best = max(result.workers.items(), key=lambda kv: kv[1].num_gpu_blocks, default=None)
-        if best is not None and best[1].num_gpu_blocks * 2 > len(chain):
-            worker = int(best[0][1:]) % num_workers
+        deepest = next(iter(result.workers), None)  # holders come deepest first
+        if deepest is not None and result.workers[deepest].num_gpu_blocks * 2 > len(chain):
+            worker = int(deepest[1:]) % num_workers
         else:
             worker = int(rng.integers(num_workers))
         mine = held[worker]
@@ -146,8 +165,9 @@ def replay(records: list[list[int]], num_workers: int, duplication: int, blocks_
     }
 
 
-def decision_times(fleet_sizes: list[int], num_decisions: int) -> list[tuple[int, float, float, int]]:
-    """Part (b): ``(workers, all-candidates us, bounded us, workers scored)`` per fleet size."""
+def decision_times(fleet_sizes: list[int], num_decisions: int) -> list[tuple[int, float, float, int, float, int]]:
+    """Part (b): ``(workers, all-candidates us, bounded us, workers scored, shared-prefix us, workers scored)`` per
+    fleet size; the last two with a real index match whose first block every worker holds."""
     from policies import build_policy, decode_policy_config
     from policies.base import RequestView, Snapshot
     from router.config import CircuitBreakerConfig, WorkerConfig
@@ -173,7 +193,27 @@ def decision_times(fleet_sizes: list[int], num_decisions: int) -> list[tuple[int
                 states, _ = Router.states(scored, view, 0.0, 0, match)
                 policy.select(req, Snapshot(states, None, 0.0))
             times[bounded] = (time.perf_counter() - t0) / num_decisions * 1e6
-        out.append((n, times[False], times[True], len(scored_workers(workers, by_id, match, 0))))
+        # The real index, every worker holding the prompt's first block (a shared system prompt), two deeper:
+        # index.match + the bounded scoring + cache_aware, all of the decision's index and policy work.
+        index = PrefixIndex(IndexConfig(block_size=BLOCK_SIZE))
+        tokens = _tokens(list(range(128)))
+        hashes = hash_token_blocks(tokens, BLOCK_SIZE)
+        for i in range(n):
+            depth = len(hashes) if i == 1 else len(hashes) // 2 if i == n - 1 else 1
+            event = BlockStored(tuple(EngineBlockHash(j + 1) for j in range(depth)), None,
+                                tokens[: depth * BLOCK_SIZE], BLOCK_SIZE)
+            index.apply(EventBatch(f"w{i}", 0, 1, 0.0, (event,)))
+        shared_view = PromptView(len(tokens), tuple(hashes), BLOCK_SIZE)
+        t0 = time.perf_counter()
+        for k in range(num_decisions):
+            shared = index.match(shared_view.block_hashes)
+            scored = scored_workers(workers, by_id, shared, k)
+            states, _ = Router.states(scored, shared_view, 0.0, 0, shared)
+            policy.select(req, Snapshot(states, None, 0.0))
+        shared_us = (time.perf_counter() - t0) / num_decisions * 1e6
+        num_scored = len(scored_workers(workers, by_id, index.match(shared_view.block_hashes), 0))
+        out.append((n, times[False], times[True], len(scored_workers(workers, by_id, match, 0)), shared_us,
+                    num_scored))
     return out
 
 
@@ -191,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-decision", action="store_true")
     args = parser.parse_args(argv)
     if not args.skip_replay:
+        if not args.trace.is_file():
+            parser.error(f"no trace at {args.trace}: pass --trace <conversation_trace.jsonl>")
         records = load_trace(args.trace, args.records)
         print(f"Mooncake conversation trace: {len(records)} records, {args.blocks_per_hash} blocks of 16 tokens per "
               f"trace block, worker capacity {args.worker_capacity} blocks")
@@ -207,10 +249,11 @@ def main(argv: list[str] | None = None) -> None:
         print(DYNAMO_PUBLISHED)
     if args.skip_decision:
         return
-    print("\ndecision time (state building + cache_aware select), 2 prefix holders, 2,048-block prompt")
-    print(f"{'workers':>8} {'all us':>9} {'bounded us':>11} {'scored':>7}")
-    for n, full, bounded, scored in decision_times([8, 64, 256, 1000], args.decisions):
-        print(f"{n:8d} {full:9.1f} {bounded:11.1f} {scored:7d}", flush=True)
+    print("\ndecision time (state building + cache_aware select), 2 prefix holders, 2,048-block prompt; shared: "
+          "index.match + scoring + select, a 1,024-block prompt whose first block every worker holds")
+    print(f"{'workers':>8} {'all us':>9} {'bounded us':>11} {'scored':>7} {'shared us':>10} {'scored':>7}")
+    for n, full, bounded, scored, shared, num_shared in decision_times([8, 64, 256, 1000], args.decisions):
+        print(f"{n:8d} {full:9.1f} {bounded:11.1f} {scored:7d} {shared:10.1f} {num_shared:7d}", flush=True)
 
 
 if __name__ == "__main__":

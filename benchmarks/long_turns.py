@@ -13,10 +13,13 @@ then ``--turns`` more turns each), text prompts (``/v1/completions``) or chats (
 concurrency: the proxy's CPU per request (its kernel CPU clock) and client-side p50/p99 with the added p50 against
 ``direct``.
 
-(b) **The event loop** (in this process): the gateway's own request view (``ModelTokenizer.view_async``) and
-``PrefixIndex.match`` for ``concurrency`` concurrent conversations, with a probe task that sleeps 1 ms in a loop and
-records how late it wakes (the longest time any request's routing held the loop), and the decision time of a first
-turn and a following turn at concurrency 1.
+(b) **The event loop** (in this process): the gateway's own routing steps for ``concurrency`` concurrent
+conversations: ``parse_request_async`` (a long body parsed in a worker thread, as the gateway does), the request
+view (``router.api.prompt_view``: long text tokenized and hashed in its worker threads, a prompt over
+``OFF_LOOP_PLAN_CHARS`` planned there too, as the gateway does), ``PrefixIndex.match``
+and the chosen worker's approximate insertion (``insert_approximate``, as ``IndexTicket`` makes it for a worker
+without events), with a probe task that sleeps 1 ms in a loop and records how late it wakes (the longest time any
+request's routing held the loop), and the decision time of first and following turns.
 """
 
 from __future__ import annotations
@@ -236,11 +239,13 @@ async def bench_loop(args: argparse.Namespace, tokenizer_path: Path, corpus: Cor
     from router.config import ModelConfig
     from router.index import IndexConfig, PrefixIndex
     from router.request_view import ModelTokenizer
+    from router.serve import GIL_SWITCH_INTERVAL_S
 
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in a gateway process
     model = ModelTokenizer(ModelConfig(name="m", block_size=16, tokenizer_path=str(tokenizer_path)))
     index = PrefixIndex(IndexConfig(block_size=16))
     kind = "chat" if args.chat else "completions"
-    print(f"\nevent loop ({kind}): decision = parse + view + match; lag = how late a 1 ms sleeper wakes")
+    print(f"\nevent loop ({kind}): decision = parse + view + match + insert; lag = how late a 1 ms sleeper wakes")
     print(f"{'tokens':>7} {'c':>3} {'first p50 ms':>13} {'first max':>10} {'next p50 ms':>12} {'next max':>9} "
           f"{'loop lag max ms':>16} {'lag p99 ms':>11}")
     for num_tokens in args.tokens:
@@ -257,7 +262,7 @@ async def bench_loop(args: argparse.Namespace, tokenizer_path: Path, corpus: Cor
 async def _loop_point(model: Any, index: Any, kind: Any, convs: list[list[bytes]]) -> tuple[
         list[float], list[float], list[float]]:
     """Decision times of first and following turns, and the probe's lateness samples, for ``convs`` at once."""
-    from router.request_view import parse_request
+    from router.api import parse_request_async, prompt_view
 
     lags: list[float] = []
     stop = asyncio.Event()
@@ -274,8 +279,9 @@ async def _loop_point(model: Any, index: Any, kind: Any, convs: list[list[bytes]
     async def session(bodies: list[bytes]) -> None:
         for t, body in enumerate(bodies):
             t0 = time.perf_counter()
-            view = await model.view_async(parse_request(kind, body))
+            view = await prompt_view(model, await parse_request_async(kind, body))
             index.match(view.block_hashes)
+            index.insert_approximate("w0", view.block_hashes, time.monotonic())
             (first if t == 0 else following).append(time.perf_counter() - t0)
             await asyncio.sleep(0)
 

@@ -83,11 +83,11 @@ async def run(num_requests: int, concurrency: int, rounds: int, prompt_tokens: i
             }
             cfg_path = Path(tmp) / "gateway.yaml"
             cfg_path.write_text(json.dumps(cfg))
-            for port in (a0, a1, p0, d0):
-                await _wait_port(port)
+            for port in (a0, a1, p0, d0):  # four processes importing at once: slow on a busy 2-core host
+                await _wait_port(port, timeout_s=180.0)
             gw = _spawn([py, "-m", "router.cli", "serve", "--config", str(cfg_path), "--log-level", "WARNING"])
             procs.append(gw)
-            await _wait_port(gw_port, "/ready")
+            await _wait_port(gw_port, "/ready", timeout_s=180.0)
             prompt = "".join(chr(ord("a") + i % 26) for i in range(prompt_tokens))
             results: dict[str, list[tuple[float, float]]] = {"agg": [], "pd": []}
             for model in results:

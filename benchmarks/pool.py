@@ -1,12 +1,25 @@
 """Shared pool tier benchmarks (``python -m benchmarks.pool``); each figure beside a baseline from the same run.
 
 1. Store and restore throughput through the worker's pool tier (``workers.kv.pool_tier.PoolTier`` over
-   ``MooncakePoolStore``: ``prepare_store`` + ``complete_store``, which checks existence, puts and announces;
-   ``fetch``, which gets and checks every value) against the raw Mooncake client's ``put_batch`` / ``get_batch``
-   on the same values (under other keys, so both really write), against one ``mooncake_master`` on 127.0.0.1
-   started here. Runs interleaved, best of ``--repeats``; ratio worker ÷ raw (target ≥ 0.9). The worker's store
-   includes making the values (the sim engine's stand-in for the GPU -> host copy: token ids padded to
-   ``--value-bytes``) and its existence check (store rule 2); its restore includes checking every value.
+   ``MooncakePoolStore``: ``prepare_store`` + ``complete_store``, which checks existence, builds the chunks in a
+   staging buffer, puts them and announces; ``fetch``, which reads them and checks every byte) against the raw
+   Mooncake client's batch calls on the same chunks (under other keys, so all really write): ``put_batch`` /
+   ``get_batch`` (Python bytes) and ``batch_put_from`` / ``batch_get_into`` (registered buffers, its fastest
+   path), against one ``mooncake_master`` on 127.0.0.1 started here. Runs interleaved, best of ``--repeats``
+   after ``--warmup`` rounds; ratio worker ÷ raw (target ≥ 0.9). The worker's store includes building the
+   chunks (the sim engine's stand-in for the GPU -> host copy: a manifest and each layer group's token ids,
+   padded to ``--value-bytes``) and its existence check (store rule 2); its restore includes checking the chunks
+   (``--verify all_bytes``: every byte; ``manifest``: all but the sim's zero padding). What the worker adds inside
+   the timing, measured per 256-block batch of 256 KiB chunks on a loaded 2-core host: the store's existence
+   check (one ``batch_is_exist``, 0.6-0.9 ms) and chunk build (0.4-0.7 ms) beside a 13-15 ms put; the restore's
+   checks, 0.5-1 ms for ``manifest`` and about 6 ms for ``all_bytes`` (a second pass over every byte, memory
+   bound) beside a 15-20 ms read. Reading the next batch on another thread while one is checked was slower there
+   (the transfer's own threads need the cores), so ``all_bytes`` stays about 0.78 of the raw read on such a
+   host and ``manifest`` about 1.1. Beside them, the same batch's bytes as one object (``batch_put_from`` /
+   ``batch_get_into`` of one key) give the per-object cost of the batch calls: with the agentic scenario's
+   blocks (``--num-blocks 558 --block-size 64 --value-bytes 889``, one client on the loaded 2-core host) one
+   object moves the bytes 12-13× faster than 558 (3-5 us per object per call); there the worker reaches
+   about 0.5 of the raw batch calls, its own key and chunk checks costing about 2.5 us per block.
 2. TTFT of a 100K-token history restored from the pool against recomputing it, under the sim timing model
    (``workers.engines.sim``, default H200 profile): the scheduler and sim engine run the turn on a worker whose GPU
    is cold, once with the history in the pool (stored by another worker) and once without; TTFT is the sum of the
@@ -29,7 +42,7 @@ from workers.engines.sim import SimEngine
 from workers.kv.block_pool import BlockMeta
 from workers.kv.hashing import extend_block_hashes, namespace_root
 from workers.kv.manager import KVCacheManager
-from workers.kv.pool_tier import MooncakePoolStore, PoolTier, SimPool, block_value
+from workers.kv.pool_tier import MooncakePoolStore, PoolTier, SimPool, pool_key
 from workers.scheduler import Request, Scheduler
 
 
@@ -54,7 +67,7 @@ def start_master() -> tuple[subprocess.Popen[bytes], str]:
 
 
 def one_round(tier: PoolTier, store: MooncakePoolStore, rep: int, args: argparse.Namespace) -> dict[str, float]:
-    """GB/s of each of the four operations on one batch of new blocks; the order alternates with ``rep``."""
+    """GB/s of each operation on one batch of new blocks; the order of the contenders alternates with ``rep``."""
     bs = args.block_size
     tokens = [rep * 10_000_000 + i for i in range(args.num_blocks * bs)]
     hashes = extend_block_hashes([], namespace_root(), tokens, bs)
@@ -62,24 +75,51 @@ def one_round(tier: PoolTier, store: MooncakePoolStore, rep: int, args: argparse
         BlockMeta(h, hashes[i - 1] if i else None, tuple(tokens[i * bs : (i + 1) * bs]), i)
         for i, h in enumerate(hashes)
     ]
-    values = [block_value(m.token_ids, args.value_bytes) for m in metas]
-    raw_keys = [f"raw/{rep}/{i}" for i in range(len(metas))]
-    nbytes = sum(map(len, values))
+    layout, n = tier.layout, len(metas)
+    step = layout.chunk_bytes
+    values = [layout.build(m.block_hash, m.token_ids) for m in metas]  # the worker's exact chunks
+    staged = store.new_buffer(n * step)
+    for i, v in enumerate(values):
+        staged.view[i * step : (i + 1) * step] = v
+    landing = store.new_buffer(n * step)
+    offsets = range(0, n * step, step)
+    raw = store._store
+    keys = {who: [f"{who}/{rep}/{i}" for i in range(n)] for who in ("put_batch", "batch_put_from")}
+    packed_key = f"packed/{rep}"
+    nbytes = n * step
     timed: dict[str, float] = {}
-    for phase in ("store", "restore"):
-        names = ["worker", "raw"] if rep % 2 == 0 else ["raw", "worker"]
-        for who in names:
+    contenders = {
+        "store": ["worker", "put_batch", "batch_put_from", "packed_put"],
+        "restore": ["worker", "get_batch", "batch_get_into", "packed_get"],
+    }
+    for phase, names in contenders.items():
+        order = names if rep % 2 == 0 else names[::-1]
+        for who in order:
             t = time.perf_counter()
-            if (phase, who) == ("store", "worker"):
-                assert len(tier.prepare_store(rep, hashes, metas)) == len(metas)
+            if who == "worker" and phase == "store":
+                assert len(tier.prepare_store(rep, hashes, metas)) == n
                 tier.complete_store(rep)
-            elif phase == "store":
-                store._store.put_batch(raw_keys, values)
             elif who == "worker":
-                assert tier.fetch(metas) == len(metas)
+                assert tier.fetch(metas) == n
+            elif who == "put_batch":
+                assert raw.put_batch(keys["put_batch"], values) == 0
+            elif who == "batch_put_from":
+                codes = raw.batch_put_from(keys["batch_put_from"], [staged.address + o for o in offsets], [step] * n)
+                assert codes == [0] * n
+            elif who == "packed_put":
+                assert raw.batch_put_from([packed_key], [staged.address], [nbytes]) == [0]
+            elif who == "packed_get":
+                assert raw.batch_get_into([packed_key], [landing.address], [nbytes]) == [nbytes]
+            elif who == "get_batch":
+                assert raw.get_batch(keys["put_batch"]) == values
             else:
-                assert store._store.get_batch(raw_keys) == values
-            timed[f"{who}_{phase}"] = nbytes / (time.perf_counter() - t) / 1e9
+                got = raw.batch_get_into(keys["batch_put_from"], [landing.address + o for o in offsets], [step] * n)
+                assert got == [step] * n
+            timed[f"{who}_{phase}" if not who.startswith("packed") else who] = nbytes / (time.perf_counter() - t) / 1e9
+    assert landing.data == staged.data
+    raw.batch_remove([pool_key(h) for h in hashes] + keys["put_batch"] + keys["batch_put_from"] + [packed_key], True)
+    store.release_buffer(staged)
+    store.release_buffer(landing)
     return timed
 
 
@@ -87,15 +127,31 @@ def throughput(args: argparse.Namespace) -> None:
     proc, address = start_master()
     try:
         store = MooncakePoolStore(address, global_segment_size=1 << 30, local_buffer_size=256 << 20)
-        tier = PoolTier(store, args.block_size, lambda event: None, value_bytes_per_block=args.value_bytes)
+        tier = PoolTier(store, args.block_size, lambda event: None, value_bytes_per_block=args.value_bytes,
+                        num_layer_groups=args.layer_groups, check_padding=args.verify == "all_bytes")  # fmt: skip
         best: dict[str, float] = {}
-        for rep in range(args.repeats):
+        for rep in range(args.warmup + args.repeats):  # warm-up rounds touch the segment's pages first
             for name, gbps in one_round(tier, store, rep, args).items():
-                best[name] = max(best.get(name, 0.0), gbps)
-        print(f"pool throughput, {args.num_blocks} blocks × {args.value_bytes} B per batch, best of {args.repeats}:")
-        for phase, raw in (("store", "put_batch"), ("restore", "get_batch")):
-            w, r = best[f"worker_{phase}"], best[f"raw_{phase}"]
-            print(f"  {phase:7}: worker {w:.3f} GB/s, raw {raw} {r:.3f} GB/s, ratio {w / r:.3f}")
+                if rep >= args.warmup:
+                    best[name] = max(best.get(name, 0.0), gbps)
+        nbytes_per_batch = args.num_blocks * tier.layout.chunk_bytes
+        print(f"pool throughput, {args.num_blocks} blocks × {tier.layout.chunk_bytes} B chunks "
+              f"({args.layer_groups} layer groups, verify {args.verify}) per batch, "
+              f"best of {args.repeats}:")  # fmt: skip
+        for phase, raws in (("store", ("put_batch", "batch_put_from")), ("restore", ("get_batch", "batch_get_into"))):
+            w = best[f"worker_{phase}"]
+            ratios = ", ".join(f"raw {r} {best[f'{r}_{phase}']:.3f} GB/s (ratio {w / best[f'{r}_{phase}']:.3f})"
+                               for r in raws)  # fmt: skip
+            print(f"  {phase:7}: worker {w:.3f} GB/s; {ratios}")
+        per_object_s = {
+            phase: max(0.0, nbytes_per_batch / 1e9 * (1 / best[f"batch_{op}_{phase}"] - 1 / best[packed]))
+            / args.num_blocks for phase, op, packed in (("store", "put_from", "packed_put"),
+                                                        ("restore", "get_into", "packed_get"))
+        }  # fmt: skip
+        print(f"  the same bytes as one object (raw batch_put_from / batch_get_into of one key): put "
+              f"{best['packed_put']:.3f} GB/s, get {best['packed_get']:.3f} GB/s; per-object cost of the batch "
+              f"calls: store {per_object_s['store'] * 1e6:.1f} us, restore {per_object_s['restore'] * 1e6:.1f} us "
+              f"per block")  # fmt: skip
         store.close()
     finally:
         proc.terminate()
@@ -136,7 +192,15 @@ def main() -> int:
     parser.add_argument("--num-blocks", type=int, default=256, help="blocks per batch")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
     parser.add_argument("--value-bytes", type=int, default=256 << 10, help="bytes per block value")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layer-groups", type=int, default=1, help="pieces per chunk (workers.kv.pool_chunk)")
+    parser.add_argument(
+        "--verify",
+        choices=("all_bytes", "manifest"),
+        default="all_bytes",
+        help="what the worker's restore checks (PoolConfig.verify)",
+    )
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2, help="rounds run first and not counted")
     parser.add_argument("--history-tokens", type=int, default=100_000)
     parser.add_argument("--skip-mooncake", action="store_true", help="only the TTFT figure")
     args = parser.parse_args()

@@ -8,6 +8,11 @@ the prefix caches work) for ``--duration-s`` seconds after a warm-up. Reported: 
 gateway processes' CPU per request (the children's kernel CPU clocks over the measured window) and cores used,
 and the ratio of requests/s to N = 1. With at least 16 CPUs, backends, gateways and clients are pinned to
 disjoint cores.
+
+``--demo``: instead, the demo replay (``kvgate demo``'s sim fleet and the bundled Mooncake slice,
+``--demo-requests`` requests, one policy ``--demo-policy``) through ``kvgate serve --processes N`` for each N:
+the hit ratio (cached ÷ prompt tokens the workers report) and the cached-token mismatch ratio, with the hit ratio
+as a ratio to N = 1. ``session_sticky`` with N > 1 needs the sessions in Redis (``--redis-url``).
 """
 
 from __future__ import annotations
@@ -129,6 +134,34 @@ def run_point(n: int, args: argparse.Namespace) -> tuple[float, float, float]:
             proc.wait(timeout=30)
 
 
+def run_demo_points(args: argparse.Namespace) -> None:
+    """``--demo``: the demo replay's hit ratio at each N (module docstring)."""
+    from rich.console import Console
+
+    from loadgen.demo import DemoConfig, find_default_trace, run_demo
+
+    trace = find_default_trace()
+    if trace is None:
+        raise SystemExit("the bundled trace loadgen/data/conversation_trace_head.jsonl is missing")
+    out = Path(tempfile.mkdtemp(prefix="kvgate-procs-demo-"))
+    console = Console(stderr=True)
+    print(f"demo replay: {args.demo_requests} requests of the bundled slice, policy {args.demo_policy}, "
+          f"{args.demo_workers} sim workers" + (f", sessions in Redis {args.redis_url}" if args.redis_url else ""))
+    print(f"{'N':>3} {'hit ratio':>10} {'x N=1':>6} {'mismatch':>9} {'TTFT p50 s':>11}")
+    base = None
+    for n in args.processes:
+        config = DemoConfig(trace=trace, out=str(out / f"n{n}"), num_workers=args.demo_workers,
+                            max_requests=args.demo_requests, policies=(args.demo_policy,), gateway_processes=n,
+                            redis_url=args.redis_url, show_progress=False, write_plots=False, is_quick=True)
+        outcomes, _ = asyncio.run(run_demo(config, console))
+        summary = outcomes[0].summary
+        base = base or summary.hit_ratio
+        mismatch = summary.cached_tokens_mismatch_ratio
+        print(f"{n:3d} {summary.hit_ratio:10.3f} {summary.hit_ratio / base:6.3f} "
+              f"{mismatch if mismatch is not None else float('nan'):9.3f} "
+              f"{summary.ttft_p50_s if summary.ttft_p50_s is not None else float('nan'):11.3f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--role", choices=("bench", "client"), default="bench")
@@ -140,9 +173,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--demo", action="store_true", help="the demo replay's hit ratio at each N instead")
+    parser.add_argument("--demo-requests", type=int, default=120, help="--demo: requests of the bundled slice")
+    parser.add_argument("--demo-workers", type=int, default=4, help="--demo: sim workers")
+    parser.add_argument("--demo-policy", default="cache_aware", help="--demo: the policy (a demo label)")
+    parser.add_argument("--redis-url", default=None, help="--demo: keep the gateway's sessions in this Redis")
     args = parser.parse_args(argv)
     if args.role == "client":
         _client_main(args)
+        return
+    if args.demo:
+        run_demo_points(args)
         return
     print(f"{args.num_backends} backends, {args.num_clients} clients x {args.concurrency} connections, 2 KB prompts, "
           f"{args.duration_s} s per point, {os.cpu_count()} CPUs")

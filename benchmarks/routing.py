@@ -1,24 +1,30 @@
 """Routing side by side: kvgate's policies and the peer routers on one sim fleet, the same slice, interleaved.
 
 Run: ``python -m benchmarks routing [--workload mooncake|agentic|synthetic] [--start-s S] [--max-requests N]
-[--repetitions 2] [--routers LABEL,...] [--concurrency 8] [--num-cpu-blocks B] [--out DIR]``.
+[--repetitions 2] [--routers LABEL,...] [--concurrency 8] [--num-cpu-blocks B] [--gpu-fraction F]
+[--cpu-fraction F] [--out DIR]``.
 
 Method:
 
 1. Read the workload: a slice of the bundled Mooncake conversation trace (``--start-s``, ``--max-requests``; the
    demo's slice by default), the agentic coding sessions of ``../shared/traces/kv-cache-tester`` (closed loop,
-   ``--concurrency`` sessions in flight), or the synthetic agentic generator (closed loop).
-2. Size one fleet of sim workers as ``kvgate demo`` sizes it (``loadgen.demo.size_fleet``; prefill
-   ``prefill_slowdown`` times slower than the default profile, kvgate's cost model told the same rates), start it
+   ``--concurrency`` sessions in flight), or the synthetic agentic generator (closed loop). Turns whose prompt plus
+   ``max_tokens`` exceeds the sim workers' context (their config's ``max-model-len``) are left out
+   (``cut_to_context``: a 400 for every router alike); the header says how many.
+2. Size one fleet of sim workers as ``kvgate demo`` sizes it (``loadgen.sizing.size_fleet``; prefill
+   ``prefill_slowdown`` times slower than the default profile, kvgate's cost model told the same rates), or a
+   fraction of it (``--gpu-fraction``, with a CPU tier of ``--cpu-fraction`` of it: memory pressure), start it
    once.
 3. For each repetition, for each router (A B C A B C): reset every worker's prefix cache, start the router (a fresh
    process: fresh tree, fresh session table), replay the slice through it, stop it. Peers are started from their
    own venvs (``scripts/setup-peers``); a peer that is not installed is skipped with the reason printed.
 4. Print one table: requests ok / failed, hit ratio ÷ the ceiling over the same successful requests, TTFT
-   p50 / p90 / p99 (simulated seconds), load imbalance (max ÷ mean prompt tokens per worker) and kvgate's cached
-   token mismatch by cause (the index wrong / the worker evicted after the decision / the block was still pending
-   at the decision / it held more than the index knew), each as the mean over
-   repetitions with the spread (min–max) beside it. ``results.json`` and ``records.jsonl`` go to ``--out``.
+   p50 / p90 / p99 (simulated seconds: the workers' engine time scaled, the rest, the router's own time included,
+   as measured, ``loadgen.report.simulated_ttft_s``), the median of that real-time part (ms), load imbalance
+   (max ÷ mean prompt tokens per worker) and kvgate's cached token mismatch by cause (the index wrong / the worker
+   evicted after the decision / the block was still pending at the decision / it held more than the index knew),
+   each as the mean over repetitions with the spread (min–max) beside it. ``results.json`` and ``records.jsonl``
+   go to ``--out``.
 
 Peers, their session headers and how they start: ``loadgen.peers``.
 """
@@ -27,32 +33,43 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
+import dataclasses
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
 from rich.console import Console
 
 from loadgen.ceiling import ceiling
-from loadgen.demo import DemoConfig, find_default_trace, gateway_policy, size_fleet, worker_profile
+from loadgen.demo_config import DemoConfig, find_default_trace, gateway_policy, worker_profile
 from loadgen.errors import FleetError, LoadgenError
 from loadgen.fleet import Fleet, WorkerSpec
 from loadgen.peers import PEER_ENV, SIM_WORKER_HEADER, PeerRouter, peer_argv, peer_labels, resolve_peer
 from loadgen.prompts import PromptBuilder
-from loadgen.replay import ReplayConfig, new_session_prefix
+from loadgen.replay import ReplayConfig, new_session_prefix, request_max_tokens
 from loadgen.report import RunSummary
 from loadgen.runner import RunOutcome, replay_with_progress, write_results
 from loadgen.sessions import derive_sessions
+from loadgen.sizing import size_fleet
 from loadgen.synthetic import SyntheticConfig, generate
 from loadgen.traces import TraceRequest, read_agentic_sessions, read_mooncake
+from workers.config import build_config
 
-__all__ = ["main", "summarize_router"]
+__all__ = ["ContextCut", "cut_to_context", "main", "summarize_router"]
 
 KVGATE_ROUTERS: tuple[str, ...] = ("kvgate:cache_aware", "kvgate:session_sticky+cache_aware")
-"""kvgate's runs, ``kvgate:<loadgen.demo.POLICIES label>``."""
+"""kvgate's runs, ``kvgate:<loadgen.demo.POLICIES label>`` (or a label of ``EXTRA_POLICIES``)."""
+EXTRA_POLICIES: dict[str, dict[str, Any]] = {
+    "session_sticky_margins+cache_aware": {"name": "session_sticky", "price_moves": False, "max_extra_ttft_s": 0.5,
+                                           "max_ttft_ratio": 2.0, "inner": {"name": "cache_aware"}},
+}
+"""kvgate runs besides the demo's, on request (``--routers``): the default policy as it was before its move rule
+(fixed margins: a session moves when its owner is 0.5 s and 2x costlier than the best)."""
 AGENTIC_TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "kv-cache-tester"
 """The agentic coding sessions, beside the checkout (``../shared/traces/kv-cache-tester``)."""
 
@@ -90,6 +107,36 @@ def load_workload(args: argparse.Namespace) -> list[TraceRequest]:
     return generate(SyntheticConfig(num_sessions=args.num_sessions, seed=args.seed))[: args.max_requests]
 
 
+@dataclasses.dataclass(frozen=True)
+class ContextCut:
+    """The requests that fit the workers' context, and what was left out (``cut_to_context``).
+
+    Attributes:
+        kept: the requests whose prompt plus ``max_tokens`` fits, in their order.
+        num_turns_left_out: requests left out.
+        num_sessions_cut: sessions that lost at least one turn.
+        num_sessions_left_out: sessions that lost every turn.
+    """
+
+    kept: list[TraceRequest]
+    num_turns_left_out: int
+    num_sessions_cut: int
+    num_sessions_left_out: int
+
+
+def cut_to_context(requests: Sequence[TraceRequest], max_model_len: int, max_output_tokens: int | None) -> ContextCut:
+    """Leave out every request whose prompt tokens plus the ``max_tokens`` the replay sends
+    (``loadgen.replay.request_max_tokens``) exceed ``max_model_len`` (tokens): a worker answers it with a 400 for
+    every router alike. A session keeps its other turns."""
+    kept: list[TraceRequest] = []
+    left_out: list[TraceRequest] = []
+    for r in requests:
+        fits = r.num_prompt_tokens + request_max_tokens(r, max_output_tokens) <= max_model_len
+        (kept if fits else left_out).append(r)
+    cut = {r.session_id for r in left_out}
+    return ContextCut(kept, len(left_out), len(cut), len(cut - {r.session_id for r in kept}))
+
+
 def _spread(values: Sequence[float | None], spec: str) -> str:
     """``mean (min–max)`` of the values present; ``–`` for none; one value alone."""
     present = [v for v in values if v is not None]
@@ -102,7 +149,7 @@ def _spread(values: Sequence[float | None], spec: str) -> str:
 
 
 COLUMNS = ("router", "ok", "failed", "hit ÷ ceiling", "TTFT p50 (s)", "TTFT p90 (s)", "TTFT p99 (s)",
-           "imbalance", "mismatch: index", "mismatch: evicted",
+           "outside engine p50 (ms)", "imbalance", "mismatch: index", "mismatch: evicted",
            "mismatch: pending", "mismatch: late")
 
 
@@ -116,6 +163,8 @@ def summarize_router(label: str, runs: Sequence[RunSummary]) -> list[str]:
         _spread([r.ttft_p50_s for r in runs], ".2f"),
         _spread([r.ttft_p90_s for r in runs], ".2f"),
         _spread([r.ttft_p99_s for r in runs], ".2f"),
+        _spread([None if r.ttft_outside_engine_p50_s is None else r.ttft_outside_engine_p50_s * 1e3 for r in runs],
+                ".1f"),
         _spread([r.load_imbalance for r in runs], ".2f"),
         _spread([r.cached_mismatch_index_ratio for r in runs], ".2%"),
         _spread([r.cached_mismatch_evicted_ratio for r in runs], ".2%"),
@@ -134,16 +183,29 @@ def markdown(rows: Sequence[Sequence[str]], skipped: Sequence[PeerRouter]) -> st
 
 async def run(args: argparse.Namespace, console: Console) -> tuple[dict[str, list[RunOutcome]], list[PeerRouter]]:
     """Steps 2–3 of the module docstring: outcomes by router label, and the skipped routers."""
-    requests = load_workload(args)
-    if not requests:
-        raise SystemExit("the slice holds no requests")
     demo = DemoConfig(trace="", num_workers=args.num_workers, time_scale=args.time_scale,
                       max_output_tokens=args.max_output_tokens, num_cpu_blocks=args.num_cpu_blocks)
+    profile = worker_profile(demo)
+    if not args.hold_prefix:
+        profile["scheduler"] = {"hold-prefix-on-arrival": False}
+    max_model_len = build_config(profile).scheduler.max_model_len
+    cut = cut_to_context(load_workload(args), max_model_len, args.max_output_tokens)
+    requests = cut.kept
+    if not requests:
+        raise SystemExit("the slice holds no requests that fit the workers' context")
     sizing = size_fleet(requests, demo)
+    # a fraction of the sizing, never below what the longest prompt and its output need on one worker
+    longest = max(r.num_prompt_tokens for r in requests) + args.max_output_tokens
+    num_gpu_blocks = max(round(sizing.num_gpu_blocks_per_worker * args.gpu_fraction),
+                         -(-longest // demo.block_size) + 1)
+    num_cpu_blocks = args.num_cpu_blocks + round(sizing.num_gpu_blocks_per_worker * args.cpu_fraction)
     bound = ceiling(requests)
     console.print(f"{args.workload}: {len(requests)} requests, {len({r.session_id for r in requests})} sessions, "
-                  f"ceiling {bound.hit_ratio:.3f}; fleet {args.num_workers} × {sizing.num_gpu_blocks_per_worker} "
-                  f"GPU blocks (+{args.num_cpu_blocks} CPU)", markup=False, highlight=False)
+                  f"ceiling {bound.hit_ratio:.3f}; fleet {args.num_workers} × {num_gpu_blocks} "
+                  f"GPU blocks (+{num_cpu_blocks} CPU)", markup=False, highlight=False)
+    console.print(f"left out {cut.num_turns_left_out} turns over the workers' {max_model_len}-token context (prompt "
+                  f"+ max_tokens; a 400 for every router): {cut.num_sessions_cut} sessions cut, "
+                  f"{cut.num_sessions_left_out} left out whole", markup=False, highlight=False)
     specs = resolve_routers(args.routers.split(",") if args.routers else default_routers())
     running = [s for s in specs if s.skip_reason is None]
     out = Path(args.out)
@@ -151,12 +213,12 @@ async def run(args: argparse.Namespace, console: Console) -> tuple[dict[str, lis
     outcomes: dict[str, list[RunOutcome]] = {s.label: [] for s in running}
     failed_to_start: dict[str, str] = {}
     prompts = PromptBuilder()
-    worker_specs = [WorkerSpec(f"worker-{i}", sizing.num_gpu_blocks_per_worker, args.num_cpu_blocks,
-                               demo.block_size, 1.0 / args.time_scale) for i in range(args.num_workers)]
+    worker_specs = [WorkerSpec(f"worker-{i}", num_gpu_blocks, num_cpu_blocks, demo.block_size, 1.0 / args.time_scale)
+                    for i in range(args.num_workers)]
     try:
         profile_path = out / "logs" / "worker-profile.yaml"
         profile_path.parent.mkdir(parents=True, exist_ok=True)
-        profile_path.write_text(yaml.safe_dump(worker_profile(demo), sort_keys=False))
+        profile_path.write_text(yaml.safe_dump(profile, sort_keys=False))
         fleet.start_workers(worker_specs, ["--profile", str(profile_path)])
         await fleet.wait_ready()
         for repetition in range(args.repetitions):
@@ -164,7 +226,7 @@ async def run(args: argparse.Namespace, console: Console) -> tuple[dict[str, lis
                 await fleet.reset_caches()
                 kind, _, policy = spec.label.partition(":")
                 if kind == "kvgate":
-                    fleet.start_gateway(gateway_policy(policy, demo), demo.block_size)
+                    fleet.start_gateway(_kvgate_policy(policy, demo), demo.block_size)
                     session_header, worker_header = "x-session-id", "x-kvgate-worker"
                 else:
                     port, metrics_port = fleet.free_port(), fleet.free_port()
@@ -197,15 +259,14 @@ async def run(args: argparse.Namespace, console: Console) -> tuple[dict[str, lis
                 outcomes[spec.label].append(outcome)
                 if kind == "kvgate":  # the latest decisions, every candidate's cost terms (for diagnosis)
                     await _save_decisions(fleet.gateway.url, out / f"decisions-{policy}-{repetition + 1}.json")
-                    behind = await _gateway_share(fleet.gateway.url, outcome, args.time_scale)
+                    behind = await _gateway_share(fleet.gateway.url, outcome)
                     if behind is not None:
-                        console.print(f"  {spec.label}: mean TTFT {behind[0]:.2f} s at the client, {behind[1]:.2f} s "
-                                      "from the gateway's send to the first token (simulated s)", markup=False,
-                                      highlight=False)
+                        console.print(f"  {spec.label}: mean TTFT {behind[0] * 1e3:.1f} ms at the client, "
+                                      f"{behind[1] * 1e3:.1f} ms from the gateway's send to the first token (wall)",
+                                      markup=False, highlight=False)
                 s = outcome.summary
-                console.print(f"rep {repetition + 1} {spec.label}: {s.requests_ok} ok, of ceiling "
-                              f"{s.fraction_of_ceiling or 0:.3f}, TTFT p50 {s.ttft_p50_s or 0:.2f} s, "
-                              f"p99 {s.ttft_p99_s or 0:.2f} s", markup=False, highlight=False)
+                console.print(f"rep {repetition + 1} {' | '.join(summarize_router(spec.label, [s]))}", markup=False,
+                              highlight=False, soft_wrap=True)
                 fleet.stop_gateway()
     finally:
         fleet.stop()
@@ -214,15 +275,25 @@ async def run(args: argparse.Namespace, console: Console) -> tuple[dict[str, lis
     return outcomes, skipped
 
 
+def _kvgate_policy(label: str, demo: DemoConfig) -> dict[str, Any]:
+    """The gateway ``policy`` section of ``kvgate:<label>``: the demo's (``gateway_policy``), or an
+    ``EXTRA_POLICIES`` one with the same cost-model rates."""
+    if label not in EXTRA_POLICIES:
+        return gateway_policy(label, demo)
+    policy = copy.deepcopy(EXTRA_POLICIES[label])
+    policy["inner"] = gateway_policy("cache_aware", demo)
+    return policy
+
+
 async def _save_decisions(url: str, path: Path) -> None:
     """``/admin/decisions`` of a kvgate gateway (its ring of recent decisions) into ``path``."""
     async with aiohttp.ClientSession() as session, session.get(url + "/admin/decisions?limit=100000") as resp:
         path.write_bytes(await resp.read())
 
 
-async def _gateway_share(url: str, outcome: RunOutcome, time_scale: float) -> tuple[float, float] | None:
-    """``(mean TTFT at the client, mean TTFT from the gateway's send)`` in simulated seconds: what the gateway's
-    own time (tokenizing, routing, its event loop) adds is the difference. ``None`` without the series."""
+async def _gateway_share(url: str, outcome: RunOutcome) -> tuple[float, float] | None:
+    """``(mean TTFT at the client, mean TTFT from the gateway's send)`` in wall seconds: what the gateway's own
+    time (tokenizing, routing, its event loop) adds is the difference. ``None`` without the series."""
     async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
         text = await resp.text()
     total = count = 0.0
@@ -234,7 +305,7 @@ async def _gateway_share(url: str, outcome: RunOutcome, time_scale: float) -> tu
     ttfts = [r.ttft_s for r in outcome.records if r.is_ok and r.ttft_s is not None]
     if not count or not ttfts:
         return None
-    return sum(ttfts) / len(ttfts) * time_scale, total / count * time_scale
+    return sum(ttfts) / len(ttfts), total / count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -250,7 +321,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routers", default="", help="comma-separated labels (default: " +
                         ",".join(default_routers()) + ")")
     parser.add_argument("--num-workers", type=int, default=4)
+    parser.add_argument("--no-hold-prefix", dest="hold_prefix", action="store_false",
+                        help="the sim workers look a request's prefix up only at admission, as vLLM does (default: "
+                             "held from arrival, workers.config.SchedulerConfig.hold_prefix_on_arrival)")
     parser.add_argument("--num-cpu-blocks", type=int, default=0, help="CPU-tier blocks per worker")
+    parser.add_argument("--gpu-fraction", type=float, default=1.0,
+                        help="GPU blocks per worker as a fraction of the demo's sizing (below 1: memory pressure)")
+    parser.add_argument("--cpu-fraction", type=float, default=0.0,
+                        help="CPU-tier blocks per worker as a fraction of the demo's GPU sizing (added to "
+                             "--num-cpu-blocks)")
     parser.add_argument("--time-scale", type=float, default=5.0, help="simulated seconds per wall second")
     parser.add_argument("--max-output-tokens", type=int, default=16)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)

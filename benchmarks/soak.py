@@ -2,12 +2,17 @@
 
 Run ``python -m benchmarks soak`` (``--help`` for the knobs; ``--quick`` is the CI variant's size). Method:
 
-1. A sim fleet as ``kvgate demo`` builds it (``loadgen.demo.size_fleet`` on the bundled Mooncake slice,
+1. A sim fleet as ``kvgate demo`` builds it (``loadgen.sizing.size_fleet`` on the bundled Mooncake slice,
    ``loadgen/data/conversation_trace_head.jsonl``: 1,000 requests over 330 s of trace) and one gateway
    (``session_sticky`` over ``cache_aware``, in-memory sessions whose idle timeout is the default 1,800 s scaled by
-   ``--time-scale``), the gateway started with ``PYTHONTRACEMALLOC=1`` (``--tracemalloc all``: the workers too).
+   ``--time-scale``), run as the README documents, under jemalloc (``common.allocator``) where
+   ``libjemalloc.so.2`` is installed (``--allocator``: ``auto``, ``pymalloc``, ``malloc``, ``jemalloc``;
+   ``--malloc-conf`` for jemalloc's options). Untraced by default: the RSS checks hold for an untraced process
+   only (tracemalloc's traces and snapshots take memory of their own); ``--tracemalloc gateway`` (or ``all``)
+   starts processes with ``PYTHONTRACEMALLOC=<--tracemalloc-frames>`` to see where memory goes.
 2. Baseline: RSS, open descriptors, asyncio tasks and index entries of every process (``/metrics``, ``/load``),
-   plus the traced Python bytes and top allocation sites (``/admin/debug/memory``, ``/debug/memory``).
+   the gateway's C heap (glibc's ``mallinfo2``, or jemalloc's ``stats.*``), and when traced the traced Python
+   bytes and top allocation sites (``/admin/debug/memory``, ``/debug/memory``).
 3. Load: the slice repeated until ``--trace-hours`` of trace time, each repetition in a fresh prompt namespace
    (new blocks, new sessions), replayed open loop ``--time-scale`` times faster than the trace through
    ``loadgen.replay`` (at most ``--max-in-flight`` requests in flight; the replay ends at ``--max-duration-s``).
@@ -27,15 +32,67 @@ baseline) beside the index bench's figure measured here in-process (``benchmarks
 top allocation sites at the plateau and after the clears, and ``soak.png`` (RSS and index entries over time)
 with ``soak.json`` under ``--out``.
 
-Measured (a shared 2-core host, load average 10-15; ``--max-duration-s 720``, 3 workers x 16,384 blocks, the
-gateway traced): 5,868 requests sent (1,940 s of the hour's trace), 47 churn steps; gateway RSS 150 MiB at the
-start, 364 -> 968 MiB over the load with no plateau (traced Python memory 58 -> 371 MiB) while its index held at
-most ~85,000 (block, worker) holdings (the index bench: 112-143 bytes each), 973 MiB after the clears with the
-index empty; workers 99 -> 118-170 MiB, not back after their caches were reset. Descriptors and tasks returned to
-their baselines on every process. The ``--quick`` size (two workers, 556 requests): gateway 98 -> 147-163 ->
-163 MiB; a traced quick run showed, after the clears, 17 MiB of Python memory above the baseline held by the
-prompt-state cache's block hashes (``router.block_hash``), the index's tables at their peak size
-(``router.index.state``) and decoder buffers.
+Measured before the memory work (a shared 2-core host, load average 10-15; ``--max-duration-s 720``, 3 workers x
+16,384 blocks, the gateway traced): gateway RSS 150 MiB at the start, 364 -> 968 MiB over the load with no plateau,
+973 MiB after the clears with the index empty; workers 99 -> 118-170 MiB, not back after their caches were reset.
+Where it went (tracemalloc and glibc's ``mallinfo2`` through the debug memory endpoints, ``--tracemalloc-frames``
+for whole stacks): each sim worker's replay buffer (10,000 steps of batches carrying every stored block's token ids:
++70 MiB in 150 s, unbounded in bytes); the gateway's prompt caches (bounded at 4 M block hashes and 64 M characters,
+a few hundred MB at their caps; about 10 MiB of whole-prompt states in this trace); the index's tables at their peak
+length after it emptied (about 12 MiB); tracemalloc's own traces and the snapshots of a traced heap; and freed chunks
+kept by glibc's arenas (34 MiB of RSS returned by one ``malloc_trim`` after the clears).
+
+Measured after it (same host at load 17-20, untraced, ``python -m benchmarks soak --max-duration-s 720``: 5,500
+requests, 1,820 s of the hour's trace, 66 churn steps): gateway RSS 107 MiB at the start, plateau 215-270 MiB
+(230-269 MiB over its second half, following the index's 30,000-100,000 holdings as the churn clears and re-warms
+workers), 225 MiB after the clears with the index empty (C heap in use 25 -> 50 MiB, the rest Python's small-object
+arenas, which stay mapped while any object in them lives): both gateway checks still fail (1.25, 2.09). Workers:
+108 MiB -> 143-150 MiB -> 117-119 MiB (flat within 1.05, back within 1.09: pass), about 2,480 bytes of RSS per
+cached GPU block (the replay buffer's 16 MiB is 1,024 of them). Gateway bytes per (block, worker) holding: 1,471 of
+RSS over the baseline at 102,574 holdings, against the index bench's 112 (its published figure 143): the index is
+not what holds the rest. Descriptors and tasks returned to their baselines on every process.
+
+Found next (pymalloc's own books, ``sys._debugmallocstats``, beside ``mallinfo2`` and ``/proc/<pid>/smaps``, at
+the baseline, the plateau and after the clears of ``--quick`` runs; the survivors by a tracemalloc diff taken 40 s
+after the clears, once the traced gateway had finished its requests): the approximate-mode expiry queue kept every
+cleared or removed slot's records until their TTL (120 s), each with its chain's block hashes and the slot, so a
+removed slot's engine map and eviction journals (65,536 entries a journal) stayed too; ``session_sticky`` kept a
+removed worker's resident sessions until their idle timeout, counted only at the next placement; the client header
+memo kept up to 1,024 header blocks (a POST's block carries its ``Content-Length``: about one per request). With
+those released (``--quick``): gateway 106.7 MiB at the start, plateau 166-178, 142-143 after the clears (1.33-1.34;
+164, 1.54, before), Python's live small-object bytes 49.5 MB against 48.5 at the baseline and the C heap's in-use
+bytes back at the baseline's 26.9 MB, yet 78 pymalloc arenas against 48: the 32- and 48-byte size classes (ints and
+small tuples, the index's block hashes and keys at the peak) went from 98 and 194 pools to 535 and 563 at the peak,
+and after the clears those pools hold 7,700 more blocks than at the baseline (values that live on after the load:
+the traced diff names the decision ring's records and the policies' per-request values among them), one or two in
+each pool, which keeps every arena they sit in mapped. Emptying the decision ring as well (tried, not kept: it is
+the post-mortem of the last routes) took the 32-byte class to 600 blocks over the baseline and the live bytes to
+48.7 MB, yet 79 arenas and 142.8 MiB stayed: pymalloc keeps the free pools of an arena still in use resident.
+``PYTHONMALLOC=malloc`` (glibc for every object, trimmed) ends at 136.5 of 109.0 MiB (1.25): glibc's free chunks
+between the same survivors are too small to give back. ``python -m benchmarks soak --max-duration-s
+300`` (host at load 5-8: 7,451 requests, 2,470 s of the hour's trace, 43 churn steps, none failed): gateway 106.6 /
+189.4-225.3 / 168.2 MiB (flat 1.19, back 1.58), its C heap in use 25.6 -> 53.6 -> 26.0 MiB; workers 107.0-107.2 /
+142.3-147.9 / 117.2-117.9 MiB (1.035-1.038, 1.094-1.100: pass), about 2,540-2,600 bytes of RSS per cached GPU
+block. Both gateway checks are still open: what is left is the allocator's fragmentation, not a holder.
+
+The allocator, then (``--allocator``; ``--quick``, the same host at load 3-5, one run after another, 556 requests,
+none failed; ratios are the two gateway checks, flat / back, of 1.10): CPython's pymalloc 106.6-106.9 / 160-184 /
+142.4-144.1 MiB (1.092-1.097 / 1.333-1.348, 3 runs); ``PYTHONMALLOC=malloc`` over glibc, trimmed, 109.0-109.1 /
+164-181 / 135.2-136.4 (1.089-1.095 / 1.240-1.252, 2 runs), its C heap in use 75.8 -> 124.9 -> 77.4 MB with 65.7 MB
+free in the arenas after the clears; ``PYTHONMALLOC=malloc`` over a preloaded jemalloc 5.3 (Debian's libjemalloc2)
+with ``background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0``: 109.7-110.2 / 161-177 / 123.7-124.0
+(1.064-1.084 / 1.125-1.127, 2 runs; ``narenas:1`` besides: 1.085 / 1.124), jemalloc's own figures 76.2 MB allocated
+and 76.9 active at the baseline, 78.6 allocated and 88.8 active after the clears: 10 MB of partly used slabs, of
+which the thread caches hold part; the same with ``tcache:false`` (``common.allocator.JEMALLOC_CONF``, the default
+here since then): 109.4-110.0 / 158-178 / 119.5-120.4 (1.040-1.085 / 1.093-1.096, 6 runs, with or without
+``narenas:1``), 77.0 allocated and 85.3 active after the clears; with ``dirty_decay_ms:0`` as well, 1.108 / 1.099.
+So under jemalloc without thread caches both gateway checks pass, by about 0.5-1 MiB of the 11 MiB the 10% allows
+(two more runs: 1.079 / 1.098, 1.092 / 1.093; one of seven runs of the CI variant failed at 10%, whose gateway
+bound is therefore 15%): what stays is slabs kept active by the survivors (allocated 75.8 -> 77.0 MB, active 76.4 ->
+85.4 MB). ``python -m benchmarks.gateway --skip-decision --requests 2000`` (every process under each
+allocator; kvgate's CPU per request, median of 3 rounds, non-streaming / streaming): pymalloc 442 / 640 µs, jemalloc
+without thread caches (``narenas:1``) 492 / 588, with them 498 / 466, spreads of 30-150 µs: no difference above
+this host's noise.
 """
 
 from __future__ import annotations
@@ -61,14 +118,15 @@ import yaml
 from benchmarks._probe import (
     ProcessSample,
     get_json,
-    rss_curve,
     sample_gateway,
     sample_worker,
     scrape,
     total,
     wait_for,
 )
-from loadgen.demo import DemoConfig, find_default_trace, gateway_policy, worker_profile
+from benchmarks._soak_report import SoakConfig, SoakResult, report
+from common.allocator import ALLOCATORS, allocator_env, find_jemalloc
+from loadgen.demo_config import DemoConfig, find_default_trace, gateway_policy, worker_profile
 from loadgen.fleet import Fleet, ManagedProcess, WorkerSpec
 from loadgen.prompts import PromptBuilder
 from loadgen.replay import ReplayConfig, Replayer
@@ -80,51 +138,13 @@ logger = logging.getLogger(__name__)
 MEMORY_TIMEOUT_S = 300.0
 """Limit of one ``/debug/memory`` answer: a tracemalloc snapshot of a large heap on a busy host takes minutes."""
 
-INDEX_BENCH_BYTES_PER_HOLDING = 143
-"""``benchmarks.index``'s published memory figure (its docstring), bytes per (block, worker) holding."""
 
 
-class SoakConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
-    """Settings of one soak run (module docstring; the flags of the same names)."""
-
-    trace: str
-    out: str = "out/soak"
-    trace_hours: float = 1.0
-    time_scale: float = 30.0
-    num_workers: int = 3
-    num_gpu_blocks: int = 16384
-    """GPU blocks per worker (at least twice the longest prompt's): small, so caches fill early and evict."""
-    max_output_tokens: int = 4
-    max_in_flight: int = 32
-    max_duration_s: float = 900.0
-    sample_interval_s: float = 2.0
-    churn_interval_s: float = 5.0
-    warmup_fraction: float = 0.3
-    tolerance: float = 0.10
-    slack_fds: int = 4
-    slack_tasks: int = 4
-    tracemalloc: str = "gateway"
-    """Processes started with ``PYTHONTRACEMALLOC=1``: ``"none"``, ``"gateway"`` or ``"all"`` (a snapshot of a
-    traced heap takes seconds on a busy host; traced processes run slower)."""
-    write_plot: bool = True
-    seed: int = 0
-
-
-class SoakResult(msgspec.Struct):
-    """What one soak run measured and whether its checks passed."""
-
-    samples: dict[str, list[ProcessSample]]
-    checks: list[tuple[str, bool, str]]
-    num_requests: int
-    num_failed: int
-    error_kinds: dict[str, int]
-    trace_s_covered: float
-    bytes_per_holding: dict[str, float]
-    top_sites: dict[str, Any]
-
-    @property
-    def passed(self) -> bool:
-        return all(ok for _, ok, _ in self.checks)
+def resolve_allocator(allocator: str) -> str:
+    """``allocator`` with ``"auto"`` resolved (``SoakConfig.allocator``)."""
+    if allocator == "auto":
+        return "jemalloc" if find_jemalloc() is not None else "pymalloc"
+    return allocator
 
 
 def hour_of_trace(slice_requests: Sequence[TraceRequest], trace_hours: float) -> list[TraceRequest]:
@@ -239,12 +259,13 @@ class Soak:
         """Top ``limit`` allocation sites (0: none, no snapshot) and traced bytes of every process."""
         out: dict[str, Any] = {}
         if self.config.tracemalloc == "none":
-            return out
+            limit = 0  # the C heap's figures only (``malloc``)
         try:
-            out["gateway"] = await get_json(session, f"{self.gateway.url}/admin/debug/memory?limit={limit}",
+            query = f"limit={limit}" + ("&group_by=traceback" if self.config.tracemalloc_frames > 1 else "")
+            out["gateway"] = await get_json(session, f"{self.gateway.url}/admin/debug/memory?{query}",
                                             MEMORY_TIMEOUT_S)
             for w in self.fleet.workers if self.config.tracemalloc == "all" else ():
-                out[w.name] = await get_json(session, f"{w.url}/debug/memory?limit={limit}", MEMORY_TIMEOUT_S)
+                out[w.name] = await get_json(session, f"{w.url}/debug/memory?{query}", MEMORY_TIMEOUT_S)
         except (aiohttp.ClientError, TimeoutError) as exc:
             logger.warning("memory report (%s) failed: %s", label, exc)
         return out
@@ -296,6 +317,17 @@ def evaluate(
     return checks
 
 
+def _bytes_per_cached_block(samples: list[ProcessSample]) -> dict[str, float]:
+    """A sim worker's RSS over its baseline per cached GPU block, at its plateau's fullest sample."""
+    base = [s for s in samples if s.phase == "baseline"]
+    plateau = [s for s in samples if s.phase == "plateau" and s.num_entries]
+    if not base or not plateau:
+        return {}
+    peak = max(plateau, key=lambda s: s.num_entries)
+    return {"cached_blocks_at_plateau": peak.num_entries,
+            "rss_bytes_per_cached_block": (peak.rss_bytes - base[-1].rss_bytes) / peak.num_entries}
+
+
 def _bytes_per_holding(samples: list[ProcessSample], memory: dict[str, Any]) -> dict[str, float]:
     base = [s for s in samples if s.phase == "baseline"]
     plateau = [s for s in samples if s.phase == "plateau"]
@@ -321,9 +353,11 @@ async def run_soak(config: SoakConfig) -> SoakResult:
     max_prompt_blocks = max(math.ceil(r.num_prompt_tokens / demo.block_size) for r in slice_requests)
     num_gpu_blocks = max(config.num_gpu_blocks, 2 * max_prompt_blocks)
     requests = hour_of_trace(slice_requests, config.trace_hours)
+    allocator = resolve_allocator(config.allocator)
+    gateway_env = allocator_env(allocator, config.malloc_conf)  # raises before any process starts
     out_dir = Path(config.out)
     if config.tracemalloc == "all":
-        os.environ["PYTHONTRACEMALLOC"] = "1"
+        os.environ["PYTHONTRACEMALLOC"] = str(config.tracemalloc_frames)
     fleet = Fleet(out_dir / "logs", startup_timeout_s=120.0)
     try:
         profile = worker_profile(demo)
@@ -338,15 +372,16 @@ async def run_soak(config: SoakConfig) -> SoakResult:
         sessions = {"store": "memory", "idle_timeout_s": 1800.0 / config.time_scale,
                     "reap_interval_s": max(0.5, 5.0 / config.time_scale)}
         if config.tracemalloc == "gateway":
-            os.environ["PYTHONTRACEMALLOC"] = "1"
-        fleet.start_gateway(policy, demo.block_size, {"sessions": sessions})
+            os.environ["PYTHONTRACEMALLOC"] = str(config.tracemalloc_frames)
+        fleet.start_gateway(policy, demo.block_size, {"sessions": sessions},
+                            env=gateway_env or None)
         if config.tracemalloc == "gateway":
             os.environ.pop("PYTHONTRACEMALLOC", None)
         await fleet.wait_ready()
         assert fleet.gateway is not None
         entries = fleet.gateway_config(policy, 0, demo.block_size)["workers"]
         soak = Soak(config, fleet, entries)
-        print(f"fleet: {config.num_workers} sim workers x {num_gpu_blocks} GPU blocks; "
+        print(f"fleet: {config.num_workers} sim workers x {num_gpu_blocks} GPU blocks, the gateway under {allocator}; "
               f"{len(requests)} requests over {requests[-1].arrival_s:.0f} s of trace at time scale "
               f"{config.time_scale:g}", flush=True)
         memory: dict[str, Any] = {}
@@ -374,7 +409,7 @@ async def run_soak(config: SoakConfig) -> SoakResult:
             for w in fleet.workers:
                 _plateau(soak.samples.get(w.name, []), config.warmup_fraction)
             _say(soak.t0, f"load done: {len(result.records)} requests sent")
-            memory["plateau"] = await soak.memory(session, "plateau", limit=0)
+            memory["plateau"] = await soak.memory(session, "plateau", limit=25)
             m = await scrape(session, fleet.gateway.url)
             memory["plateau_holdings"] = total(m, "kvgate_index_blocks")
             # Drain, then clear every worker (AllBlocksCleared), then remove every worker.
@@ -399,7 +434,7 @@ async def run_soak(config: SoakConfig) -> SoakResult:
             for _ in range(3):
                 await soak.sample(session)
                 await asyncio.sleep(1.0)
-            memory["cleared"] = await soak.memory(session, "cleared")
+            memory["cleared"] = await soak.memory(session, "cleared", limit=25)
             _say(soak.t0, "after-clear samples taken")
     finally:
         fleet.stop()
@@ -410,6 +445,7 @@ async def run_soak(config: SoakConfig) -> SoakResult:
     checks = evaluate(config, soak.samples, is_empty)
     per = _bytes_per_holding(soak.samples["gateway"], memory)
     per["index_bench_bytes_per_holding"] = index_bench_bytes_per_holding()
+    per_worker = {name: _bytes_per_cached_block(series) for name, series in soak.samples.items() if name != "gateway"}
     print(f"churn: {soak.churn_counts}", flush=True)
     error_kinds: dict[str, int] = {}
     for r in records:
@@ -417,65 +453,8 @@ async def run_soak(config: SoakConfig) -> SoakResult:
             error_kinds[r.error_kind] = error_kinds.get(r.error_kind, 0) + 1
     return SoakResult(samples=soak.samples, checks=checks, num_requests=len(records), num_failed=num_failed,
                       error_kinds=error_kinds,
-                      trace_s_covered=last_sent, bytes_per_holding=per, top_sites=memory)
-
-
-def write_plot(samples: dict[str, list[ProcessSample]], path: Path) -> None:
-    """RSS of every process (MiB) and the gateway's index holdings over time, one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 5))
-    for name, series in samples.items():
-        ax.plot([s.t_s for s in series], [s.rss_bytes / 2**20 for s in series], label=f"{name} RSS")
-    ax.set_xlabel("wall seconds")
-    ax.set_ylabel("RSS (MiB)")
-    twin = ax.twinx()
-    gw = samples.get("gateway", [])
-    twin.plot([s.t_s for s in gw], [s.num_entries for s in gw], "k:", label="gateway index holdings")
-    twin.set_ylabel("(block, worker) holdings")
-    lines = ax.get_legend_handles_labels()
-    more = twin.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper left", fontsize="small")
-    ax.set_title("soak: RSS and index holdings")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def report(config: SoakConfig, result: SoakResult) -> None:
-    """Print the curve, the bytes per holding, the top sites and the checks; write ``soak.json`` and the plot."""
-    print(f"requests: {result.num_requests} sent, {result.num_failed} failed {result.error_kinds}; trace covered "
-          f"{result.trace_s_covered:.0f} s of {config.trace_hours * 3600:.0f} s", flush=True)
-    for name, series in result.samples.items():
-        print(f"{name}: RSS {rss_curve(series)}", flush=True)
-    per = result.bytes_per_holding
-    print("bytes per (block, worker) holding in the gateway: " + ", ".join(
-        f"{k} {v:,.0f}" for k, v in per.items()) + f" (index bench's published figure "
-        f"{INDEX_BENCH_BYTES_PER_HOLDING})", flush=True)
-    for label in ("baseline", "plateau", "cleared"):
-        traced = {name: f"{rep['traced_bytes'] / 2**20:.1f}" for name, rep in result.top_sites.get(label, {}).items()
-                  if isinstance(rep, dict) and rep.get("is_tracing")}
-        if traced:
-            print(f"traced Python MiB, {label}: {traced}", flush=True)
-    for label in ("plateau", "cleared"):
-        for name, rep in result.top_sites.get(label, {}).items():
-            if not isinstance(rep, dict) or not rep.get("sites"):
-                continue
-            print(f"top allocation sites, {name}, {label} (traced {rep['traced_bytes'] / 2**20:.1f} MiB):")
-            for site in rep["sites"][:8]:
-                print(f"  {site['size_bytes'] / 2**20:8.2f} MiB {site['num_blocks']:>9} blocks  "
-                      f"{site['file']}:{site['line']}")
-    for name, ok, detail in result.checks:
-        print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "soak.json").write_bytes(msgspec.json.encode({"config": config, "result": result}))
-    if config.write_plot:
-        write_plot(result.samples, out / "soak.png")
-        print(f"wrote {out / 'soak.png'} and {out / 'soak.json'}", flush=True)
+                      trace_s_covered=last_sent, bytes_per_holding=per, top_sites=memory,
+                      worker_bytes_per_block=per_worker, allocator=allocator)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -489,10 +468,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "warmup_fraction", "tolerance"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=None)
     for name in ("num_workers", "num_gpu_blocks", "max_output_tokens", "max_in_flight", "slack_fds", "slack_tasks",
-                 "seed"):
+                 "seed", "tracemalloc_frames"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     parser.add_argument("--tracemalloc", choices=("none", "gateway", "all"), default=None,
                         help=f"processes traced by tracemalloc (default {d.tracemalloc}; --quick: none)")
+    parser.add_argument("--allocator", choices=("auto", *ALLOCATORS), default=None,
+                        help=f"the gateway's allocator (default {d.allocator})")
+    parser.add_argument("--malloc-conf", default=None,
+                        help=f"jemalloc's options with --allocator jemalloc (default {d.malloc_conf})")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     trace = args.trace or find_default_trace()

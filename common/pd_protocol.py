@@ -12,8 +12,12 @@ vLLM: ``kv_transfer_params`` (sequential legs)
     ``CompletionResponse`` / ``ChatCompletionResponse`` field of the same name), the connectors
     ``vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`` (``NixlConnectorScheduler
     .request_finished`` / ``update_state_after_alloc``, ``NIXL_CONNECTOR_VERSION = 2``, which added
-    ``remote_request_id``) and ``.../v1/mooncake_connector.py``, and the reference proxy
-    ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``.
+    ``remote_request_id``) and, in vLLM 0.32 (``NIXL_CONNECTOR_VERSION = 14``, ``.../v1/nixl/metadata.py``), the
+    split package ``.../v1/nixl/pull_scheduler.py`` (``NixlPullScheduler.request_finished``: block ids per KV cache
+    group, and ``dcp_size``, ``pp_size``, ``remote_num_tokens``, ``remote_blocks_expiry_time``, ``transfer_mode``;
+    ``get_num_new_matched_tokens`` loads ``min(remote_num_tokens, prompt tokens)``), and the reference proxy
+    ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``. What vLLM 0.32 (CPU build, NIXL's UCX backend)
+    actually answers is pinned by ``tests/interop/test_vllm_pd.py``.
 
     1. The proxy sends the client's body to a prefill worker with ``stream: false``, ``max_tokens: 1`` (and
        ``max_completion_tokens: 1`` when the body has it), no ``stream_options``, no ``min_tokens`` /
@@ -23,9 +27,16 @@ vLLM: ``kv_transfer_params`` (sequential legs)
     2. The prefill worker computes the prompt, samples one token and, because the request finished by length
        (``FINISHED_LENGTH_CAPPED``; an abort or a stop frees at once), keeps its blocks alive for the decode side
        (NIXL: at most ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` = 480 s, then frees them). Its response carries
-       ``kv_transfer_params`` = ``{"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [...],
-       "remote_engine_id": ..., "remote_request_id": ..., "remote_host": ..., "remote_port": ..., "tp_size": ...}``
-       (NIXL; Mooncake's connector returns only the two flags and ``remote_host`` / ``remote_port``).
+       ``kv_transfer_params`` = ``{"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids":
+       [[...]], "remote_engine_id": ..., "remote_request_id": ..., "remote_host": ..., "remote_port": ...,
+       "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": ..., "remote_blocks_expiry_time": null,
+       "transfer_mode": "pull"}`` (NIXL in vLLM 0.32: one list of block ids per KV cache group; earlier versions
+       sent one flat list and no field after ``tp_size``); vLLM 0.32's scheduler adds
+       ``remote_prefill_cached_tokens``, the prefill side's prefix-cache hits, which the decode worker reports as
+       its own ``cached_tokens`` (``remote_prefill_cached_tokens``). vLLM 0.32's ``MooncakeConnector`` answers nothing
+       (``request_finished`` returns ``None``): its proxy sends both legs at once with a ``transfer_id`` and the
+       prefill side's bootstrap address (``remote_bootstrap_addr``, ``remote_engine_id``), a third handshake this
+       module does not speak.
     3. The proxy copies those params, unchanged, into the client's original body and streams the decode worker's
        answer to the client (``decode_leg_body``). The decode worker allocates blocks for the prompt, reads the
        remote blocks it does not already hold in its own prefix cache, tells the prefill side it is done (which
@@ -68,6 +79,11 @@ NIXL_ABORT_REQUEST_TIMEOUT_S = 480.0
 PREFILL_ONLY_FIELDS = ("min_tokens", "min_completion_tokens")
 """Fields the reference proxy removes from the prefill leg (unsupported there) and keeps on the decode leg."""
 
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+"""SGLang's PD fields. The legs a proxy builds carry only its own handshake's fields: a client's own
+``kv_transfer_params`` or bootstrap fields (a remote prefill pointing at a server of its choosing) never reach a
+worker, which would pull KV from wherever they point."""
+
 
 class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=False):
     """vLLM's ``kv_transfer_params`` object, both directions (NIXL connector shape; module docstring).
@@ -83,8 +99,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=False):
             is on a remote worker; pull it" (``get_num_new_matched_tokens``).
         remote_engine_id: the prefill engine's id (``NixlConnectorScheduler.engine_id``; the
             ``kv_transfer_config.engine_id``), so the decode side knows whose agent to read from.
-        remote_block_ids: the prefill worker's block ids holding the prompt, in order (``request_finished``'s
-            ``block_ids``: the request's blocks of its first KV cache group).
+        remote_block_ids: the prefill worker's block ids holding the prompt, in order: one list per KV cache group
+            (vLLM 0.32, ``NixlPullScheduler.request_finished``'s ``block_ids``), or one flat list (the blocks of the
+            first group, earlier versions). ``block_ids_by_group`` reads either.
         remote_host: where the prefill side serves the transfer (NIXL: ``VLLM_NIXL_SIDE_CHANNEL_HOST``; Mooncake:
             the worker's IP).
         remote_port: its port (NIXL: ``VLLM_NIXL_SIDE_CHANNEL_PORT`` + data-parallel rank).
@@ -92,16 +109,43 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=False):
             (NIXL connector version 2).
         tp_size: the prefill engine's tensor-parallel size (NIXL ``request_finished``; read by
             ``NixlConnectorMetadata._add_new_req`` with a default of 1).
+        dcp_size: the prefill engine's decode-context-parallel size (vLLM 0.32; read with a default of 1).
+        pp_size: its pipeline-parallel size (vLLM 0.32).
+        remote_num_tokens: prompt tokens whose KV the prefill worker computed and parked
+            (``request.num_computed_tokens``; vLLM 0.32's decode side loads ``min(this, prompt tokens)``), or
+            ``None`` where the connector does not say.
+        remote_blocks_expiry_time: when the parked blocks are freed if nobody pulls them, the prefill worker's
+            monotonic clock (vLLM 0.32 sets it only for blocks a decode worker parks for a next turn).
+        transfer_mode: ``pull`` (the decode side reads: ``NixlPullScheduler``) or ``push``; the two are
+            incompatible (``compute_nixl_compatibility_hash``).
     """
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
     remote_engine_id: str | None = None
-    remote_block_ids: list[int] | None = None
+    remote_block_ids: list[int | list[int]] | None = None
     remote_host: str | None = None
     remote_port: int | None = None
     remote_request_id: str | None = None
     tp_size: int = 1
+    dcp_size: int = 1
+    pp_size: int = 1
+    remote_num_tokens: int | None = None
+    remote_blocks_expiry_time: float | None = None
+    transfer_mode: str = "pull"
+
+    def block_ids_by_group(self) -> list[list[int]]:
+        """``remote_block_ids`` as one list per KV cache group (a flat list is the first group's).
+
+        Raises:
+            ValueError: a mix of ids and lists.
+        """
+        ids = self.remote_block_ids or []
+        if all(isinstance(b, list) for b in ids):
+            return [list(g) for g in ids if isinstance(g, list)]
+        if any(isinstance(b, list) for b in ids):
+            raise ValueError("remote_block_ids mixes block ids and per-group lists")
+        return [[b for b in ids if isinstance(b, int)]]
 
     @property
     def is_complete_remote_prefill(self) -> bool:
@@ -136,10 +180,10 @@ def prefill_leg_body(body: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
         A new mapping: ``kv_transfer_params`` asking for a remote decode, ``stream: false``, ``max_tokens: 1``
-        (``max_completion_tokens: 1`` when present), without ``stream_options``, ``min_tokens`` and
-        ``min_completion_tokens``.
+        (``max_completion_tokens: 1`` when present), without ``stream_options``, ``min_tokens``,
+        ``min_completion_tokens`` and the client's bootstrap fields (``BOOTSTRAP_FIELDS``).
     """
-    out = dict(body)
+    out = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
     out["kv_transfer_params"] = dict(PREFILL_REQUEST_PARAMS)
     out["stream"] = False
     out["max_tokens"] = 1
@@ -151,20 +195,71 @@ def prefill_leg_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def remote_prefill_cached_tokens(prefill_params: dict[str, Any] | None) -> int | None:
+    """The prefill side's prefix-cache hits as its answer's ``kv_transfer_params`` carry them, or ``None``.
+
+    vLLM 0.32's scheduler adds ``remote_prefill_cached_tokens`` (the prefill request's ``num_cached_tokens``) to the
+    params of a finished prefill leg (``vllm/v1/core/sched/scheduler.py``, ``update_from_output``), and its decode
+    worker reports that number as ``usage.prompt_tokens_details.cached_tokens`` instead of its own near-total hit
+    from the transfer (``vllm/v1/engine/output_processor.py``, ``RequestState.from_new_request`` and
+    ``_update_stats_from_output``): the decode leg's answer tells the client what the prefill side had cached.
+    """
+    if not prefill_params or not prefill_params.get("do_remote_prefill"):
+        return None
+    value = prefill_params.get("remote_prefill_cached_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def unusable_prefill_params(params: object) -> str | None:
+    """Why a prefill answer's ``kv_transfer_params`` cannot go on a decode leg, or ``None`` when they can.
+
+    Absent, ``null`` or empty params can (the decode leg goes without any and its worker computes the prompt); an
+    object can when it decodes as ``KVTransferParams``, does not ask for a remote decode, and, asking for a remote
+    prefill, names everything a decode worker pulls with (``KVTransferParams.is_complete_remote_prefill``) in one
+    shape of ``remote_block_ids``: the checks the reference worker's ``workers.handoff.classify_leg`` makes, so a
+    prefill worker's bad answer is its own failure, not a decode worker's 400 about a field the client never sent.
+    """
+    if params is None or params == {}:
+        return None
+    if not isinstance(params, dict):
+        return f"a JSON {type(params).__name__}, not an object"
+    try:
+        parsed = msgspec.convert(params, KVTransferParams)
+    except msgspec.ValidationError as exc:
+        return str(exc)
+    if parsed.do_remote_decode:
+        return "do_remote_decode is set (the answer of a prefill leg sets do_remote_prefill)"
+    if not parsed.do_remote_prefill:
+        return None
+    try:
+        parsed.block_ids_by_group()
+    except ValueError as exc:
+        return str(exc)
+    if not parsed.is_complete_remote_prefill:
+        return (
+            "do_remote_prefill needs remote_block_ids, remote_engine_id, remote_request_id, remote_host and "
+            "remote_port"
+        )
+    return None
+
+
 def decode_leg_body(body: dict[str, Any], prefill_params: dict[str, Any] | None) -> dict[str, Any]:
     """The vLLM decode leg (step 3): the client's body with the prefill answer's ``kv_transfer_params``.
 
     Args:
         body: the client's decoded JSON body, as received.
-        prefill_params: the prefill response's ``kv_transfer_params`` (``None`` or empty: the reference proxy
-            then sends the body unchanged, and the decode worker computes the prompt itself).
+        prefill_params: the prefill response's ``kv_transfer_params`` (``None`` or empty: the body goes without
+            any, and the decode worker computes the prompt itself; the client's own ``kv_transfer_params`` never
+            reach the decode worker, which would pull KV from wherever they point).
 
     Returns:
-        A new mapping; ``body`` is not changed.
+        A new mapping without the client's bootstrap fields (``BOOTSTRAP_FIELDS``); ``body`` is not changed.
     """
-    out = dict(body)
+    out = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
     if prefill_params:
         out["kv_transfer_params"] = prefill_params
+    else:
+        out.pop("kv_transfer_params", None)
     return out
 
 
@@ -191,12 +286,14 @@ def new_bootstrap_room(rng: random.Random) -> int:
 
 
 def bootstrap_body(body: dict[str, Any], fields: BootstrapFields) -> dict[str, Any]:
-    """The body both SGLang legs get: the client's, with the bootstrap fields of a single prompt added.
+    """The body both SGLang legs get: the client's, with the bootstrap fields of a single prompt added (the
+    client's own replaced) and without the client's ``kv_transfer_params`` (``BOOTSTRAP_FIELDS``).
 
     Returns:
         A new mapping; ``body`` is not changed.
     """
     out = dict(body)
+    out.pop("kv_transfer_params", None)
     out["bootstrap_host"] = fields.bootstrap_host
     out["bootstrap_port"] = fields.bootstrap_port
     out["bootstrap_room"] = fields.bootstrap_room

@@ -10,7 +10,9 @@ Replay (optional ROUTER, always bound), for a client that missed batches::
     replies                           [client_identity, b"", seq (8 B BE), payload]   every buffered seq >= start
     end marker                        [client_identity, b"", ff ff ff ff ff ff ff ff, b""]  (-1 signed, empty)
 
-Requests with another frame count are logged and ignored. Only the last ``buffer_steps`` batches are kept.
+Requests with another frame count are logged and ignored. Only the last ``buffer_steps`` batches (vLLM's bound) and
+at most ``buffer_max_bytes`` of payload (ours: a step's batch carries every stored block's token ids, so 10,000 steps
+of long prompts hold hundreds of MB) are kept, the oldest dropped first; without a replay endpoint nothing is kept.
 
 Endpoint rules (vLLM's): the PUB **binds** when the endpoint contains ``*`` or ``::``, or uses ``ipc://`` or
 ``inproc://``; otherwise it **connects** (the llm-d topology, where the gateway binds one SUB). Data-parallel rank
@@ -30,6 +32,8 @@ Public API:
         .publish(events, ts_s=None) -> int                the batch's seq
         .endpoint / .replay_endpoint                      resolved addresses (bound ports filled in)
         .num_published / .next_seq
+        .num_buffered_batches / .num_buffered_bytes       the replay buffer
+        .drop_buffered_before(seq) -> int                 forget batches a full clear made moot
         .close()                                          also a context manager
     bind_or_connect(endpoint) -> bool                     True: bind
     offset_endpoint(endpoint, dp_rank) -> str            (None -> None)
@@ -72,6 +76,9 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, r
     """Topic frame. Empty by default (vLLM); llm-d's bound topology uses ``kv@<worker>@<model>``."""
     buffer_steps: Annotated[int, msgspec.Meta(ge=1)] = 10_000
     """Number of past batches kept for replay."""
+    buffer_max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 16 << 20
+    """Most payload bytes the replay buffer keeps (oldest batches dropped first; the newest is always kept). A gap
+    is usually seconds of batches; a subscriber that asks for older seqs gets the buffered tail and resyncs."""
     hwm: Annotated[int, msgspec.Meta(ge=0)] = 100_000
     """ZMQ send high-water mark of the PUB socket, in messages (0: unlimited)."""
     dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -166,8 +173,10 @@ def _seq_bytes(seq: int) -> bytes:
 class KVEventPublisher:
     """Publishes batches of normalized KV events on ZMQ, with an optional replay ROUTER.
 
-    Invariants: seqs are assigned 0, 1, 2, ... in ``publish()`` call order, with no holes; the replay buffer holds
-    the last ``buffer_steps`` (seq, payload) pairs in seq order, each exactly as it was sent.
+    Invariants: seqs are assigned 0, 1, 2, ... in ``publish()`` call order, with no holes; with a replay endpoint the
+    replay buffer holds the last (seq, payload) pairs in seq order, each exactly as it was sent: at most
+    ``buffer_steps`` of them and at most ``buffer_max_bytes`` of payload in all (the newest batch always), and
+    ``num_buffered_bytes`` is their payload size; without one it holds nothing.
 
     Args:
         config: the publisher configuration.
@@ -184,7 +193,9 @@ class KVEventPublisher:
         self._topic = config.topic.encode("utf-8")
         self._encoder = BatchEncoder(config.wire_shape)
         self._lock = threading.Lock()
-        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.buffer_steps)
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._is_buffering = config.replay_endpoint is not None
+        self.num_buffered_bytes = 0
         self._next_seq = 0
         self._closed = False
         self._is_dropping_sends = False
@@ -273,7 +284,8 @@ class KVEventPublisher:
             payload = self._encoder.encode(events, ts, self.config.dp_rank)
             seq = self._next_seq
             self._next_seq = seq + 1
-            self._buffer.append((seq, payload))
+            if self._is_buffering:
+                self._keep(seq, payload)
             if self._is_dropping_sends:
                 return seq
             try:
@@ -283,6 +295,33 @@ class KVEventPublisher:
             except zmq.ZMQError as exc:
                 raise PublisherError(f"send failed: {exc}", endpoint=self.endpoint) from exc
         return seq
+
+    def _keep(self, seq: int, payload: bytes) -> None:
+        """Append to the replay buffer, then drop its oldest batches past ``buffer_steps`` or ``buffer_max_bytes``
+        (under the lock)."""
+        buffer = self._buffer
+        buffer.append((seq, payload))
+        self.num_buffered_bytes += len(payload)
+        max_steps, max_bytes = self.config.buffer_steps, self.config.buffer_max_bytes
+        while len(buffer) > 1 and (len(buffer) > max_steps or self.num_buffered_bytes > max_bytes):
+            self.num_buffered_bytes -= len(buffer.popleft()[1])
+
+    def drop_buffered_before(self, seq: int) -> int:
+        """Forget the buffered batches before ``seq``; returns how many went. For a batch that made them moot (an
+        ``AllBlocksCleared`` of every tier): a subscriber whose last seq is older finds no anchor in a replay and
+        resyncs from the snapshot, the state those batches would have led to."""
+        with self._lock:
+            buffer = self._buffer
+            num = 0
+            while buffer and buffer[0][0] < seq:
+                self.num_buffered_bytes -= len(buffer.popleft()[1])
+                num += 1
+            return num
+
+    @property
+    def num_buffered_batches(self) -> int:
+        """Batches the replay buffer holds."""
+        return len(self._buffer)
 
     def _replay_batches(self, start_seq: int) -> list[tuple[int, bytes]]:
         with self._lock:

@@ -78,6 +78,10 @@ Public API::
     sub.counters                            # EventCounters, for Prometheus
     await sub.aclose()
 
+Modules: this one reads the sockets, names each message's worker and rank stream and queues it;
+``events.rank_stream`` sequences each stream (replay, ``Resync``, sliced delivery); ``events.subscriber_config``
+holds ``SubscriberConfig`` and ``WorkerSpec`` (re-exported here).
+
 Typical gateway wiring (aiohttp cleanup_ctx)::
 
     sub = KVEventSubscriber(cfg, index.apply)      # index.apply(EventBatch | Resync) -> None
@@ -92,11 +96,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Annotated, cast
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import cast
 
-import msgspec
 import xxhash
 import zmq
 import zmq.asyncio
@@ -105,92 +108,16 @@ from zmq.utils.monitor import parse_monitor_message
 from events.counters import DropKind, EventCounters
 from events.decode import EventDecoder
 from events.errors import EventsConfigError
-from events.publisher import SEQ_END_MARKER
-from events.types import AllBlocksCleared, EventBatch, KVEvent, Resync
+from events.rank_stream import QueuedBatch, RankStream, Sink, StreamMarker, StreamSequencer
+from events.subscriber_config import SubscriberConfig, WorkerSpec
+
+__all__ = ["KVEventSubscriber", "Sink", "SubscriberConfig", "WorkerSpec"]
 
 logger = logging.getLogger(__name__)
-
-Sink = Callable[[EventBatch | Resync], None]
-"""Consumer of the subscriber's output, called on the event loop thread."""
-
-
-class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
-    """One event source: a worker's publisher for one data-parallel rank."""
-
-    worker_id: str
-    """The worker this stream belongs to (the id the index and the policies use)."""
-    endpoint: str | None = None
-    """Connect topology: the worker's PUB address, e.g. ``tcp://10.0.0.5:5557`` (dp-rank offset already applied).
-    ``None`` in the bound topology (the worker connects to us with topic ``kv@<worker_id>@<model>``)."""
-    replay_endpoint: str | None = None
-    """The worker's replay ROUTER address for this rank, or ``None`` (gaps then force a resync)."""
-    dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
-    """Rank assumed for batches that carry none."""
-    topic: str = ""
-    """Connect topology: topic prefix to subscribe to (``""`` receives everything)."""
-    block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    """The worker's GPU block size in tokens; GPU-tier stores with another size are refused. ``None``: use
-    ``SubscriberConfig.default_block_size``."""
-
-
-class SubscriberConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Configuration of the subscriber (the gateway's ``events.subscriber`` section; keys are the field names)."""
-
-    bind_endpoint: str | None = None
-    """Bound topology: address our SUB binds (e.g. ``tcp://*:5557``); ``None`` for the connect topology only."""
-    bind_topic_prefix: str = "kv@"
-    """Bound topology: topic prefix subscribed to; the worker id is the topic's next ``@``-separated part."""
-    accept_unknown_workers: bool = False
-    """Bound topology: accept batches from workers never added (with default settings) instead of dropping them."""
-    replay_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
-    """Longest wait for the next replay reply, in seconds."""
-    replay_total_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
-    """Longest whole replay, in seconds: a replay endpoint that keeps answering without ending (replies out of
-    the asked range, say) cannot hold the stream; past it the gap is given up like a timed-out replay."""
-    max_replay_batches: Annotated[int, msgspec.Meta(ge=1)] = 10_000
-    """A gap longer than this many batches is not replayed (resync instead)."""
-    reconnect_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.1
-    """First ZMQ reconnect interval, in seconds."""
-    reconnect_interval_max_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
-    """Upper bound of ZMQ's reconnect back-off, in seconds."""
-    rcvhwm: Annotated[int, msgspec.Meta(ge=0)] = 100_000
-    """ZMQ receive high-water mark, in messages (beyond it ZMQ drops; replay closes the gap)."""
-    max_blocks_per_slice: Annotated[int, msgspec.Meta(ge=1)] = 4096
-    """Blocks delivered to the sink between two yields to the event loop."""
-    max_pending_batches: Annotated[int, msgspec.Meta(ge=1)] = 1024
-    """Decoded batches queued per stream before the reader waits (backpressure to the socket)."""
-    default_block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    """GPU block size for specs that give none; ``None`` accepts any (token counts are still checked)."""
 
 
 def _has_input(sock: zmq.asyncio.Socket) -> bool:
     return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-
-
-@dataclass(slots=True)
-class _Item:
-    seq: int
-    digest: int
-    batch: EventBatch | None  # None: unusable payload (counted), still consumes its seq
-
-
-@dataclass(slots=True)
-class _Marker:
-    kind: str  # "suspect" (socket disconnect) or "verify" (start id changed)
-
-
-@dataclass(slots=True)
-class _Stream:
-    worker_id: str
-    dp_rank: int
-    replay_endpoint: str | None
-    block_size: int | None
-    queue: asyncio.Queue[_Item | _Marker] = field(default_factory=asyncio.Queue)
-    space: asyncio.Event = field(default_factory=asyncio.Event)
-    last_seq: int | None = None
-    last_digest: int = 0
-    is_suspect: bool = False
-    task: asyncio.Task[None] | None = None
 
 
 @dataclass(slots=True)
@@ -226,21 +153,20 @@ class KVEventSubscriber:
     ) -> None:
         self.config = config
         self.counters = EventCounters() if counters is None else counters
-        self._sink = sink
         self._own_context = context is None
         self._ctx = zmq.asyncio.Context() if context is None else context
         if context is None:  # libzmq's default of 1,023 sockets is 341 rank streams (events.capacity)
             self._ctx.set(zmq.MAX_SOCKETS, self._ctx.get(zmq.SOCKET_LIMIT))
         self._decoder = EventDecoder(self.counters)
+        self._sequencer = StreamSequencer(config, sink, self.counters, self._decoder, self._ctx)
         self._specs: dict[str, dict[int, WorkerSpec]] = {}
         self._sources: dict[tuple[str, int], _Source] = {}
-        self._streams: dict[tuple[str, int], _Stream] = {}
+        self._streams: dict[tuple[str, int], RankStream] = {}
         self._start_ids: dict[str, object] = {}
         self._bound: _Source | None = None
         self.bound_endpoint: str | None = None
         self._started = False
         self._closed = False
-        self._blocks_since_yield = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -356,7 +282,7 @@ class KVEventSubscriber:
         logger.info("kv events: worker %s start id changed (%r -> %r)", worker_id, previous, start_id)
         for stream in self._streams.values():
             if stream.worker_id == worker_id:
-                stream.queue.put_nowait(_Marker("verify"))
+                stream.queue.put_nowait(StreamMarker("verify"))
 
     def last_seq(self, worker_id: str, dp_rank: int = 0) -> int | None:
         """The last seq applied for a stream, or ``None`` (no baseline yet, or just resynced)."""
@@ -426,7 +352,7 @@ class KVEventSubscriber:
             logger.info("kv events: disconnected from %s; its streams will be verified", source.endpoint)
             for stream in self._streams.values():
                 if source.worker_id is None or stream.worker_id == source.worker_id:
-                    stream.queue.put_nowait(_Marker("suspect"))
+                    stream.queue.put_nowait(StreamMarker("suspect"))
         elif kind in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED) and source.was_disconnected:
             source.was_disconnected = False
             self.counters.num_reconnects[source.endpoint] += 1
@@ -484,18 +410,18 @@ class KVEventSubscriber:
             # Connect topology: one publisher, one seq counter; the batch still consumes its seq on its rank.
             dp_rank, batch = source.spec.dp_rank, None
         stream = self._stream_for(worker_id, dp_rank)
-        stream.queue.put_nowait(_Item(seq=seq, digest=xxhash.xxh3_64_intdigest(payload), batch=batch))
+        stream.queue.put_nowait(QueuedBatch(seq=seq, digest=xxhash.xxh3_64_intdigest(payload), batch=batch))
         if stream.queue.qsize() >= self.config.max_pending_batches:
             stream.space.clear()
             await stream.space.wait()
 
-    def _stream_for(self, worker_id: str, dp_rank: int) -> _Stream:
+    def _stream_for(self, worker_id: str, dp_rank: int) -> RankStream:
         key = (worker_id, dp_rank)
         stream = self._streams.get(key)
         if stream is None:
             by_rank = self._specs[worker_id]
             spec = by_rank.get(dp_rank)
-            stream = _Stream(
+            stream = RankStream(
                 worker_id=worker_id,
                 dp_rank=dp_rank,
                 replay_endpoint=None if spec is None else spec.replay_endpoint,
@@ -503,212 +429,7 @@ class KVEventSubscriber:
             )
             stream.space.set()
             stream.task = asyncio.get_running_loop().create_task(
-                self._run_stream(stream), name=f"kv-events-stream {worker_id}/{dp_rank}"
+                self._sequencer.run(stream), name=f"kv-events-stream {worker_id}/{dp_rank}"
             )
             self._streams[key] = stream
         return stream
-
-    # -- per-stream sequencing ---------------------------------------------------------------------------------
-
-    async def _run_stream(self, stream: _Stream) -> None:
-        while True:
-            item = await stream.queue.get()
-            if stream.queue.qsize() < self.config.max_pending_batches // 2 + 1:
-                stream.space.set()
-            try:
-                if isinstance(item, _Marker):
-                    if item.kind == "suspect":
-                        stream.is_suspect = stream.last_seq is not None
-                    elif stream.last_seq is not None:
-                        await self._verify_start_id(stream)
-                else:
-                    await self._on_item(stream, item)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("kv events: stream %s/%d failed; resyncing", stream.worker_id, stream.dp_rank)
-                self._resync(stream, "internal_error")
-
-    async def _verify_start_id(self, stream: _Stream) -> None:
-        assert stream.last_seq is not None
-        if stream.replay_endpoint is not None:
-            replies, _ = await self._replay(stream, stream.last_seq)
-            got = replies.get(stream.last_seq)
-            if got is not None and got[0] == stream.last_digest:
-                return  # we already follow the new publisher (its restart was caught by seq)
-        self._resync(stream, "start_id_changed")
-
-    async def _on_item(self, stream: _Stream, item: _Item) -> None:
-        last = stream.last_seq
-        seq = item.seq
-        if last is None:
-            await self._apply(stream, item)
-            return
-        if not stream.is_suspect:
-            if seq == last + 1:
-                await self._apply(stream, item)
-                return
-            if seq == last:
-                self.counters.drop(stream.worker_id, DropKind.DUPLICATE_SEQ, f"seq {seq} seen twice")
-                return
-        if seq > last + 1:
-            self.counters.num_gaps[stream.worker_id] += 1
-        if stream.replay_endpoint is None:
-            reason = "seq_backwards" if seq < last else "reconnect" if stream.is_suspect else "gap_no_replay"
-            self._resync(stream, reason)
-            await self._apply(stream, item)
-            return
-        missing = max(0, seq - last - 1)
-        if missing > self.config.max_replay_batches:
-            self._resync(stream, "gap_unrecoverable")
-            await self._apply(stream, item)
-            return
-        # Keep the anchor ``last`` whatever the live seq: for an old or repeated seq (``seq <= last``) it is the
-        # only reply needed, and without it such a batch could never be told from a restart.
-        replies, _ = await self._replay(stream, last, stop_before=max(seq, last + 1))
-        anchor = replies.get(last)
-        if anchor is None or anchor[0] != stream.last_digest:
-            reason = "seq_backwards" if seq < last else "reconnect" if stream.is_suspect else "gap_unrecoverable"
-            self._resync(stream, reason)
-            await self._apply(stream, item)
-            return
-        stream.is_suspect = False
-        if seq <= last:
-            kind = DropKind.DUPLICATE_SEQ if seq == last else DropKind.NON_MONOTONIC_SEQ
-            self.counters.drop(stream.worker_id, kind, f"seq {seq} after {last}; replay shows no restart")
-            return
-        if any(q not in replies for q in range(last + 1, seq)):
-            self._resync(stream, "gap_unrecoverable")
-            await self._apply(stream, item)
-            return
-        for q in range(last + 1, seq):
-            digest, payload = replies[q]
-            batch = self._decoder.decode(
-                payload,
-                worker_id=stream.worker_id,
-                seq=q,
-                block_size=stream.block_size,
-                default_dp_rank=stream.dp_rank,
-            )
-            self.counters.num_replayed_batches[stream.worker_id] += 1
-            if batch is not None and batch.dp_rank != stream.dp_rank:
-                self.counters.drop(
-                    stream.worker_id,
-                    DropKind.UNKNOWN_DP_RANK,
-                    f"replayed batch {q} of dp rank {batch.dp_rank} on the stream of rank {stream.dp_rank}",
-                )
-                batch = None  # still consumes its seq
-            await self._apply(stream, _Item(seq=q, digest=digest, batch=batch))
-        await self._apply(stream, item)
-
-    async def _replay(
-        self, stream: _Stream, start_seq: int, stop_before: int | None = None
-    ) -> tuple[dict[int, tuple[int, bytes]], bool]:
-        """Ask the stream's replay ROUTER for every batch from ``start_seq``.
-
-        Args:
-            stream: the stream to replay (it must have a replay endpoint).
-            start_seq: first seq asked for; the callers pass the last applied seq (the anchor).
-            stop_before: replies at this seq or later are not kept; ``None`` keeps every one. Greater than
-                ``start_seq``, so that the anchor is always kept.
-
-        Returns:
-            ({seq: (xxh3-64 digest, payload)} for ``start_seq <= seq < stop_before``, first copy of each seq),
-            and whether the end marker arrived before ``replay_timeout_s`` of silence and within
-            ``replay_total_timeout_s`` in all.
-
-        Raises:
-            ValueError: ``stop_before <= start_seq``.
-        """
-        if stop_before is not None and stop_before <= start_seq:
-            raise ValueError(f"stop_before ({stop_before}) must be greater than start_seq ({start_seq})")
-        assert stream.replay_endpoint is not None
-        self.counters.num_replay_requests[stream.worker_id] += 1
-        replies: dict[int, tuple[int, bytes]] = {}
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        try:
-            dealer.connect(stream.replay_endpoint)
-            await dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
-            loop = asyncio.get_running_loop()
-            end_s = loop.time() + self.config.replay_total_timeout_s
-            while True:
-                wait_s = min(self.config.replay_timeout_s, end_s - loop.time())
-                try:
-                    if wait_s <= 0.0:
-                        raise TimeoutError
-                    frames = await asyncio.wait_for(dealer.recv_multipart(), wait_s)
-                except TimeoutError:
-                    logger.warning(
-                        "kv events: replay from %s timed out after %d batches", stream.replay_endpoint, len(replies)
-                    )
-                    return replies, False
-                if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
-                    self.counters.drop(stream.worker_id, DropKind.FRAME_COUNT, f"replay reply of {len(frames)} frames")
-                    continue
-                if frames[1] == SEQ_END_MARKER:
-                    return replies, True
-                seq = int.from_bytes(frames[1], "big")
-                if seq >= start_seq and (stop_before is None or seq < stop_before) and seq not in replies:
-                    replies[seq] = (xxhash.xxh3_64_intdigest(frames[2]), frames[2])
-        except zmq.ZMQError as exc:
-            logger.warning("kv events: replay from %s failed: %s", stream.replay_endpoint, exc)
-            return replies, False
-        finally:
-            dealer.close(linger=0)
-
-    def _resync(self, stream: _Stream, reason: str) -> None:
-        logger.warning("kv events: resync worker %s (rank %d): %s", stream.worker_id, stream.dp_rank, reason)
-        self.counters.resyncs[(stream.worker_id, reason)] += 1
-        stream.last_seq = None
-        stream.is_suspect = False
-        self._emit(Resync(worker_id=stream.worker_id, reason=reason, dp_rank=stream.dp_rank))
-
-    # -- delivery ----------------------------------------------------------------------------------------------
-
-    def _emit(self, record: EventBatch | Resync) -> None:
-        try:
-            self._sink(record)
-        except Exception:
-            logger.exception("kv events: sink failed on a record of worker %s", record.worker_id)
-
-    async def _apply(self, stream: _Stream, item: _Item) -> None:
-        stream.last_seq = item.seq
-        stream.last_digest = item.digest
-        batch = item.batch
-        if batch is None or not batch.events:
-            return
-        limit = self.config.max_blocks_per_slice
-        counters = self.counters
-        worker_id = batch.worker_id
-        counters.num_batches[worker_id] += 1
-        counters.num_events[worker_id] += len(batch.events)
-        chunk: list[KVEvent] = []
-        chunk_blocks = 0
-        for event in batch.events:
-            num_blocks = 1 if isinstance(event, AllBlocksCleared) else len(event.block_hashes)
-            if chunk and chunk_blocks + num_blocks > limit:
-                await self._deliver(batch, chunk, chunk_blocks)
-                chunk, chunk_blocks = [], 0
-            chunk.append(event)
-            chunk_blocks += num_blocks
-        await self._deliver(batch, chunk, chunk_blocks)
-
-    async def _deliver(self, batch: EventBatch, chunk: list[KVEvent], num_blocks: int) -> None:
-        if len(chunk) == len(batch.events):
-            self._emit(batch)
-        else:
-            self._emit(
-                EventBatch(
-                    worker_id=batch.worker_id,
-                    dp_rank=batch.dp_rank,
-                    seq=batch.seq,
-                    ts_s=batch.ts_s,
-                    events=tuple(chunk),
-                )
-            )
-        self.counters.num_blocks[batch.worker_id] += num_blocks
-        self._blocks_since_yield += num_blocks
-        if self._blocks_since_yield >= self.config.max_blocks_per_slice:
-            self._blocks_since_yield = 0
-            await asyncio.sleep(0)

@@ -5,7 +5,9 @@ Steps:
 
 1. Read the kv-cache-tester sessions (``loadgen/data/kv-cache-tester/``, a subset of callanjfox/kv-cache-tester,
    Apache-2.0; ``--trace DIR`` for the full set), each file its own namespace, at most ``max_turns_per_session``
-   turns each, think times capped at ``max_think_s``.
+   turns each, think times capped at ``max_think_s``. A level above the number of sessions replays copies of
+   them under fresh namespaces and session ids (copy ``k`` of every session; prompts of different copies share
+   nothing), so 64 sessions in flight are 64 distinct conversations of the bundled shapes.
 2. Size the fleet from the sessions: the working set of the top concurrency level is ``top level × mean session
    context`` blocks; each worker gets ``gpu_share`` of it ÷ workers GPU blocks (at least 1.05 × the longest
    prompt) and, in the split and shared configurations, CPU blocks up to ``2 × gpu_share`` of it ÷ workers (at
@@ -14,17 +16,24 @@ Steps:
    ``pool_share`` × that working set: each worker gives Mooncake a segment of at least 16 MiB and the block
    values are padded (``--pool-value-bytes-per-block``) so that the segments hold that many blocks; every level
    writes new namespaces into it, so the master evicts.
-3. For each configuration (``gpu``, ``split``, ``shared``) start the sim workers (and, for ``shared``, a
-   ``mooncake_master`` on 127.0.0.1 that every worker's pool tier is a client of), then for each level: reset the
-   workers' caches, start the gateway (``cache_aware``, tier-aware pricing, the same for every configuration;
-   the pool workers are declared members of ``MOONCAKE``), replay every session closed loop with that many in
-   flight and their think times (``time_scale`` times faster), and read the workers' per-tier counters
-   (``kvgate_worker_cached_prompt_tokens_by_medium``) before and after.
+3. For each configuration (``gpu``, ``split``, ``shared``, ``pd-split``, ``pd-shared``) start the sim workers
+   (``pd-*``: the first half prefill, the rest decode, the model served with ``pd.protocol: vllm``; for the
+   shared ones a ``mooncake_master`` on 127.0.0.1 that every worker's pool tier is a client of), then for each
+   level: reset the workers' caches, start the gateway (``cache_aware``, tier-aware pricing, the same for every
+   configuration; the pool workers are declared members of ``MOONCAKE``), replay every session closed loop with
+   that many in flight and their think times (``time_scale`` times faster), and read the workers' per-tier
+   counters (``kvgate_worker_cached_prompt_tokens_by_medium``, ``kvgate_worker_pool_read_wall_seconds``) before
+   and after.
 4. Print the table, the targets, the seeds' figures beside ours; write ``agentic.json``, ``agentic.md`` and
    ``agentic.png`` to ``--out``.
 
 Restore times are the sim timing model's (``workers.config.TimingProfile``): ``latency + bytes ÷ bandwidth`` per
-tier for the mean restore size of the level; the sim does not time restores on a wall clock.
+tier for the mean restore size of the level. Beside them, the wall time of the real Mooncake reads (the sim
+worker reads every restored block's bytes from the pool, on the pool's I/O thread while its engine keeps running
+the other sequences): a restoring request waits for the later of the model's restore and its read, so on a
+loaded host, where a read takes longer than the model's restore, the report, whose times are wall ×
+``time_scale``, counts that wait that many times over (``agentic_report.explain`` says how much from the run's
+own numbers).
 """
 
 from __future__ import annotations
@@ -58,10 +67,17 @@ from loadgen.traces import TraceRequest, read_agentic_sessions
 from policies.config import CacheAwareConfig
 from workers.config import TimingProfile
 
-CONFIGS = ("gpu", "split", "shared")
-"""Fleet configurations: GPU only; GPU + per-worker CPU tier (split pools); GPU + CPU + one shared pool."""
+CONFIGS = ("gpu", "split", "shared", "pd-split", "pd-shared")
+"""Fleet configurations: GPU only; GPU + per-worker CPU tier (split pools); GPU + CPU + one shared pool; and the
+same split-versus-shared pair on a prefill/decode fleet (the first half of the workers prefill, the rest decode),
+where a conversation's KV on a decode worker's CPU tier is unreachable from the prefill side unless it is in the
+shared pool."""
+
+PD_PROTOCOL = "vllm"
+"""The PD configurations' wire protocol (``models[].pd.protocol``; vLLM's ``kv_transfer_params`` flow)."""
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "data" / "kv-cache-tester"
+
 
 SIM_VALUE_BYTES_PER_TOKEN = 4
 """The sim pool tier stores a block's token ids (u32): its value size per token (``workers.kv.pool_tier``)."""
@@ -79,11 +95,11 @@ SEEDS = (
 
 SEEDS_NOTE = (
     "The sim reproduces the mechanism (GPU and CPU overflow, sessions moving between workers, what a shared pool "
-    "keeps reachable) and the reuse and tier shares it implies; absolute throughput and TTFT come from the sim "
-    "timing model (one H200-class profile, prefill 1.5× Llama-3-8B), not from the seeds' hardware, and the sim has "
-    "no decode-memory pressure or prefill/decode split, so the ~7 s TTFT and the PD topology are not reproduced."
+    "keeps reachable, a PD fleet whose decode side's host memory the prefill side cannot read) and the reuse and "
+    "tier shares it implies; absolute throughput and TTFT come from the sim timing model (one H200-class profile, "
+    "prefill 1.5× Llama-3-8B), not from the seeds' hardware; the sim models no decode-memory pressure (a decode "
+    "step's time does not grow as decode memory fills), so the ~7 s median TTFT is not reproduced."
 )
-
 
 class AgenticConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Settings of one agentic run (from the command line)."""
@@ -91,7 +107,7 @@ class AgenticConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     trace_dir: str
     out: str = "out/agentic"
     num_workers: int = 4
-    levels: tuple[int, ...] = (4, 8, 12, 16)
+    levels: tuple[int, ...] = (16, 32, 48, 64)
     configs: tuple[str, ...] = CONFIGS
     max_turns_per_session: int = 10
     max_think_s: float = 60.0
@@ -120,6 +136,9 @@ class Sizing(msgspec.Struct, frozen=True):
     pool_capacity_blocks: int
     pool_segment_bytes_per_worker: int
     pool_value_bytes_per_block: int
+    mean_prompt_tokens: float = 0.0
+    mean_think_s: float = 0.0
+    """Mean think time before a turn (simulated seconds, after the cap; the first turn's 0 included)."""
 
 
 class LevelResult(msgspec.Struct):
@@ -145,6 +164,22 @@ class LevelResult(msgspec.Struct):
     mean_restore_s: float
     cached_mismatch_ratio: float | None
     pool_evicted_keys: int | None = None
+    cached_mismatch_index_ratio: float | None = None
+    """Share of requests whose mismatch the gateway put down to a wrong index (``cached_mismatch_index_ratio``
+    of ``loadgen.report``; the rest are forecast misses: blocks evicted or still pending after the decision, or
+    store events in flight); ``None`` when the gateway's counts could not be read."""
+    mean_pool_read_wall_s: float | None = None
+    """Real (wall) seconds a shared-pool restore read took on this host, mean over the level's reads (``None``
+    without a pool): the restoring request waits for it (the worker's other sequences keep running: the read is
+    on the pool's I/O thread), and the report counts it ``time_scale`` times (times are wall × time scale),
+    unlike the model's ``mean_restore_s``."""
+    num_pool_short_reads: int = 0
+    """Pool reads that found fewer blocks than the lookup counted (the master evicted them in between): the
+    request computed the rest, and the gateway, which hears of no Mooncake eviction, counts the cached-token
+    mismatch as a wrong index."""
+    errors_by_kind: dict[str, int] = msgspec.field(default_factory=dict)
+    """The level's failed requests by kind (``loadgen.client``: ``timeout``, ``http_<status>``, ``stream``,
+    ``connect``...), so a reader sees which level failed and how."""
 
 
 def read_sessions(config: AgenticConfig) -> list[TraceRequest]:
@@ -160,7 +195,7 @@ def size_fleet(requests: Sequence[TraceRequest], config: AgenticConfig) -> Sizin
     for r in requests:
         longest[r.session_id] = max(longest.get(r.session_id, 0), math.ceil(r.num_prompt_tokens / config.block_size))
     mean = sum(longest.values()) / max(1, len(longest))
-    top = min(max(config.levels), len(longest))
+    top = max(config.levels)  # copies of the sessions fill the levels above their number (step 1)
     working = math.ceil(top * mean)
     max_prompt = max(longest.values(), default=1)
     gpu = max(math.ceil(config.gpu_share * working / config.num_workers), math.ceil(1.05 * max_prompt))
@@ -180,7 +215,23 @@ def size_fleet(requests: Sequence[TraceRequest], config: AgenticConfig) -> Sizin
         pool_capacity_blocks=pool_blocks,
         pool_segment_bytes_per_worker=segment,
         pool_value_bytes_per_block=value_bytes,
+        mean_prompt_tokens=sum(r.num_prompt_tokens for r in requests) / max(1, len(requests)),
+        mean_think_s=sum(r.think_time_s for r in requests) / max(1, len(requests)),
     )
+
+
+def with_copies(requests: Sequence[TraceRequest], num_sessions: int) -> list[TraceRequest]:
+    """At least ``num_sessions`` sessions: the originals, then whole copies of every session under fresh
+    namespaces and session ids (``c<k>/``), as many as needed (module docstring, step 1)."""
+    sessions = {r.session_id for r in requests}
+    num_copies = max(1, math.ceil(num_sessions / max(1, len(sessions))))
+    out = list(requests)
+    for k in range(1, num_copies):
+        out += [
+            msgspec.structs.replace(r, namespace=f"c{k}/{r.namespace}", session_id=f"c{k}/{r.session_id}")
+            for r in requests
+        ]
+    return out
 
 
 def in_namespace(requests: Sequence[TraceRequest], tag: str) -> list[TraceRequest]:
@@ -191,7 +242,7 @@ def in_namespace(requests: Sequence[TraceRequest], tag: str) -> list[TraceReques
 class MooncakeMaster:
     """A ``mooncake_master`` on 127.0.0.1 in its own process group (stopped by ``stop``)."""
 
-    def __init__(self, log_path: Path, lease_ms: int = 2000) -> None:
+    def __init__(self, log_path: Path, lease_ms: int = 10_000) -> None:
         binary = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
         if not Path(binary).exists():
             raise LoadgenError("the shared configuration needs mooncake_master (pip install kvgate[mooncake])")
@@ -244,7 +295,8 @@ class MooncakeMaster:
 
 async def tier_counters(urls: Sequence[str]) -> dict[str, float]:
     """Sum over workers of their cached tokens per medium, prompt tokens and restores (``/metrics``)."""
-    out: dict[str, float] = {"GPU": 0.0, "CPU": 0.0, "MOONCAKE": 0.0, "restores": 0.0}
+    out: dict[str, float] = {"GPU": 0.0, "CPU": 0.0, "MOONCAKE": 0.0, "restores": 0.0, "pool_reads": 0.0,
+                             "pool_read_wall_s": 0.0, "pool_short_reads": 0.0}
     async with aiohttp.ClientSession() as session:
         for url in urls:
             async with session.get(url + "/metrics") as resp:
@@ -255,6 +307,12 @@ async def tier_counters(urls: Sequence[str]) -> dict[str, float]:
                         out[sample.labels["medium"]] += sample.value
                     elif sample.name == "kvgate_worker_restores_total":
                         out["restores"] += sample.value
+                    elif sample.name == "kvgate_worker_pool_reads":
+                        out["pool_reads"] += sample.value
+                    elif sample.name == "kvgate_worker_pool_read_wall_seconds":
+                        out["pool_read_wall_s"] += sample.value
+                    elif sample.name == "kvgate_worker_pool_short_reads":
+                        out["pool_short_reads"] += sample.value
     return out
 
 
@@ -312,13 +370,14 @@ async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[Lev
     out_dir = Path(config.out)
     prompts = PromptBuilder()
     results: list[LevelResult] = []
-    levels = [lv for lv in config.levels if lv <= sizing.num_sessions] or [sizing.num_sessions]
+    levels = sorted(set(config.levels))
     for name in config.configs:
         fleet = Fleet(out_dir / "logs" / name, startup_timeout_s=config.startup_timeout_s)
         master: MooncakeMaster | None = None
         try:
             extra: list[str] = []
-            if name == "shared":
+            pooled = name in ("shared", "pd-shared")
+            if pooled:
                 master = MooncakeMaster(out_dir / "logs" / name / "mooncake_master.log")
                 extra = ["--pool-backend", "mooncake", "--mooncake-master", master.address,
                          "--mooncake-global-segment-size", str(sizing.pool_segment_bytes_per_worker),
@@ -326,19 +385,23 @@ async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[Lev
             num_cpu = 0 if name == "gpu" else sizing.num_cpu_blocks_per_worker
             specs = [
                 WorkerSpec(f"worker-{i}", sizing.num_gpu_blocks_per_worker, num_cpu, config.block_size,
-                           1.0 / config.time_scale)
-                for i in range(config.num_workers)
+                           1.0 / config.time_scale, role)
+                for i, role in enumerate(worker_roles(name, config.num_workers))
             ]  # fmt: skip
             profile_path = out_dir / "logs" / name / "worker-profile.yaml"
             profile_path.parent.mkdir(parents=True, exist_ok=True)
             profile_path.write_text(yaml.safe_dump(sim_profile(config.prefill_slowdown), sort_keys=False))
             fleet.start_workers(specs, ["--profile", str(profile_path), *extra])
             await fleet.wait_ready()
-            if name == "shared":
+            if pooled:
                 fleet.worker_extra = {"pools": ["MOONCAKE"]}
+            gateway_extra = None
+            if name.startswith("pd-"):  # the model served disaggregated over the workers' roles
+                pd_model = {"name": "sim", "block_size": config.block_size, "pd": pd_section(config)}
+                gateway_extra = {"models": [pd_model]}
             for level in levels:
                 await fleet.reset_caches()
-                fleet.start_gateway(policy, config.block_size)
+                fleet.start_gateway(policy, config.block_size, gateway_extra)
                 await fleet.wait_ready()
                 assert fleet.gateway is not None
                 urls = [w.url for w in fleet.workers]
@@ -347,9 +410,11 @@ async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[Lev
                 replay = ReplayConfig(
                     url=fleet.gateway.url, mode="closed", concurrency=level, time_scale=config.time_scale,
                     max_output_tokens=config.max_output_tokens, request_timeout_s=config.request_timeout_s,
+                    metrics_url=fleet.gateway.url + "/metrics",  # mismatches by cause
                 )  # fmt: skip
                 outcome = await replay_with_progress(
-                    in_namespace(requests, f"{name}-{level}"), replay, prompts, label=f"{name} @ {level}",
+                    in_namespace(with_copies(requests, level), f"{name}-{level}"), replay, prompts,
+                    label=f"{name} @ {level}",
                     workers=[s.worker_id for s in specs], console=console, show_progress=config.show_progress,
                 )  # fmt: skip
                 fleet.stop_gateway()
@@ -363,6 +428,34 @@ async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[Lev
             if master is not None:
                 master.stop()
     return results, sizing
+
+
+def pd_section(config: AgenticConfig) -> dict[str, Any]:
+    """The PD configurations' ``models[].pd``: a request waits for decode room as long as the client waits for
+    its answer (``request_timeout_s``, wall seconds) and every session in flight may wait at once, so a decode
+    side that is full shows as time to first token, as the seeds' agents saw it, not as refusals (the gateway's
+    default 5 s wait answered hundreds of 429s at 64 sessions: 5 wall s are only ``5 × time_scale`` simulated s,
+    less than a queue of 100K-token prefills holding the decode reservations takes)."""
+    return {
+        "protocol": PD_PROTOCOL,
+        "queue_timeout_s": config.request_timeout_s,
+        "max_waiting": max(config.levels, default=1),
+    }
+
+
+def worker_roles(config_name: str, num_workers: int) -> list[str]:
+    """The workers' roles in a configuration: ``both`` everywhere, or for ``pd-*`` the first half (at least one)
+    ``prefill`` and the rest ``decode``.
+
+    Raises:
+        LoadgenError: a ``pd-*`` configuration with fewer than 2 workers.
+    """
+    if not config_name.startswith("pd-"):
+        return ["both"] * num_workers
+    if num_workers < 2:
+        raise LoadgenError("the pd-* configurations need at least 2 workers (a prefill and a decode worker)")
+    num_prefill = max(1, num_workers // 2)
+    return ["prefill"] * num_prefill + ["decode"] * (num_workers - num_prefill)
 
 
 def level_result(
@@ -402,7 +495,11 @@ def level_result(
         mean_restore_tokens=cpu_per + pool_per,
         mean_restore_s=restore_time_s(cpu_per, pool_per, profile),
         cached_mismatch_ratio=summary.cached_tokens_mismatch_ratio,
+        cached_mismatch_index_ratio=summary.cached_mismatch_index_ratio,
         pool_evicted_keys=None
         if evicted_before is None or evicted_after is None
         else int(evicted_after - evicted_before),
+        mean_pool_read_wall_s=delta["pool_read_wall_s"] / delta["pool_reads"] if delta["pool_reads"] else None,
+        num_pool_short_reads=int(delta.get("pool_short_reads", 0.0)),
+        errors_by_kind=dict(sorted(summary.errors_by_kind.items())),
     )

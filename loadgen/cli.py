@@ -291,6 +291,18 @@ def _replay_config(args: argparse.Namespace) -> ReplayConfig:
     )
 
 
+def _no_success_hint(num_ok: int, errors_by_kind: dict[str, int], url: str, model: str) -> str | None:
+    """What to check when not one request succeeded and every failure is of one kind; ``None`` otherwise."""
+    if num_ok or len(errors_by_kind) != 1:
+        return None
+    kind = next(iter(errors_by_kind))
+    if kind == "connect":
+        return f"no request reached {url}: is the gateway (or worker) up and listening there?"
+    if kind == "http_404":
+        return f"every request got 404: does {url} serve the model {model!r}? --model names it (default 'sim')"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``kvgate loadgen``; returns 0 when every request succeeded, 1 when some failed, 2 on bad input.
 
@@ -339,6 +351,9 @@ def main(args: argparse.Namespace) -> int:
         console.print("interrupted")
         return 130
     console.print(markdown_table([outcome.summary]), markup=False, highlight=False, soft_wrap=True)
+    hint = _no_success_hint(outcome.summary.requests_ok, outcome.summary.errors_by_kind, args.url, args.model)
+    if hint:
+        console.print(f"[red]error:[/red] {hint}", highlight=False, soft_wrap=True)
     if args.out:
         paths = write_results(
             Path(args.out),

@@ -24,6 +24,9 @@ import msgspec
 
 logger = logging.getLogger(__name__)
 
+ENGINE_TTFT_KEY = "engine_ttft_wall_s"
+"""The usage chunk's key for the worker engine's part of the TTFT, wall seconds (``workers.server.ENGINE_TTFT_KEY``)."""
+
 DEFAULT_WORKER_HEADER = "x-kvgate-worker"
 DEFAULT_PREDICTED_CACHED_HEADER = "x-kvgate-predicted-cached-tokens"
 
@@ -42,6 +45,8 @@ class RequestRecord(msgspec.Struct):
         num_predicted_cached_tokens: the gateway's predicted cached tokens (response header), or ``None``.
         worker: the worker that served it (response header), or ``None``.
         ttft_s: time to first token, or ``None`` on failure / no text.
+        engine_ttft_s: the worker's engine part of ``ttft_s`` (``engine_ttft_wall_s`` in a kvgate worker's usage
+            chunk: from the request entering the engine to its first token), or ``None`` when not reported.
         e2e_s: send to end of stream (or to the failure).
         itl_s: inter-token latencies.
         error_kind: ``None`` on success, else ``"connect"``, ``"timeout"``, ``"http_<status>"``, ``"stream"``
@@ -60,6 +65,7 @@ class RequestRecord(msgspec.Struct):
     worker: str | None = None
     ttft_s: float | None = None
     e2e_s: float = 0.0
+    engine_ttft_s: float | None = None
     itl_s: list[float] = msgspec.field(default_factory=list)
     error_kind: str | None = None
     error_message: str = ""
@@ -170,6 +176,9 @@ async def send_completion(
                         text_chunk_times.append(time.perf_counter())
                     if isinstance(chunk.get("usage"), dict):
                         usage = chunk["usage"]
+                        engine_ttft = chunk.get(ENGINE_TTFT_KEY)
+                        if isinstance(engine_ttft, int | float) and not isinstance(engine_ttft, bool):
+                            record.engine_ttft_s = float(engine_ttft)
                 if record.error_kind is None and not is_done:
                     record.error_kind = "stream"
                     record.error_message = "stream ended without [DONE]"

@@ -6,8 +6,8 @@ Steps:
    and compute its infinite-cache ceiling (``loadgen.ceiling``).
 2. Size the fleet from the slice: the smallest single LRU cache reaching ``lru_target`` (0.97) of the ceiling,
    in the workers' blocks, times ``headroom`` (room for output tokens and running requests), split evenly over
-   the workers. Each worker then holds a fraction of the slice's distinct blocks (reported; well under half with
-   4 workers), so where requests go decides the hit ratio.
+   the workers (``loadgen.sizing``). Each worker then holds a fraction of the slice's distinct blocks (reported;
+   well under half with 4 workers), so where requests go decides the hit ratio.
 3. Start the sim workers (``kvgate worker --engine sim``) running ``time_scale`` times faster than real time,
    with prefill ``prefill_slowdown`` times slower than their default profile (a larger model, so queueing shows;
    ``cache_aware`` gets the same rates and no online calibration), then for each policy: reset the workers'
@@ -18,27 +18,41 @@ Steps:
 4. Print the comparison table and the acceptance checks, write ``results.json``, ``results.md``,
    ``records.jsonl`` and the plots to ``--out``; stop every process it started, also on Ctrl-C or SIGTERM. The
    exit status is 1 when a check fails or a request failed.
+
+``--pd`` replaces step 3 with an aggregated and a prefill/decode fleet side by side (``loadgen.demo_pd``); the
+settings and what they set on the fleet are in ``loadgen.demo_config``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import logging
-import math
+import os
 import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
-import yaml
 from rich.console import Console
 
-from loadgen.ceiling import CacheBound, ceiling, lru_bound
+from loadgen.demo_config import (
+    DEFAULT_MAX_REQUESTS,
+    DEFAULT_TRACE_CANDIDATES,
+    POLICIES,
+    PREFILL_SLOWDOWN,
+    QUICK_MAX_REQUESTS,
+    DemoConfig,
+    find_default_trace,
+    gateway_policy,
+    replay_config,
+    worker_profile,
+    write_worker_profile,
+)
+from loadgen.demo_pd import run_pd_demo
 from loadgen.errors import FleetError, LoadgenError
 from loadgen.fleet import Fleet, WorkerSpec
 from loadgen.peers import PEER_ENV, SIM_WORKER_HEADER, PeerRouter, installed_peers, peer_argv, resolve_peer
@@ -47,158 +61,19 @@ from loadgen.replay import ReplayConfig
 from loadgen.report import RunSummary, markdown_table
 from loadgen.runner import RunOutcome, replay_with_progress, write_results
 from loadgen.sessions import derive_sessions
+from loadgen.sizing import FleetSizing, size_fleet
 from loadgen.traces import TraceRequest, read_mooncake, spread_buckets
-from policies.config import CacheAwareConfig
-from workers.config import TimingProfile
 
 logger = logging.getLogger(__name__)
 
-POLICIES: dict[str, dict[str, Any]] = {
-    "round_robin": {"name": "round_robin"},
-    "least_loaded": {"name": "least_loaded"},
-    "cache_aware": {"name": "cache_aware"},
-    "session_sticky+cache_aware": {"name": "session_sticky", "inner": {"name": "cache_aware"}},
-}
-"""The demo's runs: label -> gateway ``policy`` section."""
-
-DEFAULT_TRACE_CANDIDATES = ("loadgen/data/conversation_trace_head.jsonl",)
-"""The bundled slice: the first 1,000 requests of Mooncake's ``conversation_trace.jsonl`` (``loadgen/data/``)."""
-"""Where the trace is looked for, relative to the repository root, when ``--trace`` is not given."""
-
-
-DEFAULT_MAX_REQUESTS = 450
-"""Requests in the default slice."""
-QUICK_MAX_REQUESTS = 120
-"""Requests in the ``--quick`` slice."""
-
-
-PREFILL_SLOWDOWN = 1.5
-"""Default ``prefill_slowdown``: a model about 1.5 times the size of Llama-3-8B on the same GPU."""
-
-
-class DemoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
-    """Settings of one demo run (from the command line)."""
-
-    trace: str
-    """The Mooncake ``conversation_trace.jsonl``."""
-    out: str = "out/demo"
-    """Directory for results, plots and process logs."""
-    num_workers: int = 4
-    """Sim workers in the fleet."""
-    start_s: float = 0.0
-    """Trace time where the slice starts, seconds."""
-    max_requests: int = DEFAULT_MAX_REQUESTS
-    """Requests in the slice."""
-    time_scale: float = 5.0
-    """Simulated seconds per wall second (workers run ``--time-scale 1/this``)."""
-    max_output_tokens: int = 16
-    """Cap on each request's output tokens."""
-    block_size: int = 16
-    """Tokens per KV block of the workers and the gateway."""
-    lru_target: float = 0.97
-    """Fleet sizing: one LRU with the fleet's capacity must reach this share of the ceiling."""
-    headroom: float = 1.25
-    """Fleet sizing: capacity multiplier for output tokens and running requests."""
-    num_cpu_blocks: int = 0
-    """CPU-tier blocks per worker."""
-    spread_buckets: bool = False
-    """Spread the requests sharing one bucketed timestamp evenly up to the next one (``traces.spread_buckets``)."""
-    prefill_slowdown: float = PREFILL_SLOWDOWN
-    """The sim workers prefill this many times slower than their default profile (Llama-3-8B on one H200), i.e. a
-    larger model; ``cache_aware``'s cost model is given the same rates."""
-    policies: tuple[str, ...] = tuple(POLICIES)
-    """Runs, by label (``POLICIES``)."""
-    request_timeout_s: float = 60.0
-    """Wall limit per request, seconds."""
-    startup_timeout_s: float = 60.0
-    """Wall limit for a process to answer its health endpoint, seconds."""
-    show_progress: bool = True
-    """Live progress bars."""
-    write_plots: bool = True
-    """Write the PNG plots."""
-    is_quick: bool = False
-    """The ``--quick`` slice: a note under the checks says that some are expected to fail on it."""
-    pd: bool = False
-    """Instead of the policy runs: the same requests on an aggregated fleet (``cache_aware``) and on a
-    disaggregated fleet of the same size (half prefill, half decode workers, ``models[].pd``), side by side."""
-    peers: tuple[str, ...] = ()
-    """Peer router runs after kvgate's (``loadgen.peers``), by label (``sglang:cache_aware``...)."""
-
-
-def worker_profile(config: DemoConfig) -> dict[str, Any]:
-    """The sim workers' ``--profile``: the default timing with prefill ``prefill_slowdown`` times slower."""
-    base = TimingProfile()
-    return {
-        "timing": {
-            "prefill-s-per-token": base.prefill_s_per_token * config.prefill_slowdown,
-            "attention-s-per-token-pair": base.attention_s_per_token_pair * config.prefill_slowdown,
-        }
-    }
-
-
-def gateway_policy(label: str, config: DemoConfig) -> dict[str, Any]:
-    """The gateway ``policy`` section of a run: ``POLICIES[label]`` with ``cache_aware``'s cost model set to the
-    workers' prefill rates. Calibration is off: the rates are exact, and the TTFT the gateway observes is in wall
-    seconds of time-scaled workers, not in the workers' seconds."""
-    policy = copy.deepcopy(POLICIES[label])
-    defaults = CacheAwareConfig()
-    knobs = {
-        "prefill_linear_tokens_per_s": defaults.prefill_linear_tokens_per_s / config.prefill_slowdown,
-        "prefill_quadratic_tokens_sq_per_s": defaults.prefill_quadratic_tokens_sq_per_s / config.prefill_slowdown,
-        "enable_calibration": False,
-    }
-    for section in (policy, policy.get("inner")):
-        if section is not None and section.get("name") == "cache_aware":
-            section.update(knobs)
-    return policy
-
-
-class FleetSizing(msgspec.Struct, frozen=True):
-    """How the fleet was sized from the slice (all block counts in the workers' blocks unless named trace).
-
-    Attributes:
-        ceiling: the slice's infinite-cache bound.
-        fleet_lru: one LRU cache with the fleet's total capacity, on the slice.
-        num_lru_trace_blocks: smallest single-LRU capacity reaching the target, in trace blocks.
-        num_gpu_blocks_per_worker: each worker's GPU blocks.
-        num_distinct_blocks: the slice's distinct blocks, in worker blocks.
-        worker_share_of_distinct: one worker's capacity ÷ the slice's distinct blocks.
-    """
-
-    ceiling: CacheBound
-    fleet_lru: CacheBound
-    num_lru_trace_blocks: int
-    num_gpu_blocks_per_worker: int
-    num_distinct_blocks: int
-    worker_share_of_distinct: float
-
-
-def size_fleet(requests: Sequence[TraceRequest], config: DemoConfig) -> FleetSizing:
-    """Size the workers from the slice (module docstring, step 2)."""
-    bound = ceiling(requests)
-    target = config.lru_target * bound.hit_ratio
-    lo, hi = 1, max(1, bound.num_distinct_blocks)
-    while lo < hi:  # smallest capacity whose LRU hit ratio reaches the target (LRU is a stack algorithm)
-        mid = (lo + hi) // 2
-        if lru_bound(requests, mid).hit_ratio >= target:
-            hi = mid
-        else:
-            lo = mid + 1
-    trace_block_size = requests[0].block_size
-    per_trace_block = math.ceil(trace_block_size / config.block_size)
-    max_prompt_blocks = max(math.ceil(r.num_prompt_tokens / config.block_size) for r in requests)
-    per_worker = math.ceil(lo * per_trace_block * config.headroom / config.num_workers)
-    per_worker = max(per_worker, 2 * max_prompt_blocks)
-    fleet_trace_blocks = per_worker * config.num_workers // per_trace_block
-    distinct = bound.num_distinct_blocks * per_trace_block
-    return FleetSizing(
-        ceiling=bound,
-        fleet_lru=lru_bound(requests, fleet_trace_blocks),
-        num_lru_trace_blocks=lo,
-        num_gpu_blocks_per_worker=per_worker,
-        num_distinct_blocks=distinct,
-        worker_share_of_distinct=per_worker / distinct if distinct else 0.0,
-    )
+__all__ = [
+    "DEFAULT_MAX_REQUESTS", "DEFAULT_POLICY", "DEFAULT_TRACE_CANDIDATES", "POLICIES", "PREFILL_SLOWDOWN",
+    "QUICK_MAX_REQUESTS", "QUICK_NOTE", "AcceptanceCheck", "DemoConfig", "FleetSizing", "acceptance",
+    "add_arguments", "find_default_trace", "gateway_policy", "main", "run_demo", "size_fleet", "standard_checks",
+    "worker_profile",
+]
+"""What ``loadgen.demo`` offers, its settings and fleet sizing (``loadgen.demo_config``, ``loadgen.sizing``)
+included."""
 
 
 class AcceptanceCheck(msgspec.Struct, frozen=True):
@@ -240,7 +115,8 @@ DEFAULT_POLICY = "session_sticky+cache_aware"
 def standard_checks(summaries: Sequence[RunSummary], peers: Sequence[str]) -> list[AcceptanceCheck]:
     """The default policy against the peers' runs (labels in ``peers``) and the fixed bars: hit ratio ÷ ceiling at
     least 0.97 and within 0.01 of the best peer's, TTFT p50 and p99 under every peer's, and no cached-token
-    mismatch from a wrong index (empty without a run of the default policy)."""
+    mismatch from a wrong index (empty without a run of the default policy). A peer in ``peers`` without a run (it
+    did not start) is a failed check of its own, so the demo does not pass on a comparison it never made."""
     by = {s.policy: s for s in summaries}
     ours = by.get(DEFAULT_POLICY)
     if ours is None:
@@ -249,6 +125,10 @@ def standard_checks(summaries: Sequence[RunSummary], peers: Sequence[str]) -> li
     checks = [AcceptanceCheck(f"{DEFAULT_POLICY} hit ratio ÷ ceiling >= 0.97", frac, 0.97,
                               frac is not None and frac >= 0.97)]
     theirs = [by[p] for p in peers if p in by]
+    for label in peers:
+        if label not in by:  # asked for (or installed, with auto) but not run: the comparison was not made
+            checks.append(AcceptanceCheck(f"{label} replayed (the default policy is held to its run)", None, 1.0,
+                                          False, unit="count"))
     if theirs:
         best = max(p.fraction_of_ceiling or 0.0 for p in theirs)
         checks.append(AcceptanceCheck(f"{DEFAULT_POLICY} hit ratio ÷ ceiling >= best peer's - 0.01", frac,
@@ -326,7 +206,7 @@ async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcom
     )
     out_dir = Path(config.out)
     if config.pd:
-        return await _run_pd_demo(config, console, requests), sizing
+        return await run_pd_demo(config, console, requests, sizing), sizing
     fleet = Fleet(out_dir / "logs", startup_timeout_s=config.startup_timeout_s)
     prompts = PromptBuilder()
     outcomes: list[RunOutcome] = []
@@ -341,26 +221,22 @@ async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcom
             )
             for i in range(config.num_workers)
         ]
-        profile_path = out_dir / "logs" / "worker-profile.yaml"
-        profile_path.parent.mkdir(parents=True, exist_ok=True)
-        profile_path.write_text(yaml.safe_dump(worker_profile(config), sort_keys=False))
+        profile_path = write_worker_profile(config, out_dir / "logs" / "worker-profile.yaml")
         fleet.start_workers(specs, ["--profile", str(profile_path)])
         await fleet.wait_ready()
         for label in config.policies:
             await fleet.reset_caches()
-            fleet.start_gateway(gateway_policy(label, config), config.block_size)
+            sessions = None
+            if config.redis_url:  # a fresh key prefix per run: no owner of an earlier run is read back
+                prefix = f"kvgate-demo-{os.getpid()}-{len(outcomes)}-{config.gateway_processes}:"
+                sessions = {"sessions": {"store": "redis", "url": config.redis_url, "key_prefix": prefix}}
+            fleet.start_gateway(gateway_policy(label, config), config.block_size, sessions,
+                                ("--processes", str(config.gateway_processes)) if config.gateway_processes > 1 else ())
             await fleet.wait_ready()
             assert fleet.gateway is not None
-            replay = ReplayConfig(
-                url=fleet.gateway.url,
-                time_scale=config.time_scale,
-                max_output_tokens=config.max_output_tokens,
-                request_timeout_s=config.request_timeout_s,
-                metrics_url=fleet.gateway.url + "/metrics",
-            )
             outcome = await replay_with_progress(
                 requests,
-                replay,
+                replay_config(config, fleet.gateway.url),
                 prompts,
                 label=label,
                 workers=[s.worker_id for s in specs],
@@ -376,53 +252,6 @@ async def run_demo(config: DemoConfig, console: Console) -> tuple[list[RunOutcom
     finally:
         fleet.stop()
     return outcomes, sizing
-
-
-async def _run_pd_demo(
-    config: DemoConfig, console: Console, requests: Sequence[TraceRequest]
-) -> list[RunOutcome]:
-    """``--pd``: one aggregated fleet and one disaggregated fleet of ``num_workers`` workers each (the first half
-    prefill, the rest decode), ``cache_aware``, the same requests; each fleet is started fresh (empty caches)."""
-    out_dir = Path(config.out)
-    sizing = size_fleet(requests, config)
-    num_prefill = max(1, config.num_workers // 2)
-    if config.num_workers < 2:
-        raise LoadgenError("--pd needs at least 2 workers (a prefill and a decode worker)")
-    profile_path = out_dir / "logs" / "worker-profile.yaml"
-    profile_path.parent.mkdir(parents=True, exist_ok=True)
-    profile_path.write_text(yaml.safe_dump(worker_profile(config), sort_keys=False))
-    outcomes: list[RunOutcome] = []
-    prompts = PromptBuilder()
-    for label, roles in (
-        ("aggregated", ["both"] * config.num_workers),
-        (f"pd {num_prefill}P+{config.num_workers - num_prefill}D",
-         ["prefill"] * num_prefill + ["decode"] * (config.num_workers - num_prefill)),
-    ):
-        fleet = Fleet(out_dir / "logs" / label.split()[0], startup_timeout_s=config.startup_timeout_s)
-        try:
-            specs = [
-                WorkerSpec(f"worker-{i}", sizing.num_gpu_blocks_per_worker, config.num_cpu_blocks, config.block_size,
-                           1.0 / config.time_scale, role)
-                for i, role in enumerate(roles)
-            ]
-            fleet.start_workers(specs, ["--profile", str(profile_path)])
-            await fleet.wait_ready()
-            extra = None
-            if label != "aggregated":  # the model served disaggregated over the workers' roles
-                extra = {"models": [{"name": "sim", "block_size": config.block_size, "pd": {"protocol": "vllm"}}]}
-            fleet.start_gateway(gateway_policy("cache_aware", config), config.block_size, extra)
-            await fleet.wait_ready()
-            assert fleet.gateway is not None
-            replay = ReplayConfig(url=fleet.gateway.url, time_scale=config.time_scale,
-                                  max_output_tokens=config.max_output_tokens,
-                                  request_timeout_s=config.request_timeout_s)
-            outcomes.append(await replay_with_progress(
-                requests, replay, prompts, label=label, workers=[s.worker_id for s in specs], console=console,
-                show_progress=config.show_progress,
-            ))
-        finally:
-            fleet.stop()
-    return outcomes
 
 
 async def _run_peer(
@@ -473,16 +302,6 @@ def _print_results(
         console.print(f"{'[green]PASS[/green]' if c.passed else '[red]FAIL[/red]'} {c.name}: {c.format_value()}")
     if is_quick and checks:
         console.print(QUICK_NOTE, markup=False, highlight=False)
-
-
-def find_default_trace() -> str | None:
-    """The bundled trace slice (``DEFAULT_TRACE_CANDIDATES``), or ``None``."""
-    root = Path(__file__).resolve().parent.parent
-    for candidate in DEFAULT_TRACE_CANDIDATES:
-        path = (root / candidate).resolve()
-        if path.is_file():
-            return str(path)
-    return None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -537,8 +356,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="conversation: the Mooncake trace per policy; agentic: coding-agent sessions closed loop on GPU-only, "
         "split-pool and shared-pool fleets (--trace DIR of kv-cache-tester files; default: the bundled subset)",
     )
-    parser.add_argument("--levels", default="4,8,12,16", help="agentic: sessions in flight, comma-separated")
-    parser.add_argument("--configs", default="gpu,split,shared", help="agentic: fleet configurations")
+    parser.add_argument("--levels", default="16,32,48,64",
+                        help="agentic: sessions in flight, comma-separated (copies of the sessions above their number)")
+    parser.add_argument("--configs", default="gpu,split,shared,pd-split,pd-shared",
+                        help="agentic: fleet configurations")
     parser.add_argument("--max-turns", type=int, default=10, help="agentic: turns replayed per session")
     parser.add_argument("--max-think-s", type=float, default=60.0, help="agentic: cap on think times (simulated s)")
     parser.add_argument(

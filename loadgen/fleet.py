@@ -55,7 +55,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
 
 
 class ManagedProcess(msgspec.Struct):
-    """A started process: its name, HTTP base URL, log file, handle and command line (for ``Fleet.restart``)."""
+    """A started process: its name, HTTP base URL, log file, handle, command line and environment additions (for
+    ``Fleet.restart``)."""
 
     name: str
     url: str
@@ -64,6 +65,8 @@ class ManagedProcess(msgspec.Struct):
     events_endpoint: str | None = None
     replay_endpoint: str | None = None
     argv: list[str] = msgspec.field(default_factory=list)
+    env: dict[str, str] | None = None
+    """Variables set over the fleet's environment for this process (``None``: none)."""
     ready_path: str = "/ready"
     """What ``wait_ready`` polls on a router (a peer router answers ``/health``)."""
 
@@ -116,7 +119,7 @@ class Fleet:
                 env=None if env is None else {**os.environ, **env},
             )
         logger.info("started %s (pid %d): %s", name, popen.pid, " ".join(argv))
-        return ManagedProcess(name=name, url=url, log_path=log_path, popen=popen, argv=list(argv))
+        return ManagedProcess(name=name, url=url, log_path=log_path, popen=popen, argv=list(argv), env=env)
 
     def start_workers(self, specs: Sequence[WorkerSpec], extra_args: Sequence[str] = ()) -> None:
         """Start one sim worker per spec (not waiting; see ``wait_ready``)."""
@@ -185,7 +188,8 @@ class Fleet:
         }
 
     def _spawn_gateway(
-        self, name: str, policy: dict[str, Any], block_size: int, extra_config: dict[str, Any] | None
+        self, name: str, policy: dict[str, Any], block_size: int, extra_config: dict[str, Any] | None,
+        serve_args: Sequence[str] = (), env: dict[str, str] | None = None,
     ) -> ManagedProcess:
         port = self._ports.port()
         config = self.gateway_config(policy, port, block_size)
@@ -193,10 +197,12 @@ class Fleet:
         config_path = self._log_dir / f"{name}-{policy.get('name', 'policy')}.yaml"
         self._log_dir.mkdir(parents=True, exist_ok=True)
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        return self._spawn(name, _kvgate_command("serve", "--config", str(config_path)), f"http://{HOST}:{port}")
+        return self._spawn(name, _kvgate_command("serve", "--config", str(config_path), *serve_args),
+                           f"http://{HOST}:{port}", env=env)
 
     def start_gateway(
-        self, policy: dict[str, Any], block_size: int, extra_config: dict[str, Any] | None = None
+        self, policy: dict[str, Any], block_size: int, extra_config: dict[str, Any] | None = None,
+        serve_args: Sequence[str] = (), env: dict[str, str] | None = None,
     ) -> ManagedProcess:
         """Write the gateway config for ``policy`` and start ``kvgate serve`` (stopping a previous gateway).
 
@@ -204,9 +210,11 @@ class Fleet:
             policy: the ``policy`` section.
             block_size: the model's block size.
             extra_config: top-level sections put into the config as they are (``sessions``, ``health``...).
+            serve_args: more ``kvgate serve`` arguments (``--processes N``).
+            env: variables set for the gateway process over this one's environment (``PYTHONMALLOC``...).
         """
         self.stop_gateway()
-        self.gateway = self._spawn_gateway("gateway", policy, block_size, extra_config)
+        self.gateway = self._spawn_gateway("gateway", policy, block_size, extra_config, serve_args, env)
         return self.gateway
 
     def start_replica(
@@ -232,7 +240,7 @@ class Fleet:
             self._stop(proc)
         else:
             self.kill(proc)
-        proc.popen = self._spawn(proc.name, proc.argv, proc.url).popen
+        proc.popen = self._spawn(proc.name, proc.argv, proc.url, env=proc.env).popen
 
     def start_router(self, name: str, argv: Sequence[str], port: int, *, ready_path: str = "/health",
                      env: dict[str, str] | None = None) -> ManagedProcess:
@@ -290,8 +298,9 @@ class Fleet:
                 status = 0
                 for _ in range(50):  # 409 while requests still hold blocks: retry for up to ~10 s
                     try:
-                        async with session.post(
-                            w.url + self._reset_path, timeout=aiohttp.ClientTimeout(total=10)
+                        async with session.post(  # our sim workers: parked prefill legs of a finished run go too
+                            w.url + self._reset_path, params={"release_parked": "true"},
+                            timeout=aiohttp.ClientTimeout(total=10),
                         ) as resp:
                             status = resp.status
                     except aiohttp.ClientError as exc:

@@ -23,6 +23,7 @@ import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 
 from loadgen.client import RequestRecord  # noqa: E402
+from loadgen.report import simulated_ttft_s  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +64,17 @@ def plot_ttft_cdf(runs: Sequence[RunRecords], path: Path) -> None:
     """TTFT CDF, one line per run."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
-        ttfts = np.sort([r.ttft_s * run.time_scale for r in run.records if r.is_ok and r.ttft_s is not None])
+        ttfts = np.sort([t for r in run.records if r.is_ok and (t := simulated_ttft_s(r, run.time_scale)) is not None])
         if ttfts.size:
             ax.plot(ttfts, np.arange(1, ttfts.size + 1) / ttfts.size, label=run.label)
     ax.set_xlabel(f"TTFT ({_seconds_label(runs)})")
     ax.set_ylabel("fraction of requests")
-    ax.set_xscale("log")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    if ax.lines:  # no successful request (every one failed, say the URL is down): no curve, no legend to draw
+        ax.set_xscale("log")
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no successful request", ha="center", va="center", transform=ax.transAxes)
     ax.set_title("Time to first token")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -71,6 +71,13 @@ def check_session_prefix(prefix: str) -> str:
     return prefix
 
 
+def request_max_tokens(request: TraceRequest, max_output_tokens: int | None) -> int:
+    """The ``max_tokens`` a replay sends for ``request``: its recorded output length (at least 1), capped by
+    ``max_output_tokens`` (``ReplayConfig.max_output_tokens``; ``None``: no cap)."""
+    max_tokens = max(1, request.num_output_tokens)
+    return max_tokens if max_output_tokens is None else min(max_tokens, max_output_tokens)
+
+
 class ReplayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
     """How to replay a trace."""
 
@@ -200,9 +207,7 @@ class Replayer:
     async def _send(self, session: aiohttp.ClientSession, index: int) -> RequestRecord:
         cfg = self._config
         r = self._requests[index]
-        max_tokens = max(1, r.num_output_tokens)
-        if cfg.max_output_tokens is not None:
-            max_tokens = min(max_tokens, cfg.max_output_tokens)
+        max_tokens = request_max_tokens(r, cfg.max_output_tokens)
         session_id = cfg.session_id(r)
         headers = {cfg.session_header: session_id} if session_id else {}
         record = RequestRecord(

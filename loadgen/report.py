@@ -3,6 +3,13 @@
 Definitions (all times in simulated seconds: wall seconds multiplied by the replay's ``time_scale``; at time
 scale 1 they are wall seconds):
 
+* TTFT: where the worker reports its engine's part (``RequestRecord.engine_ttft_s``, a kvgate sim worker's usage
+  chunk), only that part is scaled and the rest, which ran in real time (the client, the router in front, HTTP,
+  the worker's tokenizer), is counted as measured: ``engine * time_scale + (ttft - engine)``
+  (``simulated_ttft_s``). Scaling the whole would multiply a router's own wall time by ``time_scale`` as if it ran
+  that many times slower than the workers; every router is measured the same way. ``ttft_outside_engine_p50_s``
+  is the median of that real-time part (seconds).
+
 * ``hit_ratio`` = Σ cached tokens (``usage.prompt_tokens_details.cached_tokens``) ÷ Σ prompt tokens, over
   successful requests (reported prompt tokens where the server sends them, else the trace's);
   ``ceiling_hit_ratio`` is the infinite-cache bound of the same requests (``loadgen.ceiling.served_ceiling``:
@@ -78,6 +85,19 @@ class RunSummary(msgspec.Struct):
     cached_mismatch_evicted_ratio: float | None = None
     cached_mismatch_pending_ratio: float | None = None
     cached_mismatch_late_ratio: float | None = None
+    ttft_outside_engine_p50_s: float | None = None
+
+
+def simulated_ttft_s(record: RequestRecord, time_scale: float) -> float | None:
+    """The record's TTFT in simulated seconds (module docstring): the engine's part scaled, the rest as measured;
+    the whole scaled when the worker reports no engine part (or an inconsistent one). ``None`` without a TTFT."""
+    ttft = record.ttft_s
+    if ttft is None:
+        return None
+    engine = record.engine_ttft_s
+    if engine is None or not 0.0 <= engine <= ttft:
+        return ttft * time_scale
+    return engine * time_scale + (ttft - engine)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -140,7 +160,9 @@ def summarize(
     prompt_tokens = sum(r.num_reported_prompt_tokens or r.num_prompt_tokens for r in ok)
     cached_tokens = sum(r.num_cached_tokens or 0 for r in ok)
     output_tokens = sum(r.num_output_tokens for r in ok)
-    ttfts = [r.ttft_s * time_scale for r in ok if r.ttft_s is not None]
+    ttfts = [t for t in (simulated_ttft_s(r, time_scale) for r in ok) if t is not None]
+    outside = [r.ttft_s - r.engine_ttft_s for r in ok
+               if r.ttft_s is not None and r.engine_ttft_s is not None and 0.0 <= r.engine_ttft_s <= r.ttft_s]
     itls = [gap * time_scale for r in ok for gap in r.itl_s]
     e2es = [r.e2e_s * time_scale for r in ok]
     sim_duration_s = duration_s * time_scale
@@ -190,6 +212,7 @@ def summarize(
         cached_mismatch_evicted_ratio=by_cause["evicted"],
         cached_mismatch_pending_ratio=by_cause["pending"],
         cached_mismatch_late_ratio=by_cause["late"],
+        ttft_outside_engine_p50_s=percentile(outside, 50),
     )
 
 

@@ -24,6 +24,10 @@ class RequestView(msgspec.Struct, frozen=True, gc=False):
         num_max_output_tokens: ``max_tokens`` (or the configured default) in tokens.
         block_size: tokens per block used for ``num_prompt_blocks``.
         session_key: the session key, or ``None`` without one.
+        num_expected_growth_tokens: tokens the session's prompt is expected to grow by over its remaining turns
+            (``policies.residents.SessionResidents.projected_growth_tokens``; 0 without a session).
+        is_new_session: the request opens a session this gateway has not placed yet (``session_sticky`` sets it for
+            its inner policy): whatever it finds cached is a head shared with other sessions, not state of its own.
     """
 
     request_id: str
@@ -32,6 +36,14 @@ class RequestView(msgspec.Struct, frozen=True, gc=False):
     num_max_output_tokens: int
     block_size: int
     session_key: str | None = None
+    num_expected_growth_tokens: int = 0
+    is_new_session: bool = False
+
+
+PendingPrefill = tuple[float, int, int]
+"""One request sent to a worker and not yet prefilled: ``(admitted_at_s, num_uncached_tokens,
+num_uncached_token_pairs)``, the admission time on the worker's clock (seconds), the prompt tokens it is predicted to
+compute and their attention work ``n**2 - k**2`` in token pairs (``router.lease.uncached_token_pairs``)."""
 
 
 class WorkerState(msgspec.Struct, frozen=True, gc=False):
@@ -54,6 +66,21 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
             few decisions per worker; ``router.routing.RecentAssignments``): ties between equally costly workers
             go to the one given least lately, so new sessions on an idle fleet spread instead of piling onto the
             first configured worker.
+        num_gpu_capacity_tokens: tokens its GPU KV cache holds (the polled GPU blocks times its block size); 0 when
+            unknown.
+        num_resident_tokens: prompt tokens of the live sessions it owns, the request's own session left out
+            (``policies.residents.SessionResidents``, kept by ``session_sticky``); 0 without one.
+        num_pending_prefill_token_pairs: the attention work of the pending prefill, ``sum(n_i**2 - k_i**2)`` over
+            the requests whose tokens ``num_pending_prefill_tokens`` counts (``n_i`` prompt, ``k_i`` predicted cached
+            tokens), in token pairs; 0 when unknown.
+        pending_prefills: the same pending requests one by one, ``(admitted_at_s, num_uncached_tokens,
+            num_uncached_token_pairs)`` in admission order, times on the worker's clock (seconds); when given, the
+            cost model drains them over the time since admission (``policies.cost_model.drained_prefill_s``) and
+            the two sums above only rank and limit. Empty: the sums are the queue, as if admitted at ``clock_s``.
+        prefill_done_at_s: when the worker last finished its oldest pending prefill (its first byte), on its
+            clock; the requests still pending were not served before then (0.0: none yet).
+        clock_s: the decision time on the worker's clock (seconds; the gateway's clock over the worker's
+            ``time_scale``).
     """
 
     worker_id: str
@@ -68,6 +95,12 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
     kv_usage: float = 0.0
     num_inflight_prompt_tokens: int = 0
     num_recent_assignments: int = 0
+    num_gpu_capacity_tokens: int = 0
+    num_resident_tokens: int = 0
+    num_pending_prefill_token_pairs: int = 0
+    pending_prefills: tuple[PendingPrefill, ...] = ()
+    prefill_done_at_s: float = 0.0
+    clock_s: float = 0.0
 
     @property
     def num_cached_tokens(self) -> int:

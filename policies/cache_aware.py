@@ -10,22 +10,33 @@ Per request:
    compete and the reason says so).
 4. Order the rest by the tie-break rule below; temperature 0 takes the first, otherwise a seeded softmax draw.
 
-Ranking cost: ``ttft + recompute_penalty * prefill + decode_penalty * decode_load`` where ``prefill`` is the
+Ranking cost: ``ttft + recompute_penalty * prefill + decode_penalty * decode_load + memory`` where ``prefill`` is the
 (speed-scaled) prefill time of the tokens the worker lacks and ``decode_load`` the (speed-scaled) decode time that
 sharing the worker's batch adds to this request and to those already running there
 (``TTFTCostModel.decode_load_s``). With both penalties at 0 the policy is greedy on this request's TTFT; the
 recompute penalty also charges the work a recompute adds to the fleet: every request queued behind this one on
 that worker waits for the recomputed tokens, and a conversation moved off the worker holding its prefix loses that
 prefix's hit. It applies equally to every worker for a prompt nobody holds, so it only matters when some worker
-has a hit. The decode penalty keeps requests that share a prefix (one system prompt for every session) from all
-landing on the worker that holds it while others idle: past a few running requests there, the decode time they
-would share outweighs the prefill the hit saves. ``Decision.scores`` stay the estimated TTFT (the calibrator
+has a hit. A request that opens a session (``RequestView.is_new_session``) is ranked without it: what it finds
+cached is a head shared by many sessions, which a worker lacking it computes once and then holds for all of them,
+so charging it again would pile every new session onto the head's first holder. The decode penalty keeps requests
+that share a prefix (one system prompt for every session) from all landing on the worker that holds it while others
+idle: past a few running requests there, the decode time they would share outweighs the prefill the hit saves.
+``memory`` prices what placing the prompt there costs the
+next turns of the sessions living on that worker: with ``C`` its GPU capacity in tokens and ``R`` the prompt
+tokens of the live sessions it owns, each projected over its expected remaining turns (this request's session left
+out; ``policies.residents``), and ``m = n + g`` this session's projected prompt (``g``:
+``RequestView.num_expected_growth_tokens``), the ``min(m, max(0, R + m - C))`` tokens that do not fit evict as many
+of theirs, each recomputed at a session's next turn: ``memory = that * (1 / r_lin)`` (speed-scaled; 0 while ``C``
+is unknown). It spreads sessions by the memory
+their conversations take, which no instantaneous load shows. ``Decision.scores`` stay the estimated TTFT (the calibrator
 compares them with observed TTFTs; ``session_sticky``'s margins compare them).
 
 Tie-break rule (deterministic): ranking costs are compared at microsecond resolution (``round(cost * 1e6)``);
 equal costs prefer more GPU-cached tokens, then the lighter load (fewer running plus waiting requests, then fewer
-pending prefill tokens), then fewer recent assignments (``WorkerState.num_recent_assignments``: the worker given
-least lately, so cold sessions on an idle fleet spread), and only then configuration order.
+pending prefill tokens), then fewer tokens of live sessions it owns (``WorkerState.num_resident_tokens``: the next
+turns it will be asked to hold), then fewer recent assignments (``WorkerState.num_recent_assignments``: the worker
+given least lately, so cold sessions on an idle fleet spread), and only then configuration order.
 
 Softmax (as Dynamo's router does it): ranking costs of the competing workers are min-max normalized to [0, 1] (all
 equal: all 0), ``p_i = exp(-x_i / temperature) / sum_j exp(-x_j / temperature)``, one ``rng.random()`` draw.
@@ -48,7 +59,7 @@ import msgspec
 from policies.base import Decision, RequestView, Snapshot, WorkerState
 from policies.candidates import eligible_workers, no_worker_decision
 from policies.config import CacheAwareConfig
-from policies.cost_model import TTFTBreakdown, TTFTCalibrator, TTFTCostModel
+from policies.cost_model import TTFTBreakdown, TTFTCalibrator, TTFTCostModel, drained_prefill_s
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +77,8 @@ class CostTerms(msgspec.Struct, frozen=True, gc=False):
         ttft_s: the estimated TTFT, ``overhead_s + queue_s + prefill_s + restore_s`` (``Decision.scores``).
         recompute_penalty_s: ``recompute_penalty * prefill_s``.
         decode_load_penalty_s: ``decode_penalty`` times the decode load (``TTFTCostModel.decode_load_s``).
-        cost_s: what the candidates are ranked by: ``ttft_s + recompute_penalty_s + decode_load_penalty_s``.
+        cost_s: what the candidates are ranked by: ``ttft_s + recompute_penalty_s + decode_load_penalty_s +
+            memory_penalty_s``.
         speed_factor: the worker's online speed factor.
         num_computed_tokens: prompt tokens the worker would compute.
         is_saturated: over a busy threshold (competes only when every candidate is).
@@ -83,10 +95,12 @@ class CostTerms(msgspec.Struct, frozen=True, gc=False):
     speed_factor: float
     num_computed_tokens: int
     is_saturated: bool
+    memory_penalty_s: float = 0.0
+    """The recompute that the prompt's overflow of the worker's GPU capacity costs its resident sessions."""
 
 _SCORE_RESOLUTION_PER_S = 1e6
 """Scores closer than one microsecond tie."""
-_WORKER_ID_OF_KEY = itemgetter(7)
+_WORKER_ID_OF_KEY = itemgetter(8)
 """The worker id of a sort key (see ``select``)."""
 
 
@@ -152,6 +166,15 @@ class CacheAwarePolicy:
             for w in eligible_workers(snapshot)
         }
 
+    def memory_s(self, worker: WorkerState, num_projected_tokens: int) -> float:
+        """The memory term of the module docstring for a projected prompt of ``num_projected_tokens`` (``m``) on
+        ``worker``, unscaled (seconds; 0 while its capacity is unknown)."""
+        capacity = worker.num_gpu_capacity_tokens
+        if not capacity:
+            return 0.0
+        over = min(num_projected_tokens, worker.num_resident_tokens + num_projected_tokens - capacity)
+        return over * self.cost_model.s_per_token if over > 0 else 0.0
+
     def cost_terms(self, view: RequestView, snapshot: Snapshot) -> dict[str, CostTerms]:
         """Every candidate's ranking cost term by term, as ``select`` adds them (the admin's decision list)."""
         config = self.config
@@ -160,13 +183,14 @@ class CacheAwarePolicy:
             b = self.cost_model.breakdown(w, view.num_prompt_tokens, self.speed_factor(w.worker_id),
                                           view.num_max_output_tokens)
             f = b.speed_factor
-            recompute = config.recompute_penalty * f * b.prefill_s
+            recompute = (0.0 if view.is_new_session else config.recompute_penalty) * f * b.prefill_s
             decode = config.decode_penalty * f * b.decode_load_s
+            memory = f * self.memory_s(w, view.num_prompt_tokens + view.num_expected_growth_tokens)
             out[w.worker_id] = CostTerms(
                 queue_s=f * b.queue_s, prefill_s=f * b.prefill_s, restore_s=f * b.restore_s, overhead_s=b.overhead_s,
                 ttft_s=b.ttft_s, recompute_penalty_s=recompute, decode_load_penalty_s=decode,
-                cost_s=b.ttft_s + recompute + decode, speed_factor=f, num_computed_tokens=b.num_computed_tokens,
-                is_saturated=self.is_saturated(w),
+                cost_s=b.ttft_s + recompute + decode + memory, speed_factor=f,
+                num_computed_tokens=b.num_computed_tokens, is_saturated=self.is_saturated(w), memory_penalty_s=memory,
             )
         return out
 
@@ -176,8 +200,11 @@ class CacheAwarePolicy:
         (s_per_token, s_per_token_sq, host_s_per_token, pool_s_per_token, per_waiting_s, per_running_s, overhead_s,
          recompute_penalty, max_running, max_kv_usage, max_pending, has_thresholds, decode_s_per_token,
          decode_s_per_two_sequences, decode_horizon_tokens) = self._constants
+        if view.is_new_session:
+            recompute_penalty = 0.0
         n = view.num_prompt_tokens
         n_sq = n * n
+        projected = n + view.num_expected_growth_tokens
         # TTFTCostModel.decode_load_s times decode_penalty, per running request and per context token in flight.
         steps = view.num_max_output_tokens
         if steps > decode_horizon_tokens:
@@ -187,11 +214,11 @@ class CacheAwarePolicy:
         factors = self._log_factors
         workers = snapshot.workers
         scores: dict[str, float] = {}
-        # Sort keys (rounded cost, -GPU-cached tokens, running + waiting requests, pending prefill tokens, recent
-        # assignments, position in snapshot, cost, worker id); the position is unique, so the items after it are
-        # never compared.
-        competing: list[tuple[int, int, int, int, int, int, float, str]] = []
-        saturated: list[tuple[int, int, int, int, int, int, float, str]] = []
+        # Sort keys (rounded cost, -GPU-cached tokens, running + waiting requests, pending prefill tokens, resident
+        # session tokens, recent assignments, position in snapshot, cost, worker id); the position is unique, so the
+        # items after it are never compared.
+        competing: list[tuple[int, int, int, int, int, int, int, float, str]] = []
+        saturated: list[tuple[int, int, int, int, int, int, int, float, str]] = []
         prefill_uncached = n * s_per_token + n_sq * s_per_token_sq  # the prefill below with k = 0
         for index, w in enumerate(workers):
             if not w.is_healthy or w.is_draining:  # policies.candidates.is_eligible, inlined
@@ -215,29 +242,42 @@ class CacheAwarePolicy:
                 prefill = (n - k) * s_per_token + (n_sq - k * k) * s_per_token_sq if k else prefill_uncached
             else:
                 prefill = prefill_uncached
-            pending, waiting, running = w.num_pending_prefill_tokens, w.num_waiting_requests, w.num_running_requests
-            if pending or waiting or running:
-                work = pending * s_per_token + waiting * per_waiting_s + running * per_running_s + prefill
-            else:
-                work = prefill
-            if has_lower:
-                work = work + k_cpu * host_s_per_token + k_pool * pool_s_per_token
             worker_id = w.worker_id
-            inflight_tokens = w.num_inflight_prompt_tokens
-            decode = (running * decode_s_per_running + inflight_tokens * decode_s_per_inflight_token
-                      if running or inflight_tokens else 0.0)
+            factor = 1.0
             if factors:
                 log_factor = factors.get(worker_id)
                 if log_factor is not None:
                     factor = math.exp(log_factor)
-                    work *= factor
-                    prefill *= factor
-                    decode *= factor
+            pending, waiting, running = w.num_pending_prefill_tokens, w.num_waiting_requests, w.num_running_requests
+            queued = w.pending_prefills
+            if queued:
+                work = (drained_prefill_s(queued, w.prefill_done_at_s, w.clock_s, s_per_token, s_per_token_sq,
+                                          factor)
+                        + waiting * per_waiting_s + running * per_running_s + prefill)
+            elif pending or waiting or running:
+                work = (pending * s_per_token + w.num_pending_prefill_token_pairs * s_per_token_sq
+                        + waiting * per_waiting_s + running * per_running_s + prefill)
+            else:
+                work = prefill
+            if has_lower:
+                work = work + k_cpu * host_s_per_token + k_pool * pool_s_per_token
+            inflight_tokens = w.num_inflight_prompt_tokens
+            decode = (running * decode_s_per_running + inflight_tokens * decode_s_per_inflight_token
+                      if running or inflight_tokens else 0.0)
+            capacity = w.num_gpu_capacity_tokens
+            if capacity:  # self.memory_s(w, m), inlined, added to the decode term (both rank only)
+                over = w.num_resident_tokens + projected - capacity
+                if over > 0:
+                    decode += (projected if over > projected else over) * s_per_token
+            if factor != 1.0:
+                work *= factor
+                prefill *= factor
+                decode *= factor
             score = overhead_s + work
             scores[worker_id] = score
             cost = score + recompute_penalty * prefill + decode
             key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, running + waiting, pending,
-                   w.num_recent_assignments, index, cost, worker_id)
+                   w.num_resident_tokens, w.num_recent_assignments, index, cost, worker_id)
             if has_thresholds and (
                 (max_running is not None and running >= max_running)
                 or (max_kv_usage is not None and w.kv_usage >= max_kv_usage)
@@ -254,10 +294,10 @@ class CacheAwarePolicy:
         if len(competing) > 1:
             competing.sort()
             if self.config.temperature > 0.0:
-                pick = self._softmax_index([key[6] for key in competing])
+                pick = self._softmax_index([key[7] for key in competing])
                 competing.insert(0, competing.pop(pick))
                 reason = "softmax" + reason[8:]
-        chosen = workers[competing[0][5]]
+        chosen = workers[competing[0][6]]
         return Decision(
             chosen.worker_id,
             reason,

@@ -186,23 +186,36 @@ class SessionStickyConfig(_PolicyConfigBase, frozen=True, tag="session_sticky"):
     """``session_sticky``: keep a session on the worker that owns its state, wrapping any other policy.
 
     The owner loses the session when it is unhealthy, draining, missing, excluded by the inner policy (e.g.
-    saturated), or costlier than the inner policy's best by more than **every** configured margin (a margin set
-    to ``None`` is not checked; both ``None`` never moves on cost). Margins apply only when the inner policy
-    scores in seconds of TTFT (``cache_aware``).
+    saturated), or, on cost, when the move pays for what it loses (``price_moves``: ``policies/move_cost.py``) and
+    the owner is costlier than the inner policy's best by more than **every** configured margin (a margin set to
+    ``None`` is not checked; with ``price_moves`` off and both margins ``None`` it never moves on cost). The cost
+    rule and the margins apply only when the inner policy scores in seconds of TTFT (``cache_aware``).
 
     Idle expiry belongs to the session store, shared by every gateway replica: ``sessions.idle_timeout_s``.
 
     Attributes:
         inner: the wrapped policy (chooses new owners and scores the alternatives).
         key_sources: where the gateway looks for the session key, first match wins.
+        price_moves: move on cost only when the owner's extra estimated TTFT exceeds the recompute of the prefix it
+            holds and the alternative lacks, and (when that recompute is not zero) the owner's estimate is beyond
+            the fleet's recent tail (``policies/move_cost.py``).
+        move_tail_quantile: the quantile of recent estimated TTFTs that is the fleet's tail for ``price_moves``
+            (1.0: their maximum).
+        move_tail_window: how many recent decisions that quantile is taken over.
+        resident_idle_s: a session unseen this long no longer counts among its owner's resident prompts (the
+            memory term of ``cache_aware``, ``policies/residents.py``), seconds.
         max_extra_ttft_s: the owner may be at most this many seconds costlier than the best alternative.
         max_ttft_ratio: the owner may be at most this many times costlier than the best alternative.
     """
 
     inner: InnerPolicyConfig = msgspec.field(default_factory=CacheAwareConfig)
     key_sources: tuple[KeySource, ...] = ("x-session-id", "x-smg-routing-key", "user", "opening_blocks")
-    max_extra_ttft_s: NonNegativeSeconds | None = 0.5
-    max_ttft_ratio: Annotated[float, msgspec.Meta(ge=1.0)] | None = 2.0
+    max_extra_ttft_s: NonNegativeSeconds | None = None
+    max_ttft_ratio: Annotated[float, msgspec.Meta(ge=1.0)] | None = None
+    price_moves: bool = True
+    move_tail_quantile: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    move_tail_window: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1024
+    resident_idle_s: Annotated[float, msgspec.Meta(gt=0.0, le=86_400.0)] = 300.0
 
     def __post_init__(self) -> None:
         if not self.key_sources:

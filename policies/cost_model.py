@@ -4,7 +4,8 @@ Estimated time to first token of a request of ``n`` prompt tokens on worker ``w`
 
     ttft(w) = overhead_s + f_w * (queue_s + prefill_s + restore_s)
 
-    queue_s   = pending_prefill_tokens / r_lin                     queued prefill work ahead of the request
+    queue_s   = drained(w_i, a_i)                                  queued prefill work still ahead (see below),
+                                                                   w_i = (n_i-k_i)/r_lin + (n_i**2-k_i**2)/r_quad
               + num_waiting_requests * per_waiting_request_s       scheduling delay per queued request
               + num_running_requests * per_running_request_s       decode work sharing each batch
     prefill_s = (n - k) / r_lin + (n**2 - k**2) / r_quad           positions k..n computed, k = cached tokens
@@ -13,6 +14,29 @@ Estimated time to first token of a request of ``n`` prompt tokens on worker ``w`
 
 where ``k = k_gpu + k_cpu + k_pool`` (each clamped so that ``k <= n``; GPU first, then CPU, then pool) and
 ``f_w`` is the worker's online speed factor (1.0 = as profiled; ``TTFTCalibrator``).
+
+Queued prefill is priced as the request's own is: a queued prompt of ``n_i`` tokens with ``k_i`` cached costs
+``(n_i - k_i) / r_lin + (n_i**2 - k_i**2) / r_quad`` before this request's first chunk runs (FCFS chunked prefill:
+vLLM's scheduler, and the sim's, give the running prefills the step budget first). Counting only the linear part
+priced a worker holding a long queued prompt as lighter than it is, by ``n_i * r_lin / r_quad`` of that prompt's
+linear time (0.23 at 14K tokens, 1.6 at 100K), so the requests sent behind it waited longer than estimated: on the
+demo's Mooncake slice the observed wait was 1.23-1.32 times the linear estimate in every band of queue length.
+
+The queue drains while its requests wait (``drained_prefill_s``): the worker serves its pending prefills in
+admission order at its profiled rate (``1 / f_w`` seconds of work per second), work-conserving from the time its
+oldest pending prefill last finished, so what a new request waits behind is the work admitted minus the work done
+since. With ``w_i`` the work of the pending request admitted at ``a_i`` (worker's clock, ascending), ``d`` the
+time the worker last finished its oldest pending prefill (a later one finishing first was served beside it and
+says nothing of the head) and ``t`` now, the Lindley recursion of a single FIFO server::
+
+    R = 0, c = d
+    for each pending i:  R = max(0, R - max(0, a_i - c) / f_w) + w_i,  c = max(c, a_i)
+    drained = max(0, R - max(0, t - c) / f_w)
+
+Charging the whole prefill of every pending request (the sums alone) priced a request half prefilled as if none
+of it had run: queues longer than a few seconds came out about twice their observed wait. A request still pending
+after its modelled work is done adds nothing more (the queue under-runs only while a first byte is late). Without
+the pending list (``WorkerState.pending_prefills`` empty), the sums are the queue, as if admitted now.
 
 Why ``n**2``: the GEMMs of a transformer cost a constant per token, attention over a causal prefix of length n
 costs ``~ 2 * n**2 * d_model * num_layers`` FLOPs (halved for causality, times 2 matmuls, times 2 FLOPs/MAC), so
@@ -45,17 +69,48 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 import msgspec
 
-from policies.base import WorkerState
+from policies.base import PendingPrefill, WorkerState
 from policies.config import CacheAwareConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TTFTBreakdown", "TTFTCalibrator", "TTFTCostModel"]
+__all__ = ["TTFTBreakdown", "TTFTCalibrator", "TTFTCostModel", "drained_prefill_s"]
+
+
+def drained_prefill_s(
+    pending: Sequence[PendingPrefill], done_at_s: float, now_s: float, s_per_token: float, s_per_token_sq: float,
+    speed_factor: float = 1.0,
+) -> float:
+    """The pending prefill work still ahead of a request arriving at ``now_s``, unscaled (seconds of profiled work;
+    the recursion in the module docstring). O(len(pending)).
+
+    Args:
+        pending: ``(admitted_at_s, num_uncached_tokens, num_uncached_token_pairs)`` per pending request, in
+            admission order (``WorkerState.pending_prefills``).
+        done_at_s: when the worker last finished a pending prefill; nothing pending was served before it.
+        now_s: the decision time, on the same clock as the admissions (seconds).
+        s_per_token: ``1 / r_lin`` (seconds per token).
+        s_per_token_sq: ``1 / r_quad`` (seconds per token pair).
+        speed_factor: ``f_w``: one second serves ``1 / f_w`` seconds of profiled work.
+    """
+    rate = 1.0 / speed_factor
+    remaining_s = 0.0
+    cursor_s = done_at_s
+    for admitted_at_s, num_tokens, num_token_pairs in pending:
+        if admitted_at_s > cursor_s:
+            remaining_s -= (admitted_at_s - cursor_s) * rate
+            if remaining_s < 0.0:
+                remaining_s = 0.0
+            cursor_s = admitted_at_s
+        remaining_s += num_tokens * s_per_token + num_token_pairs * s_per_token_sq
+    if now_s > cursor_s:
+        remaining_s -= (now_s - cursor_s) * rate
+    return remaining_s if remaining_s > 0.0 else 0.0
 
 
 class TTFTBreakdown(msgspec.Struct, frozen=True, gc=False):
@@ -152,8 +207,14 @@ class TTFTCostModel:
         k_cpu = min(worker.num_cpu_cached_tokens, n - k_gpu)
         k_pool = min(worker.num_pool_cached_tokens, n - k_gpu - k_cpu)
         k = k_gpu + k_cpu + k_pool
+        if worker.pending_prefills:
+            queued_prefill_s = drained_prefill_s(worker.pending_prefills, worker.prefill_done_at_s, worker.clock_s,
+                                                 self.s_per_token, self.s_per_token_sq, speed_factor)
+        else:
+            queued_prefill_s = (worker.num_pending_prefill_tokens * self.s_per_token
+                                + worker.num_pending_prefill_token_pairs * self.s_per_token_sq)
         queue_s = (
-            worker.num_pending_prefill_tokens * self.s_per_token
+            queued_prefill_s
             + worker.num_waiting_requests * self.per_waiting_request_s
             + worker.num_running_requests * self.per_running_request_s
         )

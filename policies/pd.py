@@ -18,9 +18,10 @@ worker ``d`` whose own prefix cache holds ``k_d`` of the prompt's tokens (its in
 The decode worker is the fitting candidate of least ``decode_cost_s`` (ties: more available blocks, then
 configuration order); a fitting session owner keeps the session's decode leg (its prefix is local, so it also
 pulls less). No candidate fits: the decision says ``no_decode_capacity`` and the gateway queues the request (or
-answers 429). Prefill side: ``CacheAwarePolicy`` over the prefill workers, whose index entries hold the prompt's
-prefix; each prefill worker's pair score is its estimated TTFT plus ``transfer_s`` to the chosen decode worker (the
-same link for every prefill worker here, so the ranking is the TTFT's; the score is what the client waits for).
+answers 429), unless the request needs more than any of them may ever hold (``never_fits``: a 400). Prefill
+side: ``CacheAwarePolicy`` over the prefill workers, whose index entries hold the prompt's prefix; each prefill
+worker's pair score is its estimated TTFT plus ``transfer_s`` to the chosen decode worker (the same link for every
+prefill worker here, so the ranking is the TTFT's; the score is what the client waits for).
 """
 
 from __future__ import annotations
@@ -139,10 +140,23 @@ class PDPolicy:
         k = min(candidate.num_gpu_cached_tokens, view.num_prompt_tokens)
         return -(-(view.num_prompt_tokens + view.num_max_output_tokens) // b) - k // b
 
+    def capacity_blocks(self, candidate: DecodeCandidate) -> int:
+        """Blocks the gateway may reserve on ``candidate`` when nothing is in flight there (module docstring)."""
+        return int(candidate.num_total_blocks * self.config.max_reserved_fraction)
+
     def available_blocks(self, candidate: DecodeCandidate) -> int:
         """Blocks the gateway may still reserve on ``candidate`` (module docstring)."""
-        capacity = int(candidate.num_total_blocks * self.config.max_reserved_fraction)
-        return min(candidate.num_free_blocks, capacity - candidate.num_reserved_blocks)
+        return min(candidate.num_free_blocks, self.capacity_blocks(candidate) - candidate.num_reserved_blocks)
+
+    def never_fits(self, view: RequestView, decodes: tuple[DecodeCandidate, ...]) -> tuple[int, int] | None:
+        """``(the fewest blocks the request needs on one, the most any may hold)`` when no healthy, undrained
+        decode worker could hold the request even with nothing else in flight there (``needed_blocks >
+        capacity_blocks`` on every one: waiting for capacity cannot help), else ``None`` (also with no usable
+        decode worker at all)."""
+        usable = [d for d in decodes if d.is_healthy and not d.is_draining]
+        if not usable or any(self.needed_blocks(view, d) <= self.capacity_blocks(d) for d in usable):
+            return None
+        return min(self.needed_blocks(view, d) for d in usable), max(self.capacity_blocks(d) for d in usable)
 
     def transfer_bytes(self, view: RequestView, candidate: DecodeCandidate) -> int:
         """KV bytes ``candidate`` would pull for the request."""

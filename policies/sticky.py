@@ -23,13 +23,17 @@ owner unhealthy                                        inner best  sticky_moved 
 owner draining                                         inner best  sticky_moved (owner_draining)
 owner is the inner best                                owner       sticky
 owner not in the inner ranking (e.g. saturated)        inner best  sticky_moved (owner_excluded)
-owner costlier than inner best by every margin         inner best  sticky_moved (owner_costlier)
+the move pays for what it loses, and every margin        inner best  sticky_moved (owner_costlier)
 otherwise                                              owner       sticky
 =====================================================  ==========  =============================
 
-Margins (``max_extra_ttft_s``, ``max_ttft_ratio``) compare the inner policy's scores, so they apply only when
-those are estimated TTFT seconds (inner ``cache_aware``); with a baseline inside, only availability moves a
-session. Idle expiry is the store's (``sessions.idle_timeout_s`` in the gateway's config).
+"The move pays for what it loses" (``price_moves``, on by default) is the rule of ``policies/move_cost.py``: the
+owner's extra estimated TTFT must exceed the recompute of the prefix it holds and the alternative lacks, and when
+that recompute is not zero the owner must also be beyond the fleet's recent tail of estimated TTFT. Margins
+(``max_extra_ttft_s``, ``max_ttft_ratio``; off by default) are further conditions. Both compare the inner policy's
+scores, so they apply only when those are estimated TTFT seconds (inner ``cache_aware``); with a baseline inside,
+only availability moves a session. Idle expiry is the store's (``sessions.idle_timeout_s`` in the gateway's
+config).
 """
 
 from __future__ import annotations
@@ -37,10 +41,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+import msgspec
 import xxhash
 
 from policies.base import Decision, Policy, RequestView, Snapshot
+from policies.cache_aware import CacheAwarePolicy
 from policies.config import CacheAwareConfig, KeySource, SessionStickyConfig
+from policies.move_cost import SessionMoveCost
+from policies.residents import SessionResidents
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +134,10 @@ def resolve_sticky(
     *,
     is_new: bool = False,
     applies_margins: bool = True,
+    num_prompt_tokens: int | None = None,
+    move_cost: SessionMoveCost | None = None,
 ) -> Decision:
-    """Keep or move a session (the table in the module docstring). Pure.
+    """Keep or move a session (the table in the module docstring). Pure but for ``move_cost``'s counters.
 
     Args:
         config: the margins.
@@ -135,7 +145,9 @@ def resolve_sticky(
         inner: the inner policy's decision for this request over ``snapshot``.
         snapshot: the same snapshot ``inner`` was computed from.
         is_new: the store's ``SessionEntry.is_new`` (the owner was claimed by this request).
-        applies_margins: the inner scores are TTFT seconds, so the cost margins apply.
+        applies_margins: the inner scores are TTFT seconds, so the cost rule and the margins apply.
+        num_prompt_tokens: the request's prompt tokens (the move rule prices the prefix it would recompute).
+        move_cost: the move rule (``policies/move_cost.py``); ``None`` (or no ``num_prompt_tokens``): margins only.
 
     Returns:
         The decision; ``ranking`` lists the kept owner first, then the inner ranking.
@@ -160,8 +172,17 @@ def resolve_sticky(
         return _relabel(inner, "sticky", "")
     if owner_id not in inner.ranking:
         return _relabel(inner, "sticky_moved", "owner_excluded")
-    if applies_margins and _is_costlier(config, inner.scores.get(owner_id), inner.scores.get(best_id)):
-        return _relabel(inner, "sticky_moved", "owner_costlier")
+    if applies_margins:
+        owner_s, best_s = inner.scores.get(owner_id), inner.scores.get(best_id)
+        if move_cost is not None and num_prompt_tokens is not None and owner_s is not None and best_s is not None:
+            best = next((w for w in snapshot.workers if w.worker_id == best_id), None)
+            moves = best is not None and move_cost.moves(num_prompt_tokens, owner, best, owner_s, best_s)
+            if moves and (config.max_extra_ttft_s is not None or config.max_ttft_ratio is not None):
+                moves = _is_costlier(config, owner_s, best_s)
+        else:
+            moves = _is_costlier(config, owner_s, best_s)
+        if moves:
+            return _relabel(inner, "sticky_moved", "owner_costlier")
     return Decision(
         worker_id=owner_id,
         reason="sticky",
@@ -203,7 +224,10 @@ class SessionStickyPolicy:
 
     Attributes:
         inner: the wrapped policy.
-        applies_margins: whether cost margins are checked (the inner policy scores in TTFT seconds).
+        applies_margins: whether the cost rule and margins are checked (the inner policy scores in TTFT seconds).
+        move_cost: the move rule with its window and session statistics (``None``: ``price_moves`` off, or an inner
+            policy that does not score in seconds).
+        residents: each session's owner and latest prompt tokens (the snapshot's ``num_resident_tokens``).
     """
 
     name = "session_sticky"
@@ -212,20 +236,42 @@ class SessionStickyPolicy:
         self.config = config
         self.inner = inner
         self.applies_margins = isinstance(config.inner, CacheAwareConfig)
+        self.move_cost: SessionMoveCost | None = None
+        self.residents = SessionResidents(config.resident_idle_s)
+        if config.price_moves and isinstance(inner, CacheAwarePolicy):
+            self.move_cost = SessionMoveCost(inner.cost_model, inner.speed_factor,
+                                             tail_quantile=config.move_tail_quantile,
+                                             tail_window=config.move_tail_window)
 
     def select_inner(self, view: RequestView, snapshot: Snapshot) -> Decision:
-        """The inner policy's decision: the worker to propose to ``claim_or_touch``."""
+        """The inner policy's decision: the worker to propose to ``claim_or_touch``; a session not placed yet is
+        marked ``is_new_session`` for it."""
+        if view.session_key is not None and view.session_key not in self.residents:
+            view = msgspec.structs.replace(view, is_new_session=True)
         return self.inner.select(view, snapshot)
 
-    def resolve(self, owner_id: str | None, inner: Decision, snapshot: Snapshot, *, is_new: bool = False) -> Decision:
-        """``resolve_sticky`` with this policy's config."""
-        return resolve_sticky(
-            self.config, owner_id, inner, snapshot, is_new=is_new, applies_margins=self.applies_margins
+    def resolve(
+        self, owner_id: str | None, inner: Decision, snapshot: Snapshot, *, is_new: bool = False,
+        view: RequestView | None = None,
+    ) -> Decision:
+        """``resolve_sticky`` with this policy's config and move rule (which needs ``view``'s prompt length); the
+        chosen worker's estimate goes into the rule's window."""
+        move_cost = self.move_cost
+        decision = resolve_sticky(
+            self.config, owner_id, inner, snapshot, is_new=is_new, applies_margins=self.applies_margins,
+            num_prompt_tokens=view.num_prompt_tokens if view is not None else None, move_cost=move_cost,
         )
+        if decision.worker_id is not None:
+            if move_cost is not None:
+                move_cost.observe(decision.scores.get(decision.worker_id),
+                                  is_new=owner_id is None or (is_new and owner_id == inner.worker_id))
+            if view is not None and view.session_key is not None:
+                self.residents.place(view.session_key, decision.worker_id, view.num_prompt_tokens, snapshot.now_s)
+        return decision
 
     def select(self, view: RequestView, snapshot: Snapshot) -> Decision:
         """Inner decision, then keep or move ``snapshot.session_owner``; without a session key, the inner one."""
-        inner = self.inner.select(view, snapshot)
+        inner = self.select_inner(view, snapshot)
         if view.session_key is None:
             return inner
-        return self.resolve(snapshot.session_owner, inner, snapshot)
+        return self.resolve(snapshot.session_owner, inner, snapshot, view=view)

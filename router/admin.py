@@ -8,7 +8,11 @@ Routes (JSON in and out; errors are OpenAI-style JSON)::
     DELETE /admin/workers/{id}                remove: index entries cleared, sessions dropped at once
     POST   /admin/workers/{id}/drain          no new requests (in-flight streams finish)
     POST   /admin/workers/{id}/undrain
-    GET    /admin/sessions?limit=N            live sessions, most recently used first
+    GET    /admin/sessions?limit=N&<filter>   live sessions, most recently used first, each with ``age_s`` and
+                                              ``idle_s``; ``num_sessions`` counts every live one (``limit``
+                                              clamped to 1..10,000; one that is not an integer is a 400)
+    DELETE /admin/sessions?<filter>           forget every session the filter takes (``all=true`` for every
+                                              session); answers ``{"num_dropped": N}``
     DELETE /admin/sessions/{key}              forget one session
     GET    /admin/index                       index stats per model
     POST   /admin/index/clear                 clear every worker's entries (body ``{"worker_id": ...}`` for one),
@@ -17,7 +21,15 @@ Routes (JSON in and out; errors are OpenAI-style JSON)::
     PUT    /admin/policy                      replace the policy (validated first; the old one stays on error)
     GET    /admin/decisions?limit=N           recent decisions with every candidate's score and cost terms
     GET    /admin/debug/memory?limit=N        top allocation sites of a tracemalloc snapshot (a gateway started
-                                              with PYTHONTRACEMALLOC=<frames>; ``common.process_stats``)
+                                              with PYTHONTRACEMALLOC=<frames>; ``group_by=traceback`` for whole
+                                              stacks), the C heap's in-use and free bytes (``trim=1``: after
+                                              ``malloc_trim``); ``common.process_stats``
+
+Session filters (query parameters, every one given must hold; ``router.sessions.base.SessionFilter``):
+``worker_id=<id>`` (owned by that worker), ``key_prefix=<p>`` (keys are ``<source>:<value>``: ``sid:`` for
+``x-session-id`` sessions, ``user:`` for the body's ``user``), ``min_idle_s=<s>`` / ``max_idle_s=<s>`` (unused for at
+least / at most that long), ``min_age_s=<s>`` (created at least that long ago). A parameter the route does not take,
+or a value that is not a non-negative number, is a 400 naming it.
 
 The ``Bearer`` scheme is matched case-insensitively (RFC 7235: ``bearer <token>`` works too), the token exactly.
 An unexpected failure of a handler is a JSON 500 (``internal_error``), never aiohttp's plain-text one. With
@@ -33,7 +45,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from common.process_stats import memory_report
+from common.process_stats import MemoryQueryError, memory_report_for_query
 from policies import PolicyError, build_policy, decode_policy_config, encode_policy_config
 from router.api import error_response
 from router.config import decode_worker
@@ -48,6 +60,7 @@ from router.errors import (
     unreadable_body_error,
 )
 from router.gateway import GATEWAY
+from router.sessions.base import SessionFilter
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +71,49 @@ def _json(obj: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=msgspec.json.encode(obj), content_type="application/json")
 
 
-def _limit(request: web.Request, default: int = 100) -> int:
-    try:
-        return max(1, min(10_000, int(request.query.get("limit", default))))
-    except ValueError:
+def _query_once(request: web.Request, name: str) -> str | None:
+    """The query parameter ``name`` (``None`` when absent).
+
+    Raises:
+        InvalidFieldError: given more than once (``?worker_id=a&worker_id=b`` would act on ``a`` alone).
+    """
+    values = request.query.getall(name, [])
+    if len(values) > 1:
+        raise InvalidFieldError(f"{name} is given {len(values)} times; give it once", param=name)
+    return values[0] if values else None
+
+
+def _is_plain(raw: str) -> bool:
+    """Whether ``raw`` has none of what Python's ``int`` and ``float`` accept beyond a plain number (``1_000``,
+    blanks around it)."""
+    return "_" not in raw and raw.strip() == raw
+
+
+def _query_int(request: web.Request, name: str, default: int) -> int:
+    """The integer query parameter ``name`` (``default`` when absent).
+
+    Raises:
+        InvalidFieldError: present but not a decimal integer (``?limit=false``, ``?limit=``, ``?limit=1_0``), or
+            given more than once.
+    """
+    raw = _query_once(request, name)
+    if raw is None:
         return default
+    try:
+        if not _is_plain(raw):
+            raise ValueError(raw)
+        return int(raw)
+    except ValueError:
+        raise InvalidFieldError(f"{name} must be an integer, got {raw[:40]!r}", param=name) from None
+
+
+def _limit(request: web.Request, default: int = 100) -> int:
+    """``?limit=N`` clamped to 1..10,000 (``default`` when absent).
+
+    Raises:
+        InvalidFieldError: not an integer.
+    """
+    return max(1, min(10_000, _query_int(request, "limit", default)))
 
 
 _TOO_DEEP = "the request body is not valid JSON: it nests too deeply"
@@ -176,11 +227,70 @@ async def undrain_worker(request: web.Request) -> web.StreamResponse:
     return _json(worker.info(gw.clock()))
 
 
+_SESSION_SECONDS = ("min_idle_s", "max_idle_s", "min_age_s")
+
+
+def _session_filter(request: web.Request, extra: tuple[str, ...]) -> SessionFilter:
+    """The ``SessionFilter`` of a ``/admin/sessions`` query (module docstring); ``extra`` are the other parameters
+    the route takes.
+
+    Raises:
+        InvalidFieldError: a parameter the route does not take or given more than once, a duration that is not
+            a finite number >= 0 (or not written plainly: ``1_000``), or an empty ``worker_id``.
+    """
+    query = request.query
+    for name in query:
+        if name not in (*_SESSION_SECONDS, "worker_id", "key_prefix", *extra):
+            raise InvalidFieldError(
+                f"unknown query parameter {name[:40]!r}: /admin/sessions takes worker_id, key_prefix, "
+                f"{', '.join(_SESSION_SECONDS)} and {', '.join(extra)}", param=name[:40])
+        _query_once(request, name)
+    seconds: dict[str, float] = {}
+    for name in _SESSION_SECONDS:
+        raw = query.get(name)
+        if raw is None:
+            continue
+        try:
+            value = float(raw) if _is_plain(raw) else -1.0
+        except ValueError:
+            value = -1.0
+        if not 0 <= value < float("inf"):
+            raise InvalidFieldError(f"{name} must be a number of seconds >= 0, got {raw[:40]!r}", param=name)
+        seconds[name] = value
+    worker_id = query.get("worker_id")
+    if worker_id == "":
+        raise InvalidFieldError("worker_id must not be empty", param="worker_id")
+    return SessionFilter(worker_id=worker_id, key_prefix=query.get("key_prefix", ""),
+                         min_idle_s=seconds.get("min_idle_s", 0.0), max_idle_s=seconds.get("max_idle_s"),
+                         min_age_s=seconds.get("min_age_s", 0.0))
+
+
 async def list_sessions(request: web.Request) -> web.StreamResponse:
+    """``GET /admin/sessions``: ``{"num_sessions": <every live session>, "sessions": [{"session_key",
+    "worker_id", "last_used_s", "created_s", "idle_s", "age_s"}, ...]}`` (``router.sessions.base.SessionInfo``;
+    the ``_s`` times on the store's clock), most recently used first, at most ``limit`` (100 by default)."""
     gw = request.app[GATEWAY]
-    entries = await gw.sessions.list_sessions(_limit(request))
+    match = _session_filter(request, ("limit",))
+    entries = await gw.sessions.find_sessions(match, _limit(request))
     return _json({"num_sessions": await gw.sessions.num_sessions(),
                   "sessions": [msgspec.to_builtins(e) for e in entries]})
+
+
+async def drop_sessions(request: web.Request) -> web.StreamResponse:
+    """``DELETE /admin/sessions?<filter>``: forget every session the filter takes; ``{"num_dropped": N}``. With no
+    filter it takes ``all=true`` (forget every session), so that a bare call cannot empty the table by mistake."""
+    gw = request.app[GATEWAY]
+    match = _session_filter(request, ("all",))
+    is_all = request.query.get("all")
+    if is_all not in (None, "true", "false"):
+        raise InvalidFieldError(f"all must be true or false, got {is_all[:40]!r}", param="all")
+    if match.is_everything and is_all != "true":
+        raise InvalidFieldError("give a filter (worker_id, key_prefix, min_idle_s, max_idle_s, min_age_s) or "
+                                "all=true to drop every session", param="all")
+    num_dropped = await gw.sessions.drop_sessions(match)
+    logger.info("admin: %d sessions dropped (%s)", num_dropped,
+                ", ".join(f"{k}={v!r}" for k, v in msgspec.structs.asdict(match).items() if v) or "all")
+    return _json({"num_dropped": num_dropped})
 
 
 async def drop_session(request: web.Request) -> web.StreamResponse:
@@ -243,6 +353,7 @@ async def clear_index(request: web.Request) -> web.StreamResponse:
     for worker in targets:
         if gw.events.clear_worker(worker.worker_id) or worker_id is not None:
             cleared.append(worker.worker_id)
+    gw.heap.request()
     logger.info("admin: index entries of %s cleared; workers publishing events re-warm",
                 ", ".join(cleared) or "no worker")
     return _json({"cleared": cleared})
@@ -298,12 +409,14 @@ async def recent_decisions(request: web.Request) -> web.StreamResponse:
 
 
 async def debug_memory(request: web.Request) -> web.StreamResponse:
-    """``GET /admin/debug/memory?limit=N``: ``common.process_stats.memory_report`` (25 sites by default)."""
+    """``GET /admin/debug/memory?limit=N&group_by=lineno|traceback&trim=true``: ``common.process_stats.memory_report``
+    (25 sites by default, by line, no trim); a ``limit`` not an integer, a ``group_by`` not one of the two or a
+    ``trim`` not ``true``/``false`` (``1``/``0``) is a 400 naming it."""
     try:
-        limit = int(request.query.get("limit", 25))
-    except ValueError:
-        limit = 25
-    return _json(memory_report(limit))
+        report = memory_report_for_query(request.query)
+    except MemoryQueryError as exc:
+        raise InvalidFieldError(str(exc), param=exc.param) from None
+    return _json(report)
 
 
 def add_admin_routes(app: web.Application, token: str | None) -> None:
@@ -315,6 +428,7 @@ def add_admin_routes(app: web.Application, token: str | None) -> None:
     r.add_post("/admin/workers/{worker_id}/drain", _guard(token, drain_worker))
     r.add_post("/admin/workers/{worker_id}/undrain", _guard(token, undrain_worker))
     r.add_get("/admin/sessions", _guard(token, list_sessions))
+    r.add_delete("/admin/sessions", _guard(token, drop_sessions))
     r.add_delete("/admin/sessions/{key}", _guard(token, drop_session))
     r.add_get("/admin/index", _guard(token, index_stats))
     r.add_post("/admin/index/clear", _guard(token, clear_index))

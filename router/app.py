@@ -13,6 +13,7 @@ Routes::
                                                    the ready timeout passed; also with zero
                                                    workers), else 503
     GET  /metrics                                  Prometheus text format                       router.api
+    GET  /openapi.json                             this API as an OpenAPI 3.1 document          router.openapi
     *    /admin/...                                the admin API                                router.admin
 
 Request path (``router.api``, one handler, no middleware): read the body (limit) -> ``parse_request``
@@ -33,6 +34,7 @@ from router.admin import add_admin_routes
 from router.api import _add_json_fallbacks, chat_completions, completions, health, metrics, models, ready
 from router.config import GatewayConfig
 from router.gateway import CLEANUP_CONTEXTS, GATEWAY, Gateway
+from router.openapi import add_openapi_route
 from router.transport import Transport
 
 if TYPE_CHECKING:
@@ -66,6 +68,7 @@ def build_app(
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     add_admin_routes(app, admin_token)
+    add_openapi_route(app)
     _add_json_fallbacks(app)
     app.cleanup_ctx.extend(CLEANUP_CONTEXTS)
     if config.endpoint_picker is not None:  # grpcio (the epp extra) only when the endpoint picker runs

@@ -21,6 +21,7 @@ from typing import Annotated, Literal
 import msgspec
 import yaml
 
+from common.yaml_load import safe_load_yaml
 from events.subscriber import SubscriberConfig
 from policies import PolicyConfigError, decode_policy_config
 from policies.config import CacheAwareConfig, PolicyConfig, SessionStickyConfig
@@ -41,6 +42,7 @@ from router.discovery_config import DiscoveryConfig
 from router.epp_config import EndpointPickerConfig
 from router.errors import ConfigError
 from router.index.config import IndexConfig
+from router.pool_watch_config import PoolWatchConfig
 from router.sessions.config import SessionsConfig
 from router.tracing_config import TracingConfig
 from router.worker_config import (
@@ -299,6 +301,27 @@ class AdminConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only
         return token
 
 
+class MemoryConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Returning freed memory to the kernel (``common.process_stats.HeapTrimmer``).
+
+    Attributes:
+        enable_trim: run ``malloc_trim`` (glibc) right after a worker is removed or an index cleared, and at a
+            periodic check when the C heap's arenas' free bytes grew by at least ``trim_min_free_bytes`` since the
+            last trim (``HeapTrimmer.trim_once``); without it the process's RSS stays at its peak after its caches
+            and index shrink.
+        trim_interval_s: seconds between checks (a check is one ``mallinfo2``; a trim walks the free lists).
+        trim_min_free_bytes: growth of the arenas' free bytes since the last trim below which a periodic check does
+            not trim.
+    """
+
+    enable_trim: bool = True
+    trim_interval_s: PositiveSeconds = 30.0
+    trim_min_free_bytes: Annotated[int, msgspec.Meta(ge=0)] = 16 << 20
+
+    def __post_init__(self) -> None:
+        check_positive("trim_interval_s", self.trim_interval_s)
+
+
 class GatewayConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The whole gateway configuration (``kvgate serve --config FILE``).
 
@@ -327,9 +350,12 @@ class GatewayConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_on
         discovery: Kubernetes worker discovery (``router.discovery_config.DiscoveryConfig``); ``None`` disables it.
         max_response_bytes: a non-streamed worker answer (read whole before it is relayed) over this many bytes
             gets the client a 502 (``upstream_error``); streams are relayed chunk by chunk, uncapped.
+        memory: returning freed memory to the kernel (``MemoryConfig``).
         tracing: OpenTelemetry request traces (``router.tracing_config.TracingConfig``); off by default.
         endpoint_picker: the Gateway API Inference Extension's Endpoint Picker, an Envoy ext_proc server
             (``router.epp_config.EndpointPickerConfig``); ``None`` (default) runs none.
+        pool_watch: the pool watcher (``router.pool_watch_config.PoolWatchConfig``): drops the index's pool
+            entries the Mooncake master evicted or lost; ``None`` (default) runs none.
     """
 
     models: tuple[ModelConfig, ...]
@@ -352,7 +378,9 @@ class GatewayConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_on
     discovery: DiscoveryConfig | None = None
     max_response_bytes: AtLeastOne = DEFAULT_MAX_RESPONSE_BYTES
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+    memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
     endpoint_picker: EndpointPickerConfig | None = None
+    pool_watch: PoolWatchConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -474,7 +502,7 @@ def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
     except OSError as exc:
         raise ConfigError(f"config: cannot read {path}: {exc}") from exc
     try:
-        obj = yaml.safe_load(text)
+        obj = safe_load_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config: invalid YAML in {path}: {exc}") from exc
     return parse_config(obj)

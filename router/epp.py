@@ -56,12 +56,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from router.api import parse_request_async
 from router.epp_config import EndpointPickerConfig
 from router.errors import GatewayError, InvalidFieldError, NoWorkerError, UnknownModelError
 from router.fleet import WorkerRuntime
 from router.gateway import GATEWAY, Gateway
 from router.lease import WorkerLease
-from router.request_view import RequestKind, parse_request
+from router.request_view import RequestKind
 from router.routing import RoutePlan
 
 __all__ = ["DESTINATION_HEADER", "EPP", "SERVED_KEY", "SUBSET_KEY", "EndpointPicker", "endpoint_of", "epp_context"]
@@ -267,7 +268,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         gw = self._gw
         path = ex.headers.get(":path", "")
         kind: RequestKind = "chat" if path.split("?", 1)[0].endswith("/chat/completions") else "completions"
-        parsed = parse_request(kind, body)
+        parsed = await parse_request_async(kind, body)
         model = gw.config.model(parsed.model)
         if model is None:
             raise UnknownModelError(f"the model {parsed.model!r} does not exist", param="model",
@@ -290,7 +291,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         ex.plan = plan
         predicted = plan.predicted_cached_tokens.get(primary.worker_id, 0)
         ex.lease = WorkerLease.acquire(primary, gw.metrics.worker(primary.worker_id), plan.num_prompt_tokens,
-                                       max(0, plan.num_prompt_tokens - predicted))
+                                       max(0, plan.num_prompt_tokens - predicted), gw.clock())
         gw.metrics.count_decision(gw.holder.policy.name, plan.decision.reason)
         return [endpoint_of(w) for w in ranked[: 1 + self._config.num_fallback_endpoints]]
 
@@ -307,7 +308,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         elif ex.lease is not None:
             ex.served = ex.lease.worker
         if ex.lease is not None:
-            ex.lease.on_first_byte()
+            ex.lease.on_first_byte(self._gw.clock())
 
     def _settle(self, ex: _Exchange) -> None:
         """The request's end (its response, or the stream closing): lease released, index ticket settled."""

@@ -10,7 +10,8 @@ Every error a client can see maps to one OpenAI-style error body (``{"error": {"
     │   ├── InvalidFieldError         a field has the wrong type or value (``param`` names it)
     │   ├── BodyTooLargeError (413)   body over ``limits.max_body_bytes``
     │   ├── UnknownModelError (404)   no worker serves the requested model
-    │   └── MethodNotAllowedError (405)  a route called with a method it does not take
+    │   ├── MethodNotAllowedError (405)  a route called with a method it does not take
+    │   └── UpstreamRefusedError (4xx)   a worker refused a leg built from the request (its status and fields)
     ├── AuthError (401)               admin call without the right bearer token
     ├── NotFoundError (404)           admin call naming an unknown worker or session
     ├── OverloadedError (429)         admission queue full or queue wait timed out (carries ``retry_after_s``)
@@ -83,6 +84,24 @@ class MethodNotAllowedError(RequestError):
     """The path exists but does not take the request's method."""
 
     status = 405
+
+
+class UpstreamRefusedError(RequestError):
+    """A worker refused, with a 4xx, a leg the gateway built from the client's request and never relays itself
+    (``router.pd``'s prefill leg): the fault is the request's, so the client gets the worker's status and its
+    OpenAI error fields, as the aggregated path relays a worker's 4xx.
+
+    Attributes:
+        worker_id: the worker that refused.
+    """
+
+    def __init__(
+        self, message: str, *, status: int, error_type: str, param: str | None, code: str | None, worker_id: str
+    ) -> None:
+        super().__init__(message, param=param, code=code)
+        self.status = status
+        self.error_type = error_type
+        self.worker_id = worker_id
 
 
 class AuthError(GatewayError):

@@ -148,6 +148,12 @@ class WorkerRuntime:
         num_inflight_requests: requests in flight through this gateway.
         num_inflight_prompt_tokens: prompt tokens of those requests.
         num_pending_prefill_tokens: prompt tokens sent but not yet prefilled (until the first byte).
+        num_pending_prefill_token_pairs: the attention work of those tokens, ``sum(n**2 - k**2)`` over the requests
+            pending (``n`` prompt, ``k`` predicted cached tokens): what their prefill costs beyond the linear part.
+        pending_prefills: the same requests one by one, by lease, in admission order: ``(admitted_at_s,
+            num_uncached_tokens, num_uncached_token_pairs)`` with the time on the worker's clock (``router.lease``).
+        prefill_done_at_s: when the worker last finished its oldest pending prefill (its first byte), on its clock;
+            0.0 before.
         num_decoding_requests: requests past their first byte and not finished.
         load: last polled load, or ``None``.
         start_id: last seen start id.
@@ -165,6 +171,9 @@ class WorkerRuntime:
         self.num_inflight_requests = 0
         self.num_inflight_prompt_tokens = 0
         self.num_pending_prefill_tokens = 0
+        self.num_pending_prefill_token_pairs = 0
+        self.pending_prefills: dict[object, tuple[float, int, int]] = {}
+        self.prefill_done_at_s = 0.0
         self.num_decoding_requests = 0
         self.load: WorkerLoad | None = None
         self.start_id: str | int | None = None
@@ -218,6 +227,7 @@ class WorkerRuntime:
             "num_inflight_requests": self.num_inflight_requests,
             "num_inflight_prompt_tokens": self.num_inflight_prompt_tokens,
             "num_pending_prefill_tokens": self.num_pending_prefill_tokens,
+            "num_pending_prefill_token_pairs": self.num_pending_prefill_token_pairs,
             "num_decoding_requests": self.num_decoding_requests,
             "load": msgspec.to_builtins(self.load) if self.load is not None else None,
             "start_id": self.start_id,

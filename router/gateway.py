@@ -19,8 +19,8 @@ that fails half-way leaves only what it entered and that is closed again by the 
     subscriber         started (binds ``events.bind_endpoint``); closed
     session store      started (Redis: connects); closed
     workers            the config's workers added (subscribed, warm-up begun); warm-ups cancelled
-    background loops   health checks, load polling, session reaping, approximate expiry, discovery; cancelled
-                       and awaited
+    background loops   health checks, load polling, session reaping, approximate expiry, pool watch, discovery;
+                       cancelled and awaited
 
 The app keys: ``GATEWAY`` (this object; ``router.api`` and ``router.admin`` read everything through it).
 """
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from common.process_stats import HeapTrimmer
 from events.capacity import open_files_limit, rank_stream_capacity
 from events.counters import EventCounters
 from events.errors import EventsConfigError
@@ -52,8 +53,10 @@ from router.event_path import EventPath
 from router.fleet import Fleet, WorkerRuntime
 from router.index import PrefixIndex
 from router.lifecycle import RequestLifecycle
-from router.metrics import GatewayMetrics, gateway_samples
+from router.metrics import GatewayMetrics, MetricSample, gateway_samples
 from router.pd import PDLifecycle
+from router.pd_ledger import ledger_samples
+from router.pool_watch import PoolWatcher
 from router.proxy import ClientHeaderReader, Proxy
 from router.request_view import ModelTokenizer
 from router.routing import PolicyHolder, Router
@@ -70,6 +73,9 @@ logger = logging.getLogger(__name__)
 
 APPROXIMATE_EXPIRY_INTERVAL_S = 1.0
 """How often approximate index entries past their TTL are dropped."""
+APPROXIMATE_EXPIRY_SLICE_BLOCKS = 2048
+"""Positions one slice of that expiry looks at before it yields to the event loop (a long conversation's record
+is dropped over several slices, so no request waits behind all of it)."""
 
 
 class Gateway:
@@ -93,6 +99,8 @@ class Gateway:
         pd: runs one request of a disaggregated model: both legs, the decode reservations (``router.pd``).
         tracer: the request tracer when ``tracing.enabled`` (``router.tracing``; then ``router`` is its
             ``TracedRouter`` and ``router.api`` starts traced flights), else ``None``.
+        pool_watcher: keeps the pool entries to what the Mooncake master holds (``router.pool_watch``), when
+            ``pool_watch`` is configured, else ``None``.
     """
 
     def __init__(
@@ -117,6 +125,7 @@ class Gateway:
         self.events = EventPath(config, self.indexes, self.transport)
         self.fleet = Fleet(config, self.transport, clock=clock, on_start_id_changed=self.events.on_start_id_changed)
         self.tracer: RequestTracer | None = None
+        self.pool_watcher = PoolWatcher(config.pool_watch, self.indexes, clock) if config.pool_watch else None
         router_type: type[Router] = Router
         router_kwargs: dict[str, Any] = {}
         if config.tracing.enabled:  # OpenTelemetry (the otel extra) only when tracing is on
@@ -126,10 +135,13 @@ class Gateway:
             router_type, router_kwargs = TracedRouter, {"tracer": self.tracer}
         self.router = router_type(
             self.fleet, self.indexes, self.sessions, self.holder,
-            num_recent_decisions=config.admin.num_recent_decisions, clock=clock, **router_kwargs,
+            num_recent_decisions=config.admin.num_recent_decisions, clock=clock, pool_watcher=self.pool_watcher,
+            **router_kwargs,
         )
         self.proxy = Proxy(self.transport, config.retry, self.metrics, clock=clock,
                            max_response_bytes=config.max_response_bytes)
+        self.heap = HeapTrimmer(config.memory.trim_interval_s, config.memory.trim_min_free_bytes)
+        """Returns freed heap pages to the kernel (``config.memory``; its loop runs when ``enable_trim``)."""
         self.admission = Admission(config.admission)
         self.lifecycle = RequestLifecycle(
             self.router, self.proxy, self.fleet, self.admission, self.metrics,
@@ -145,12 +157,20 @@ class Gateway:
         self._id_prefix = f"kvg-{os.getpid():x}-{int(time.time()):x}-"
         self.metrics.add_callback(functools.partial(
             gateway_samples, fleet=self.fleet, indexes=self.indexes, event_counters=self._event_counters,
-            event_lag_s=self.events.event_lag_s, sessions=self.sessions, admission=self.admission, clock=clock))
+            event_lag_s=self.events.event_lag_s, sessions=self.sessions, admission=self.admission, clock=clock,
+            pool_watcher=self.pool_watcher))
+        if any(m.pd is not None for m in config.models):
+            self.metrics.add_callback(self._pd_samples)
 
     @property
     def subscriber(self) -> KVEventSubscriber | None:
         """The KV event subscriber, once started."""
         return self.events.subscriber
+
+    def _pd_samples(self) -> list[MetricSample]:
+        decode_ids = [w.worker_id for w in self.fleet.workers.values() if w.config.role != "prefill"]
+        return ledger_samples(self.pd.ledger, decode_ids, num_waiting=self.pd.num_waiting,
+                              num_rejected=self.pd.num_rejected)
 
     def _event_counters(self) -> EventCounters | None:
         sub = self.events.subscriber
@@ -229,9 +249,18 @@ class Gateway:
         # Its requests in flight are relayed to their end (as after a drain); then its connections close.
         await self.transport.remove_worker(worker.worker_id, is_idle=lambda: worker.num_inflight_requests == 0)
         self.metrics.forget_worker(worker.worker_id)
+        self.router.forget_worker(worker.worker_id)
         calibrator = self.holder.calibrator
         if calibrator is not None:
             calibrator.forget(worker.worker_id)
+        model = worker.config.model
+        base = model if model in self.tokenizers else next(
+            (m.name for m in self.config.models if model in m.lora_adapters), None)
+        if base is not None and not self.fleet.candidates(base):  # its last worker: its prompt caches serve nobody
+            self.tokenizers[base].clear_caches()
+        if not self.fleet.workers:  # the last worker of all: the header memo's blocks were every request's
+            self.client_headers.clear()
+        self.heap.request()
 
     def _update_pools(self) -> None:
         """Pool membership from the workers' ``pools`` (tier names, e.g. ``MOONCAKE``), per model index."""
@@ -327,6 +356,10 @@ async def loops_context(app: web.Application) -> AsyncIterator[None]:
         ("session-reaper", _reap_sessions(gw)),
         ("approximate-expiry", _expire_approximate(gw)),
     ]
+    if gw.pool_watcher is not None:
+        loops.append(("pool-watch", gw.pool_watcher.run()))
+    if gw.config.memory.enable_trim:
+        loops.append(("heap-trim", gw.heap.run()))
     if gw.config.discovery is not None:
         from router.discovery import run_discovery  # kubernetes_asyncio only when discovery runs
 
@@ -347,12 +380,16 @@ CLEANUP_CONTEXTS = (transport_context, subscriber_context, sessions_context, wor
 
 
 async def _expire_approximate(gw: Gateway) -> None:
-    """Drop approximate index entries past their TTL, once a second."""
+    """Drop approximate index entries past their TTL, once a second, in slices that yield to the loop."""
     while True:
         await asyncio.sleep(APPROXIMATE_EXPIRY_INTERVAL_S)
         now_s = gw.clock()
-        for index in gw.indexes.values():
-            index.expire(now_s)
+        for index in list(gw.indexes.values()):
+            while True:
+                index.expire(now_s, APPROXIMATE_EXPIRY_SLICE_BLOCKS)
+                if not index.has_expired(now_s):
+                    break
+                await asyncio.sleep(0)
 
 
 async def _reap_sessions(gw: Gateway) -> None:

@@ -138,7 +138,7 @@ class RequestFlight:
         plan = self.plan
         num_prompt_tokens = plan.num_prompt_tokens if plan is not None else 0
         lease = WorkerLease.acquire(worker, self._lc.metrics.worker(worker.worker_id), num_prompt_tokens,
-                                    num_uncached_tokens)
+                                    num_uncached_tokens, self._lc.now_s())
         self._lease = lease
         self._relayed_status = None
         return lease
@@ -192,11 +192,11 @@ class RequestFlight:
                     cause = plan.ticket.mismatch_cause(served.worker_id, predicted, reported)
                     lc.metrics.worker(served.worker_id).num_mismatches[cause] += 1
             if plan.ticket is not None:
-                plan.ticket.settle(plan.chosen, served, status is not None and status < 400, lc.now_s())
+                plan.ticket.settle(plan.chosen, served, outcome.is_ok, lc.now_s())
             key = plan.session_key
             chosen_id = plan.chosen.worker_id
             if (plan.is_session_sticky and key is not None and served is not None and not outcome.is_client_gone
-                    and served.worker_id != chosen_id and status is not None and status < 500
+                    and served.worker_id != chosen_id and status is not None and status < 500 and outcome.error is None
                     and served.worker_id in lc.fleet.workers):
                 await lc.router.ownership.follow_retry(key, chosen_id, served.worker_id)
         finally:

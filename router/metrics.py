@@ -26,14 +26,23 @@ Series (all prefixed ``kvgate_``)::
     cached_tokens_mismatches_total{worker,cause}    every mismatch by cause: index (predicted more than the worker
                                                     held and it reported no eviction of those blocks since the
                                                     decision: the index was wrong), evicted (the worker reported
-                                                    evicting a predicted block after the decision: a forecast miss
-                                                    under memory pressure), pending (the first block missed was
-                                                    only pending at the decision, computed by a request in flight
-                                                    and stored after this one was admitted), late (the worker
+                                                    evicting a predicted block after the decision, or a shared
+                                                    pool the worker is a member of lost one, as the pool watcher
+                                                    found: a forecast miss under memory pressure), pending (the
+                                                    first block missed was only pending at the decision, computed
+                                                    by a request in flight and stored after this one was
+                                                    admitted), late (the worker
                                                     held more than the index knew at the decision: its store
                                                     events were in flight)
+    stream_errors_total{worker}                     streams the worker broke after their headers (ended with an
+                                                    OpenAI error event; counted in requests_total by the 200
+                                                    relayed, as a failure by the circuit breaker)
     inflight_requests{worker}                       requests in flight through this gateway
     admission_inflight / admission_waiting          (scrape time) admitted requests, requests in the queue
+    pd_reserved_blocks / pd_reservations /          (scrape time, models with ``pd``) per decode worker: blocks,
+      pd_transfer_bytes_ahead{worker}               requests and KV bytes in flight this gateway reserved there
+    pd_waiting_requests, pd_capacity_rejected_total (scrape time) waiting for decode room, 429s for lack of it
+    pd_reservations_made_total / _released_total    (scrape time) equal once no disaggregated request is in flight
     index_blocks{worker,medium}                     (scrape time) index entries
     event_*{...}                                    (scrape time) event counters from the subscriber
     worker_event_batches_total{worker}              (scrape time) event batches delivered per worker
@@ -62,6 +71,7 @@ from events.counters import DropKind, EventCounters
 from router.admission import Admission
 from router.fleet import Fleet
 from router.index import PrefixIndex
+from router.pool_watch import PoolWatcher
 from router.sessions.base import SessionStore
 
 logger = logging.getLogger(__name__)
@@ -153,13 +163,13 @@ class WorkerMetrics:
         num_checks_unchecked: ``cached_tokens_checks_total{worker,result="unchecked"}``.
         num_mismatches: ``cached_tokens_mismatches_total{worker,cause}`` keyed by cause (``MISMATCH_CAUSES``).
         num_requests: ``requests_total{worker,policy,status}`` keyed by ``(policy, status)``.
+        num_stream_errors: ``stream_errors_total{worker}``.
         duration_s: ``request_duration_seconds{worker,policy}`` keyed by policy.
     """
 
     __slots__ = ("worker_id", "num_inflight", "ttft_s", "num_predicted_cached_tokens", "num_reported_cached_tokens",
                  "num_prompt_tokens", "num_checks_match", "num_checks_mismatch", "num_checks_unchecked",
-                 "num_mismatches", "num_requests",
-                 "duration_s")
+                 "num_mismatches", "num_requests", "num_stream_errors", "duration_s")
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
@@ -173,6 +183,7 @@ class WorkerMetrics:
         self.num_checks_unchecked = 0
         self.num_mismatches: dict[str, int] = dict.fromkeys(MISMATCH_CAUSES, 0)
         self.num_requests: dict[tuple[str, int], int] = {}
+        self.num_stream_errors = 0
         self.duration_s: dict[str, HistogramCounts] = {}
 
     def count_request(self, policy: str, status: int, duration_s: float) -> None:
@@ -215,6 +226,9 @@ class _RequestPathCollector(Collector):
         mismatches = CounterMetricFamily("kvgate_cached_tokens_mismatches",
                                          "Cached-token mismatches by cause (index, evicted, pending, late).",
                                          labels=["worker", "cause"])
+        stream_errors = CounterMetricFamily("kvgate_stream_errors",
+                                            "Streams the worker broke after their headers (ended with an error).",
+                                            labels=["worker"])
         inflight = GaugeMetricFamily("kvgate_inflight_requests", "Requests in flight through this gateway.",
                                      labels=["worker"])
         for w in workers:
@@ -232,6 +246,7 @@ class _RequestPathCollector(Collector):
             checks.add_metric([wid, "unchecked"], float(w.num_checks_unchecked))
             for cause, n in w.num_mismatches.items():
                 mismatches.add_metric([wid, cause], float(n))
+            stream_errors.add_metric([wid], float(w.num_stream_errors))
             inflight.add_metric([wid], float(w.num_inflight))
         decision = HistogramMetricFamily("kvgate_decision_seconds",
                                          "Routing decision time (view, sessions, policy), seconds.")
@@ -241,7 +256,7 @@ class _RequestPathCollector(Collector):
         for (policy, reason), n in list(m.num_decisions.items()):
             decisions.add_metric([policy, reason], float(n))
         yield from (requests, duration, ttft, decision, decisions, predicted, reported, prompt, checks, mismatches,
-                    inflight)
+                    stream_errors, inflight)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -286,8 +301,12 @@ class GatewayMetrics:
         self.num_decisions[key] = self.num_decisions.get(key, 0) + 1
 
     def forget_worker(self, worker_id: str) -> None:
-        """Drop a removed worker's series."""
+        """Drop a removed worker's series (its request-path ones and its ``retries_total`` children), so a fleet
+        whose worker ids churn (pods) keeps no label set of a worker that went."""
         self.workers.pop(worker_id, None)
+        retries = self.retries_total
+        for labels in [k for k in retries._metrics if k[0] == worker_id]:
+            retries.remove(*labels)
 
     def add_callback(self, callback: Callable[[], Iterable[MetricSample]]) -> None:
         """Register a scrape-time source of samples (index, events, sessions, fleet)."""
@@ -301,7 +320,7 @@ class GatewayMetrics:
 def gateway_samples(
     *, fleet: Fleet, indexes: Mapping[str, PrefixIndex], event_counters: Callable[[], EventCounters | None],
     event_lag_s: Callable[[str], float | None], sessions: SessionStore, admission: Admission,
-    clock: Callable[[], float],
+    clock: Callable[[], float], pool_watcher: PoolWatcher | None = None,
 ) -> list[MetricSample]:
     """The scrape-time series of the gateway's components (``GatewayMetrics.add_callback``): worker health,
     drain, circuit and warm states, pending prefill tokens, event lag, index sizes and counters, event stream
@@ -344,6 +363,8 @@ def gateway_samples(
         for counter, n in stats.counters.items():
             out.append(("counter", "kvgate_index_events", "Index event and maintenance counters.",
                         {"model": name, "counter": counter}, float(n)))
+    if pool_watcher is not None:
+        out.extend(pool_watch_samples(pool_watcher))
     counters = event_counters()
     if counters is not None:
         drops = counters.drops_by_kind()
@@ -393,3 +414,25 @@ def _counter_fields(counters: EventCounters) -> dict[str, int]:
             elif isinstance(value, Mapping):
                 out[key] = int(sum(value.values()))
     return out
+
+
+def pool_watch_samples(watcher: PoolWatcher) -> list[MetricSample]:
+    """The pool watcher's series (``router.pool_watch``)."""
+    out: list[MetricSample] = [
+        ("gauge", "kvgate_pool_master_up", "1 when the last pool watch sweep reached the Mooncake master.", {},
+         float(watcher.is_master_up)),
+        ("gauge", "kvgate_pool_master_keys", "Keys the Mooncake master listed at the last sweep.", {},
+         float(watcher.master_key_count)),
+        ("gauge", "kvgate_pool_master_evicted_keys", "The master's master_evicted_key_count at the last sweep.", {},
+         float(watcher.master_evicted_key_count)),
+        ("gauge", "kvgate_pool_watch_sweep_seconds", "Duration of the last pool watch sweep, seconds.", {},
+         watcher.last_sweep_s),
+        ("gauge", "kvgate_pool_watch_check_seconds", "Duration of the last decision check, seconds.", {},
+         watcher.last_check_s),
+    ]  # fmt: skip
+    for counter in ("num_sweeps", "num_failed_sweeps", "num_entries_dropped", "num_master_restarts",
+                    "num_ttl_clears", "num_foreign_keys", "num_checks", "num_checks_unanswered", "num_check_drops"):
+        out.append(("counter", "kvgate_pool_watch", "Pool watcher counters (sweeps, drops, restarts, checks).",
+                    {"counter": counter}, float(getattr(watcher, counter))))  # fmt: skip
+    return out
+

@@ -45,11 +45,11 @@ class SessionOwnership:
             return inner
         store = self._store
         entry = await store.claim_or_touch(session_key, inner.worker_id)
-        decision = sticky.resolve(entry.worker_id, inner, snapshot, is_new=entry.is_new)
+        decision = sticky.resolve(entry.worker_id, inner, snapshot, is_new=entry.is_new, view=req)
         if decision.reason == "sticky_moved" and decision.worker_id is not None:
             if not await store.move(session_key, entry.worker_id, decision.worker_id):
                 entry = await store.claim_or_touch(session_key, decision.worker_id)
-                decision = sticky.resolve(entry.worker_id, inner, snapshot, is_new=entry.is_new)
+                decision = sticky.resolve(entry.worker_id, inner, snapshot, is_new=entry.is_new, view=req)
         return decision
 
     async def follow_retry(self, session_key: str, planned_worker_id: str, served_worker_id: str) -> None:

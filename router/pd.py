@@ -5,16 +5,22 @@ path of one request (``PDLifecycle.run``), after the same parse, tokenization an
 
     route        the one index match of the prompt; the prefill candidates' and decode candidates' states
                  (``Router.states``); ``policies.pd.PDPolicy`` picks the pair (decode by fit, transfer and decode
-                 load; prefill by cache-aware TTFT plus the transfer). No decode worker fits: the request waits
+                 load; prefill by cache-aware TTFT plus the transfer; a session's prefill leg goes to its owner in
+                 the session store, its decode leg to the decode worker of its last turn, ``decode_owners``, while
+                 that one fits). No decode worker fits: the request waits
                  for one (``wait_for_capacity``: woken by every release and every load poll, bounded queue,
-                 ``queue_timeout_s``), then 429 with ``Retry-After``.
+                 ``queue_timeout_s``), then 429 with ``Retry-After``; one that no decode worker could hold even
+                 empty (``PDPolicy.never_fits``) is a 400 ``context_length_exceeded`` at once.
     reserve      ``DecodeLedger.reserve`` on the decode worker before either leg is sent.
     prefill leg  vLLM: ``common.pd_protocol.prefill_leg_body`` sent to the prefill worker, its non-streamed answer
                  read whole (never relayed to the client); a connection error or a 5xx retries the next prefill
-                 worker of the ranking. The answer's ``usage`` is the honesty check of the prefill leg (predicted
-                 cached tokens from the prefill workers' index entries); its ``kv_transfer_params`` go into the
-                 decode leg (``decode_leg_body``). SGLang: ``bootstrap_body`` with a fresh room, sent to the
-                 prefill worker and to the decode worker at the same time.
+                 worker of the ranking, and so do ``kv_transfer_params`` no decode worker can use
+                 (``unusable_prefill_params``); a 4xx is the request's fault and reaches the client with the
+                 worker's status and error fields (``UpstreamRefusedError``). The answer's ``usage`` is the honesty
+                 check of the prefill leg (predicted cached tokens from the prefill workers' index entries); its
+                 ``kv_transfer_params`` go into the decode leg (``decode_leg_body``). SGLang: ``bootstrap_body``
+                 with a fresh room, sent to the prefill worker and to the decode worker at the same time. Either
+                 way the client's own ``kv_transfer_params`` and bootstrap fields reach no worker.
     decode leg   ``router.proxy.Proxy.forward`` with a plan of the decode workers (the chosen one first, then the
                  fitting rest of the ranking): relayed to the client byte for byte; a refusing decode worker (503
                  ``kv_transfer_refused``), a failed pull (502/504) or a dead worker retries the next decode worker
@@ -29,7 +35,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -42,6 +49,8 @@ from common.pd_protocol import (
     decode_leg_body,
     new_bootstrap_room,
     prefill_leg_body,
+    remote_prefill_cached_tokens,
+    unusable_prefill_params,
 )
 from policies.base import Decision, RequestView, Snapshot
 from policies.cache_aware import CacheAwarePolicy
@@ -63,24 +72,19 @@ from router.errors import (
 from router.fleet import WorkerRuntime
 from router.lease import WorkerLease
 from router.metrics import GatewayMetrics
+from router.pd_candidates import decode_candidates, split_roles
+from router.pd_errors import prefill_refusal, too_large_error
 from router.pd_ledger import DecodeLedger
-from router.proxy import (
-    REQUEST_ID_HEADER,
-    SSE_TAIL_BYTES,
-    ClientHeaders,
-    Proxy,
-    ProxyOutcome,
-    usage_from_body,
-    usage_from_sse_tail,
-)
+from router.proxy import REQUEST_ID_HEADER, ClientHeaders, Proxy, ProxyOutcome
 from router.request_view import ParsedRequest, PromptView
 from router.routing import IndexTicket, RoutePlan, Router
+from router.sse import SSE_TAIL_BYTES, usage_from_body, usage_from_sse_tail
 from router.transport import Transport, UpstreamRequest
 
 logger = logging.getLogger(__name__)
 
-UNKNOWN_BLOCKS = 1 << 40
-"""Free and total blocks assumed for a decode worker whose load endpoint has not said (no limit but the ledger's)."""
+MAX_DECODE_OWNERS = 65536
+"""Sessions whose decode worker the gateway remembers (``PDLifecycle.decode_owners``)."""
 RECHECK_S = 0.25
 """A request waiting for decode capacity re-checks at least this often (load polls change free blocks)."""
 
@@ -91,17 +95,21 @@ class _DecodeHooks:
     def __init__(self, flight: PDFlight) -> None:
         self._flight = flight
         self.lease: WorkerLease | None = None
+        self.status: int | None = None
+        flight.decode_hooks = self
 
     def pre_request(self, worker: WorkerRuntime, num_uncached_tokens: int) -> WorkerLease:
         f = self._flight
         r = f.lc.ledger.get(f.request_id)
         if r is not None and r.worker_id != worker.worker_id:
             f.lc.ledger.move(f.request_id, worker.worker_id, f.num_reserved_blocks_on(worker), r.num_transfer_bytes)
-        lease = WorkerLease.acquire(worker, f.lc.metrics.worker(worker.worker_id), f.num_prompt_tokens, 0)
+        lease = WorkerLease.acquire(worker, f.lc.metrics.worker(worker.worker_id), f.num_prompt_tokens, 0,
+                                    f.lc.clock())
         self.lease = lease
         return lease
 
     def response_received(self, lease: WorkerLease, status: int) -> None:
+        self.status = status
         self._flight.lc.ledger.transfer_landed(self._flight.request_id)
 
     def on_first_token(self, lease: WorkerLease, ttft_s: float) -> None:
@@ -135,6 +143,17 @@ class PDLifecycle:
         self.num_rejected = 0
         self._capacity = asyncio.Event()
         self._policies: dict[str, tuple[CacheAwareConfig, PDPolicy]] = {}
+        self.decode_owners: OrderedDict[str, str] = OrderedDict()
+        """Session key -> the decode worker that served its last turn (it registered the turn's KV as cached, so
+        the next turn's decode leg finds the prefix local), least recent first, at most ``MAX_DECODE_OWNERS``;
+        this gateway's own (the prefill leg's owner is the session store's, shared by replicas)."""
+
+    def remember_decode_owner(self, session_key: str, worker_id: str) -> None:
+        """``worker_id`` served the session's last decode leg."""
+        self.decode_owners[session_key] = worker_id
+        self.decode_owners.move_to_end(session_key)
+        while len(self.decode_owners) > MAX_DECODE_OWNERS:
+            self.decode_owners.popitem(last=False)
 
     def capacity_changed(self) -> None:
         """Wake the requests waiting for decode capacity (a release, a load poll, a worker added)."""
@@ -159,50 +178,6 @@ class PDLifecycle:
         return policy
 
 
-def split_roles(workers: Sequence[WorkerRuntime]) -> tuple[list[WorkerRuntime], list[WorkerRuntime]]:
-    """``(prefill candidates, decode candidates)`` in registration order: role ``both`` is in each."""
-    prefill = [w for w in workers if w.config.role in ("prefill", "both")]
-    decode = [w for w in workers if w.config.role in ("decode", "both")]
-    return prefill, decode
-
-
-def decode_candidates(
-    router: Router,
-    workers: Sequence[WorkerRuntime],
-    view: PromptView,
-    match: Any,
-    now_s: float,
-    ledger: DecodeLedger,
-) -> tuple[DecodeCandidate, ...]:
-    """The decode workers' ``DecodeCandidate`` at ``now_s`` (free and total blocks from the last poll, this gateway's
-    reservations and in-flight counts, their own index depth of the prompt)."""
-    states, _ = router.states(workers, view, now_s, 0, match)
-    out: list[DecodeCandidate] = []
-    for w, s in zip(workers, states, strict=True):
-        load = w.load
-        free = load.num_free_gpu_blocks if load is not None else None
-        total = load.num_total_gpu_blocks if load is not None else None
-        if total is None:  # never polled, or a worker that does not say: only the gateway's own reservations bound it
-            total = free if free is not None else UNKNOWN_BLOCKS
-        if free is None:
-            free = total
-        out.append(
-            DecodeCandidate(
-                w.worker_id,
-                num_free_blocks=free,
-                num_total_blocks=total,
-                is_healthy=s.is_healthy,
-                is_draining=s.is_draining,
-                num_reserved_blocks=ledger.reserved_blocks(w.worker_id),
-                num_bytes_ahead=ledger.bytes_ahead(w.worker_id),
-                num_gpu_cached_tokens=s.num_gpu_cached_tokens,
-                num_running_requests=s.num_running_requests,
-                num_inflight_prompt_tokens=s.num_inflight_prompt_tokens,
-            )
-        )
-    return tuple(out)
-
-
 class PDFlight:
     """One disaggregated request (module docstring)."""
 
@@ -214,6 +189,8 @@ class PDFlight:
         self._view: RequestView | None = None
         self._decodes: dict[str, DecodeCandidate] = {}
         self._decode_ticket: IndexTicket | None = None
+        self._ticket: IndexTicket | None = None
+        self.decode_hooks: _DecodeHooks | None = None
 
     def num_reserved_blocks_on(self, worker: WorkerRuntime) -> int:
         """Blocks the request holds on ``worker`` (``PDPolicy.needed_blocks``)."""
@@ -252,6 +229,7 @@ class PDFlight:
         try:
             try:
                 pair, prefill_ws, decode_ws, ticket, record = await self._route(parsed, model, view, client_headers)
+                self._ticket = ticket
             except GatewayError as exc:
                 outcome = ProxyOutcome(None, None, None, exc)
                 return outcome
@@ -270,6 +248,12 @@ class PDFlight:
                     request, client_body, parsed, prefill_ws, decode_ws, client_headers, record, received_at
                 )
             return outcome
+        except asyncio.CancelledError:  # the client left: an answer that began was served by its decode worker
+            lease = self.decode_hooks.lease if self.decode_hooks is not None else None
+            if lease is not None and lease.has_first_byte:
+                outcome = ProxyOutcome(None, lease.worker, self.decode_hooks.status if self.decode_hooks else None,
+                                       has_client_bytes=True, is_client_gone=True)
+            raise
         finally:
             lc.ledger.release(self.request_id)
             lc.capacity_changed()
@@ -278,7 +262,7 @@ class PDFlight:
                 prefill_id = self.pair.prefill.worker_id
                 served = record.get("prefill_served_by_worker")
                 chosen = lc.router.fleet.workers.get(prefill_id) if prefill_id else None
-                ok = outcome is not None and outcome.status is not None and outcome.status < 400
+                ok = outcome is not None and outcome.is_ok
                 if chosen is not None:
                     ticket.settle(chosen, served, ok, lc.clock())
                 decode_id = self.pair.decode.worker_id
@@ -286,6 +270,9 @@ class PDFlight:
                 if self._decode_ticket is not None and decode_chosen is not None:
                     decode_served = outcome.served_by if outcome is not None else None
                     self._decode_ticket.settle(decode_chosen, decode_served, ok, lc.clock())
+                key = record.get("session_key")
+                if ok and key is not None and outcome is not None and outcome.served_by is not None:
+                    lc.remember_decode_owner(key, outcome.served_by.worker_id)
             if record:
                 error = outcome.error if outcome is not None else None
                 record.pop("prefill_served_by_worker", None)
@@ -294,7 +281,7 @@ class PDFlight:
                         **record,
                         decode_served_by=outcome.served_by.worker_id if outcome and outcome.served_by else None,
                         outcome="ok"
-                        if outcome is not None and error is None
+                        if outcome is not None and error is None and not outcome.is_client_gone
                         else type(error).__name__
                         if error is not None
                         else "client_gone",
@@ -330,44 +317,50 @@ class PDFlight:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + pd.queue_timeout_s
         waited = False
-        while True:
-            t0 = time.perf_counter()
-            now_s = lc.clock()
-            states, predicted = router.states(prefill_ws, view, now_s, 0, match)
-            decodes = decode_candidates(router, decode_ws, view, match, now_s, lc.ledger)
-            self._decodes = {d.worker_id: d for d in decodes}
-            snapshot = Snapshot(states, None, now_s)
-            prefill_decision = None
-            sticky = router.holder.sticky
-            if sticky is not None and session_key is not None:  # the session's prefix lives on its prefill worker
-                prefill_decision = await router.ownership.claim(sticky, session_key, req, snapshot)
-            pair = self._policy.select(req, snapshot, decodes, prefill_decision=prefill_decision)
-            if pair.decode.worker_id is not None or pair.decode.reason != "no_decode_capacity":
-                break
-            remaining = deadline - loop.time()
-            if not waited:
-                if lc.num_waiting >= pd.max_waiting:
+        try:
+            while True:
+                t0 = time.perf_counter()
+                now_s = lc.clock()
+                states, predicted = router.states(prefill_ws, view, now_s, 0, match)
+                decodes = decode_candidates(router, decode_ws, view, match, now_s, lc.ledger)
+                self._decodes = {d.worker_id: d for d in decodes}
+                snapshot = Snapshot(states, None, now_s)
+                prefill_decision = None
+                sticky = router.holder.sticky
+                if sticky is not None and session_key is not None:  # the session's prefix lives on its prefill worker
+                    prefill_decision = await router.ownership.claim(sticky, session_key, req, snapshot)
+                owner = lc.decode_owners.get(session_key) if session_key is not None else None
+                pair = self._policy.select(req, snapshot, decodes, prefill_decision=prefill_decision,
+                                           decode_session_owner=owner)
+                if pair.decode.worker_id is not None or pair.decode.reason != "no_decode_capacity":
+                    break
+                too_large = self._policy.never_fits(req, decodes)
+                if too_large is not None:  # waiting cannot help: a 400, as an engine refuses a too long context
+                    raise too_large_error(parsed, req, *too_large)
+                remaining = deadline - loop.time()
+                if not waited:
+                    if lc.num_waiting >= pd.max_waiting:
+                        lc.num_rejected += 1
+                        raise OverloadedError(
+                            "every decode worker is full and the wait queue is full", retry_after_s=pd.retry_after_s
+                        )
+                    lc.num_waiting += 1
+                    waited = True
+                if remaining <= 0:
                     lc.num_rejected += 1
                     raise OverloadedError(
-                        "every decode worker is full and the wait queue is full", retry_after_s=pd.retry_after_s
+                        f"no decode worker could take the request's KV within {pd.queue_timeout_s} s",
+                        retry_after_s=pd.retry_after_s,
                     )
-                lc.num_waiting += 1
-                waited = True
-            if remaining <= 0:
+                lc._capacity.clear()
+                try:
+                    async with asyncio.timeout(min(remaining, RECHECK_S)):
+                        await lc._capacity.wait()
+                except TimeoutError:
+                    pass
+        finally:  # a timeout, a refusal or the client leaving while it waits all give the wait slot back
+            if waited:
                 lc.num_waiting -= 1
-                lc.num_rejected += 1
-                raise OverloadedError(
-                    f"no decode worker could take the request's KV within {pd.queue_timeout_s} s",
-                    retry_after_s=pd.retry_after_s,
-                )
-            lc._capacity.clear()
-            try:
-                async with asyncio.timeout(min(remaining, RECHECK_S)):
-                    await lc._capacity.wait()
-            except TimeoutError:
-                pass
-        if waited:
-            lc.num_waiting -= 1
         decision_s = time.perf_counter() - t0
         if pair.prefill.worker_id is None or pair.decode.worker_id is None:
             reason = pair.prefill.reason if pair.prefill.worker_id is None else pair.decode.reason
@@ -418,8 +411,12 @@ class PDFlight:
         record: dict[str, Any],
         *,
         retry: bool,
+        check: Callable[[dict[str, Any]], str | None] | None = None,
     ) -> tuple[WorkerRuntime, dict[str, Any]] | GatewayError:
-        """Send the prefill leg along the ranking (retrying before its answer); the worker and its JSON answer."""
+        """Send the prefill leg along the ranking (retrying before its answer); the worker and its JSON answer.
+
+        ``check``: why a 200 answer (its JSON object, ``{}`` when it is none) is unusable, or ``None``; an unusable
+        one is the worker's failure, like a 5xx."""
         lc = self.lc
         data = msgspec.json.encode(body)
         predicted: dict[str, int] = record["predicted_cached_tokens"]
@@ -429,7 +426,8 @@ class PDFlight:
             if not worker.breaker.allows(lc.clock()):
                 continue
             uncached = max(0, self.num_prompt_tokens - predicted.get(worker.worker_id, 0))
-            lease = WorkerLease.acquire(worker, lc.metrics.worker(worker.worker_id), self.num_prompt_tokens, uncached)
+            lease = WorkerLease.acquire(worker, lc.metrics.worker(worker.worker_id), self.num_prompt_tokens, uncached,
+                                        lc.clock())
             resp = None
             try:
                 try:
@@ -452,30 +450,41 @@ class PDFlight:
                         "request %s: prefill worker %s failed: %s", self.request_id, worker.worker_id, exc.message
                     )
                     continue
-                lease.on_first_byte()
+                lease.on_first_byte(lc.clock())
                 lease.on_last_byte()
                 if resp.status >= 500:
                     lease.record_failure(lc.clock())
                     last = UpstreamError(f"prefill worker answered {resp.status}", worker_id=worker.worker_id)
                     continue
-                lease.record_success()
-                if resp.status != 200:
-                    return UpstreamError(
-                        f"prefill worker {worker.worker_id} refused the request ({resp.status}): "
-                        f"{answer[:300].decode(errors='replace')}",
-                        worker_id=worker.worker_id,
-                    )
                 is_sse = answer.startswith(b"data:")  # an SGLang prefill leg of a streamed request streams too
-                usage = usage_from_sse_tail(answer[-SSE_TAIL_BYTES:]) if is_sse else usage_from_body(answer)
-                reported = lc.proxy.check_honesty(worker, lease.metrics, predicted.get(worker.worker_id, 0), usage)
-                record["reported_cached_tokens"] = reported
-                record["prefill_served_by"] = worker.worker_id
-                record["prefill_served_by_worker"] = worker
                 try:
                     decoded = {} if is_sse else msgspec.json.decode(answer)
                 except msgspec.DecodeError:
                     decoded = {}
-                return worker, decoded if isinstance(decoded, dict) else {}
+                if not isinstance(decoded, dict):
+                    decoded = {}
+                unusable = check(decoded) if check is not None and resp.status == 200 else None
+                if unusable is not None:
+                    lease.record_failure(lc.clock())
+                    last = UpstreamError(
+                        f"prefill worker {worker.worker_id} answered kv_transfer_params no decode worker can use: "
+                        f"{unusable}",
+                        worker_id=worker.worker_id,
+                    )
+                    logger.warning("request %s: %s", self.request_id, last.message)
+                    continue
+                lease.record_success()
+                if resp.status != 200:
+                    return prefill_refusal(worker.worker_id, resp.status, answer)
+                usage = usage_from_sse_tail(answer[-SSE_TAIL_BYTES:]) if is_sse else usage_from_body(answer)
+                guess = predicted.get(worker.worker_id, 0)
+                reported = lc.proxy.check_honesty(worker, lease.metrics, guess, usage)
+                if reported is not None and reported != guess and self._ticket is not None:  # before settle
+                    lease.metrics.num_mismatches[self._ticket.mismatch_cause(worker.worker_id, guess, reported)] += 1
+                record["reported_cached_tokens"] = reported
+                record["prefill_served_by"] = worker.worker_id
+                record["prefill_served_by_worker"] = worker
+                return worker, decoded
             finally:
                 if resp is not None:
                     resp.release()
@@ -489,11 +498,16 @@ class PDFlight:
         error.__cause__ = last
         return error
 
-    def _decode_plan(self, decode_ws: list[WorkerRuntime]) -> RoutePlan:
+    def _decode_plan(self, decode_ws: list[WorkerRuntime], reported_by_prefill: int | None = None) -> RoutePlan:
+        """The decode leg's plan; its honesty check expects the decode worker's own index depth of the prompt, or
+        ``reported_by_prefill`` for every decode worker where the handshake carries the prefill side's hits (vLLM
+        0.32 ``remote_prefill_cached_tokens``, which its decode worker reports as ``cached_tokens``)."""
         pair = self.pair
         assert pair is not None
         by_id = {w.worker_id: w for w in decode_ws}
-        cached = {w: d.num_gpu_cached_tokens for w, d in self._decodes.items()}  # the decode leg's honesty check
+        cached = {w: d.num_gpu_cached_tokens for w, d in self._decodes.items()}
+        if reported_by_prefill is not None:
+            cached = dict.fromkeys(by_id, reported_by_prefill)
         return RoutePlan(
             pair.decode,
             decode_ws[0],
@@ -501,6 +515,28 @@ class PDFlight:
             self.num_prompt_tokens,
             None,
             workers_by_id=by_id,
+        )
+
+    async def _forward_decode(
+        self,
+        request: web.Request,
+        body: bytes,
+        plan: RoutePlan,
+        parsed: ParsedRequest,
+        received_at: float,
+        client_headers: ClientHeaders,
+    ) -> ProxyOutcome:
+        """The decode leg through the proxy (it answers the client), with the decode hooks."""
+        return await self.lc.proxy.forward(
+            request,
+            body,
+            plan,
+            _DecodeHooks(self),
+            is_stream=parsed.is_stream,
+            request_id=self.request_id,
+            policy_name="pd",
+            received_at=received_at,
+            client_headers=client_headers,
         )
 
     async def _run_vllm(
@@ -515,24 +551,17 @@ class PDFlight:
         received_at: float,
     ) -> ProxyOutcome:
         got = await self._prefill(
-            request, prefill_ws, prefill_leg_body(client_body), client_headers, record, retry=True
+            request, prefill_ws, prefill_leg_body(client_body), client_headers, record, retry=True,
+            check=lambda answer: unusable_prefill_params(answer.get("kv_transfer_params")),
         )
         if isinstance(got, GatewayError):
             return ProxyOutcome(None, None, None, got)
         _, answer = got
         params = answer.get("kv_transfer_params")
-        body = msgspec.json.encode(decode_leg_body(client_body, params if isinstance(params, dict) else None))
-        return await self.lc.proxy.forward(
-            request,
-            body,
-            self._decode_plan(decode_ws),
-            _DecodeHooks(self),
-            is_stream=parsed.is_stream,
-            request_id=self.request_id,
-            policy_name="pd",
-            received_at=received_at,
-            client_headers=client_headers,
-        )
+        params = params if isinstance(params, dict) else None
+        body = msgspec.json.encode(decode_leg_body(client_body, params))
+        plan = self._decode_plan(decode_ws, remote_prefill_cached_tokens(params))
+        return await self._forward_decode(request, body, plan, parsed, received_at, client_headers)
 
     async def _run_sglang(
         self,
@@ -552,16 +581,8 @@ class PDFlight:
         leg = bootstrap_body(client_body, fields)
         task = asyncio.create_task(self._prefill(request, [prefill], leg, client_headers, record, retry=False))
         try:
-            outcome = await self.lc.proxy.forward(
-                request,
-                msgspec.json.encode(leg),
-                self._decode_plan(decode_ws),
-                _DecodeHooks(self),
-                is_stream=parsed.is_stream,
-                request_id=self.request_id,
-                policy_name="pd",
-                received_at=received_at,
-                client_headers=client_headers,
+            outcome = await self._forward_decode(
+                request, msgspec.json.encode(leg), self._decode_plan(decode_ws), parsed, received_at, client_headers
             )
         except BaseException:
             task.cancel()

@@ -11,9 +11,12 @@ Single-threaded (the gateway's event loop); no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["DecodeLedger", "Reservation"]
+from router.metrics import MetricSample
+
+__all__ = ["DecodeLedger", "Reservation", "ledger_samples"]
 
 
 @dataclass
@@ -122,3 +125,33 @@ class DecodeLedger:
             table[key] = left
         else:
             table.pop(key, None)
+
+
+def ledger_samples(
+    ledger: DecodeLedger, decode_worker_ids: Iterable[str], *, num_waiting: int, num_rejected: int
+) -> list[MetricSample]:
+    """The scrape-time series of disaggregated serving (``GatewayMetrics.add_callback``): per decode worker the
+    blocks, requests and in-flight transfer bytes this gateway holds there (0 for an idle one, so a leak shows as a
+    level that never returns to 0), the requests waiting for decode room, the 429s for lack of it, and the
+    reservations made and released (equal once the gateway is idle)."""
+    out: list[MetricSample] = []
+    for wid in decode_worker_ids:
+        labels = {"worker": wid}
+        out.append(("gauge", "kvgate_pd_reserved_blocks",
+                    "KV blocks reserved on the decode worker by disaggregated requests in flight.", labels,
+                    float(ledger.reserved_blocks(wid))))
+        out.append(("gauge", "kvgate_pd_reservations",
+                    "Disaggregated requests holding a reservation on the decode worker.", labels,
+                    float(ledger.num_reservations(wid))))
+        out.append(("gauge", "kvgate_pd_transfer_bytes_ahead",
+                    "KV bytes of reserved requests still on their way to the decode worker.", labels,
+                    float(ledger.bytes_ahead(wid))))
+    out.append(("gauge", "kvgate_pd_waiting_requests", "Disaggregated requests waiting for decode room.", {},
+                float(num_waiting)))
+    out.append(("counter", "kvgate_pd_capacity_rejected",
+                "Disaggregated requests refused with 429 for lack of decode room.", {}, float(num_rejected)))
+    out.append(("counter", "kvgate_pd_reservations_made", "Decode reservations made (a retry's move counts again).",
+                {}, float(ledger.num_reserved_total)))
+    out.append(("counter", "kvgate_pd_reservations_released", "Decode reservations released.", {},
+                float(ledger.num_released_total)))
+    return out

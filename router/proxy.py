@@ -3,8 +3,15 @@
 ``Proxy.forward`` walks the plan's workers best first. An attempt that fails **before the first byte** (connect
 error, first-byte timeout, or a 5xx status, all before anything was written to the client) is abandoned and
 the next worker is tried after a backoff (``RetryConfig``); once the response has started, it is relayed to the
-end and never retried. The body is relayed exactly as received: SSE chunks are written as they arrive (never
-re-decoded or re-encoded), a non-streaming body is written as one block.
+end and never retried. The body is relayed exactly as received: SSE chunks are written as they arrive, cut at
+event ends (``router.sse.SseFramer``; never re-decoded or re-encoded), a non-streaming body is written as one block.
+
+A worker that breaks its answer after its headers (it died, its connection reset, a read timeout) is a failed
+request, settled as one (the lease's circuit-breaker verdict is a failure, the index's pending entries are
+withdrawn, the session does not follow it): a non-streamed answer is a 502 (nothing was sent yet); an event stream
+ends with an OpenAI error event and ``data: [DONE]`` (``router.sse.error_event``, as vLLM ends a stream that fails)
+after its last whole event. Another kind of stream (not ``text/event-stream``) has no event to end it with: its
+client connection is aborted, so it never looks complete. Both are counted in ``stream_errors_total{worker}``.
 
 Accounting per worker: each attempt holds a ``WorkerLease`` (``router.lease``: in-flight requests and prompt tokens,
 pending prefill tokens until the first byte, decoding requests, the circuit breaker's verdict), taken from the
@@ -41,12 +48,19 @@ from router.fleet import WorkerRuntime
 from router.lease import WorkerLease
 from router.metrics import GatewayMetrics, WorkerMetrics
 from router.routing import RoutePlan
+from router.sse import (
+    SSE_TAIL_BYTES,
+    SseFramer,
+    Usage,
+    cached_tokens_of,
+    error_event,
+    is_event_stream,
+    usage_from_body,
+    usage_from_sse_tail,
+)
 from router.transport import HOP_BY_HOP_HEADERS, Transport, UpstreamRequest, UpstreamResponse
 
 logger = logging.getLogger(__name__)
-
-SSE_TAIL_BYTES = 16384
-"""How much of a stream's end is kept to find the final usage event."""
 
 WORKER_HEADER = "x-kvgate-worker"
 PREDICTED_HEADER = "x-kvgate-predicted-cached-tokens"
@@ -54,58 +68,6 @@ DECISION_HEADER = "x-kvgate-decision"
 REQUEST_ID_HEADER = "x-request-id"
 _FORBIDDEN_HEADER_CHAR = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
 """A character a header value may not carry (RFC 9110 §5.5; aiohttp refuses to send it)."""
-
-
-class _PromptTokensDetails(msgspec.Struct, gc=False):
-    cached_tokens: int | None = None
-
-
-class _Usage(msgspec.Struct, gc=False):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    prompt_tokens_details: _PromptTokensDetails | None = None
-
-
-class _WithUsage(msgspec.Struct, gc=False):
-    usage: _Usage | None = None
-
-
-_usage_decoder = msgspec.json.Decoder(_WithUsage)
-
-
-def usage_from_body(body: bytes) -> _Usage | None:
-    """The ``usage`` of a non-streamed completion body, or ``None``."""
-    try:
-        return _usage_decoder.decode(body).usage
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-
-
-def usage_from_sse_tail(tail: bytes) -> _Usage | None:
-    """The ``usage`` of the last SSE ``data:`` event in ``tail`` that has one, or ``None``.
-
-    Found from the end by the ``"usage"`` key: each line holding it is decoded if it is a ``data:`` line (an SSE
-    event's JSON has no raw newline, so the line is the event); a line cut by the start of ``tail``, one whose
-    ``usage`` is null, or one that does not decode is passed over for the one before.
-    """
-    pos = tail.rfind(b'"usage"')
-    while pos >= 0:
-        line_start = tail.rfind(b"\n", 0, pos) + 1
-        if tail.startswith(b"data:", line_start):
-            line_end = tail.find(b"\n", pos)
-            usage = usage_from_body(tail[line_start + 5 : line_end if line_end >= 0 else len(tail)])
-            if usage is not None:
-                return usage
-        pos = tail.rfind(b'"usage"', 0, line_start)
-    return None
-
-
-def cached_tokens_of(usage: _Usage | None) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` (0 when usage has no details), ``None`` without usage."""
-    if usage is None:
-        return None
-    details = usage.prompt_tokens_details
-    return details.cached_tokens or 0 if details is not None else 0
 
 
 AUTO_HEADER_BITS = {"user-agent": 1, "accept-encoding": 2, "content-type": 4}
@@ -143,8 +105,9 @@ class ClientHeaders(msgspec.Struct, frozen=True, gc=False):
             them).
         routing: the first non-empty value of each of ``ROUTING_HEADERS`` the client sent, by lower-cased name.
         request_id: the client's ``x-request-id`` (first non-empty one), kept as the request's id, or ``None``.
-        num_chars: characters in the block's names and values, dropped headers included (the decoded text of
-            its bytes: one character per 1 to 4 bytes).
+        num_chars: characters in the block's names and values, dropped headers included except
+            ``Content-Length`` (which the memo's key leaves out, so a memoized block's count holds for every
+            length; the decoded text of its bytes: one character per 1 to 4 bytes).
     """
 
     forward: tuple[tuple[str, str], ...]
@@ -164,9 +127,10 @@ def client_headers_of(headers: Mapping[str, str]) -> ClientHeaders:
     num_chars = 0
     roles = _HEADER_ROLES
     for name, value in headers.items():
-        num_chars += len(name) + len(value)
         lower = name.lower()
         role = roles.get(lower)
+        if lower != "content-length":
+            num_chars += len(name) + len(value)
         if role is not None:
             if role == _HOP_BY_HOP:
                 continue
@@ -183,13 +147,22 @@ def client_headers_of(headers: Mapping[str, str]) -> ClientHeaders:
     return ClientHeaders(tuple(out), skip, routing, request_id, num_chars)
 
 
+CONTENT_LENGTH_SPELLINGS = frozenset({b"Content-Length", b"content-length", b"CONTENT-LENGTH"})
+"""The raw spellings of ``Content-Length`` that ``ClientHeaderReader`` leaves out of its memo's key (a set lookup
+per header; a block spelling it otherwise keeps its length in the key, so it is memoized per length, still
+correct)."""
+
+
 class ClientHeaderReader:
-    """``client_headers_of`` behind a bounded memo keyed by the raw header block.
+    """``client_headers_of`` behind a bounded memo keyed by the raw header block less its ``Content-Length``.
 
     A client sends the same headers request after request (an SDK's user agent, its API key, a session id for a
     conversation), so the pass over them runs once per distinct header block; the memo is cleared when it holds
-    ``max_entries`` blocks. Keys are aiohttp's ``raw_headers`` (name and value bytes as received, in order), so
-    two blocks share an entry only when they are byte-identical. A block with an ``x-request-id`` is unique to
+    ``max_entries`` blocks. Keys are aiohttp's ``raw_headers`` (name and value bytes as received, in order)
+    without the entries spelled as in ``CONTENT_LENGTH_SPELLINGS``, so two blocks share an entry when they are
+    byte-identical but for the body's length, as a client's POSTs are. ``Content-Length`` is never forwarded (it is
+    hop-by-hop here: the HTTP client writes the forwarded body's own length) and ``ClientHeaders`` holds nothing
+    read from it, so one entry is right for every length. A block with an ``x-request-id`` is unique to
     its request: it is read every time and never memoized; so is a block of ``MAX_MEMO_BLOCK_CHARS`` characters
     or more (a client varying large headers would otherwise keep up to ``max_entries`` of them, raw and decoded,
     alive). The memo therefore holds at most ``max_entries * MAX_MEMO_BLOCK_CHARS * 4`` raw header bytes
@@ -202,16 +175,25 @@ class ClientHeaderReader:
         self._memo: dict[tuple[tuple[bytes, bytes], ...], ClientHeaders] = {}
         self._max_entries = max_entries
 
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    def clear(self) -> None:
+        """Forget every memoized block (the fleet emptied: ``Gateway`` releases what served its requests)."""
+        self._memo.clear()
+
     def read(self, raw_headers: tuple[tuple[bytes, bytes], ...], headers: Mapping[str, str]) -> ClientHeaders:
         """The ``ClientHeaders`` of a request (``raw_headers`` and ``headers`` are the same block: aiohttp's
         ``request.raw_headers`` and ``request.headers``)."""
-        got = self._memo.get(raw_headers)
+        spellings = CONTENT_LENGTH_SPELLINGS
+        key = tuple([pair for pair in raw_headers if pair[0] not in spellings])
+        got = self._memo.get(key)
         if got is None:
             got = client_headers_of(headers)
             if got.request_id is None and got.num_chars < MAX_MEMO_BLOCK_CHARS:
                 if len(self._memo) >= self._max_entries:
                     self._memo.clear()
-                self._memo[raw_headers] = got
+                self._memo[key] = got
         return got
 
 
@@ -262,6 +244,9 @@ class ProxyOutcome(msgspec.Struct, frozen=True, gc=False):
             (no usage, or a status other than 200).
         has_client_bytes: the response's headers were sent to the client.
         is_client_gone: the client left before the answer's end (the handler was cancelled).
+
+    ``error`` with a ``response``: the worker broke a relayed stream after its headers (the client got the error
+    as the stream's last event); the request failed like one with no response.
     """
 
     response: web.StreamResponse | None
@@ -271,6 +256,11 @@ class ProxyOutcome(msgspec.Struct, frozen=True, gc=False):
     reported_cached_tokens: int | None = None
     has_client_bytes: bool = False
     is_client_gone: bool = False
+
+    @property
+    def is_ok(self) -> bool:
+        """The request succeeded: an answer below 400 relayed whole."""
+        return self.error is None and self.status is not None and self.status < 400
 
 
 class AttemptHooks(Protocol):
@@ -403,10 +393,12 @@ class Proxy:
                 hooks.response_received(lease, status)
                 headers = response_headers_of(resp.headers, worker.worker_id, predicted,
                                               plan.decision.reason if attempt == 0 else "retry", request_id)
+                broken: UpstreamError | None = None
                 if is_stream and resp.status == 200:
-                    out, reported = await self._relay_stream(request, resp, headers, lease, hooks, sent_at, predicted)
+                    out, reported, broken = await self._relay_stream(request, resp, headers, lease, hooks, sent_at,
+                                                                     predicted, request_id)
                 else:  # the whole body, then one length-framed write (inline: no coroutine per request)
-                    lease.on_first_byte()  # pending prefill -> decoding
+                    lease.on_first_byte(self._clock())  # pending prefill -> decoding
                     try:
                         answer = await self._read_body(resp, worker.worker_id)
                     except TransportError as exc:  # broke after the headers: no retry (the worker may have run it)
@@ -433,7 +425,7 @@ class Proxy:
                                 if resp.status == 200 else None)
                 wm.count_request(policy_name, out.status,
                                  time.perf_counter() - (received_at if received_at is not None else sent_at))
-                return ProxyOutcome(out, worker, out.status, None, reported, out.prepared)
+                return ProxyOutcome(out, worker, out.status, broken, reported, out.prepared)
             finally:
                 if resp is not None:
                     resp.release()
@@ -452,47 +444,73 @@ class Proxy:
 
     async def _relay_stream(
         self, request: web.Request, resp: UpstreamResponse, headers: CIMultiDict[str], lease: WorkerLease,
-        hooks: AttemptHooks, sent_at: float, predicted: int,
-    ) -> tuple[web.StreamResponse, int | None]:
-        """Relay a 200 stream chunk by chunk; returns the response and the cached tokens its usage reported."""
+        hooks: AttemptHooks, sent_at: float, predicted: int, request_id: str,
+    ) -> tuple[web.StreamResponse, int | None, UpstreamError | None]:
+        """Relay a 200 stream chunk by chunk, cut at SSE event ends; returns the response, the cached tokens its
+        usage reported, and the error it ended with when the worker broke it after its headers (module
+        docstring)."""
         worker = lease.worker
         wm = lease.metrics
         out = web.StreamResponse(status=resp.status, headers=headers)
+        framer = SseFramer() if is_event_stream(resp.headers.get("Content-Type")) else None
         is_first = True
         recent: list[bytes] = []  # the stream's last chunks, at most 2 * SSE_TAIL_BYTES (joined when over)
         num_recent_bytes = 0
         max_recent_bytes = 2 * SSE_TAIL_BYTES
+        broken: UpstreamError | None = None
         try:
             await out.prepare(request)
-            async for chunk in resp.iter_chunks():
-                if is_first:  # pending prefill -> decoding; the TTFT to its histogram and the lifecycle
-                    is_first = False
-                    lease.on_first_byte()
-                    ttft_s = (time.perf_counter() - sent_at) / worker.config.time_scale  # in the worker's seconds
-                    wm.ttft_s.observe(ttft_s)
-                    hooks.on_first_token(lease, ttft_s)
-                await out.write(chunk)
-                recent.append(chunk)
-                num_recent_bytes += len(chunk)
-                if num_recent_bytes > max_recent_bytes:
-                    recent = [b"".join(recent)[-SSE_TAIL_BYTES:]]
-                    num_recent_bytes = len(recent[0])
-            await out.write_eof()
-            lease.record_success()
-        except TransportError:
-            lease.record_failure(self._clock())
-            logger.warning("worker %s broke the stream after the first byte; aborting the client stream",
-                           worker.worker_id)
-            out.force_close()
-            if request.transport is not None:
-                request.transport.abort()  # the client sees an incomplete stream, never a clean end
+            try:
+                async for chunk in resp.iter_chunks():
+                    if is_first:  # pending prefill -> decoding; the TTFT to its histogram and the lifecycle
+                        is_first = False
+                        lease.on_first_byte(self._clock())
+                        ttft_s = (time.perf_counter() - sent_at) / worker.config.time_scale  # the worker's seconds
+                        wm.ttft_s.observe(ttft_s)
+                        hooks.on_first_token(lease, ttft_s)
+                    if framer is not None:
+                        chunk = framer.feed(chunk)
+                        if not chunk:
+                            continue
+                    await out.write(chunk)
+                    recent.append(chunk)
+                    num_recent_bytes += len(chunk)
+                    if num_recent_bytes > max_recent_bytes:
+                        recent = [b"".join(recent)[-SSE_TAIL_BYTES:]]
+                        num_recent_bytes = len(recent[0])
+            except TransportError as exc:
+                lease.record_failure(self._clock())
+                broken = _after_headers_error(exc)
+                wm.num_stream_errors += 1
+                if framer is None:
+                    logger.warning("request %s: worker %s broke its stream after the headers (%s); not an event "
+                                   "stream: aborting the client connection", request_id, worker.worker_id,
+                                   exc.message)
+                    out.force_close()
+                    if request.transport is not None:
+                        request.transport.abort()  # the client sees an incomplete stream, never a clean end
+                else:
+                    num_dropped = framer.num_partial_bytes
+                    logger.warning("request %s: worker %s broke its stream after the headers (%s); ended with an "
+                                   "error event%s", request_id, worker.worker_id, exc.message,
+                                   f" ({num_dropped} bytes of an unfinished event dropped)" if num_dropped else "")
+                    # After a whole event (an event longer than the framer holds went out unfinished: end it).
+                    await out.write((b"" if framer.is_at_event_end else b"\n\n") + error_event(broken))
+                    await out.write_eof()
+            else:
+                if framer is not None and framer.num_partial_bytes:
+                    rest = framer.rest()  # a last event with no blank line after it: relayed as it came
+                    await out.write(rest)
+                    recent.append(rest)
+                await out.write_eof()
+                lease.record_success()
         except ConnectionResetError:
             logger.info("client went away during the stream from worker %s", worker.worker_id)
         finally:
             lease.on_last_byte()
         tail = recent[0] if len(recent) == 1 else b"".join(recent)
         reported = self._check_honesty(worker, wm, predicted, usage_from_sse_tail(tail[-SSE_TAIL_BYTES:]))
-        return out, reported
+        return out, reported, broken
 
     async def _read_body(self, resp: UpstreamResponse, worker_id: str) -> bytes:
         """A non-streamed answer's whole body, at most ``max_response_bytes``.
@@ -520,14 +538,14 @@ class Proxy:
         return b"".join(parts)
 
     def check_honesty(
-        self, worker: WorkerRuntime, wm: WorkerMetrics, predicted: int, usage: _Usage | None,
+        self, worker: WorkerRuntime, wm: WorkerMetrics, predicted: int, usage: Usage | None,
     ) -> int | None:
         """The honesty check of an answer relayed elsewhere (a disaggregated request's prefill leg, ``router.pd``):
         counted like the proxy's own; returns the reported cached tokens (``None`` without usage)."""
         return self._check_honesty(worker, wm, predicted, usage)
 
     def _check_honesty(
-        self, worker: WorkerRuntime, wm: WorkerMetrics, predicted: int, usage: _Usage | None,
+        self, worker: WorkerRuntime, wm: WorkerMetrics, predicted: int, usage: Usage | None,
     ) -> int | None:
         """Count one predicted-vs-reported pair (and the prompt's tokens, the hit ratio's denominator) in the
         proxy's totals and the worker's series; log a mismatch. An answer without usage is counted as unchecked.

@@ -22,8 +22,8 @@ tokenized from there only. A tokenizer that does not compose there gets its whol
 repeat is served from a cache of whole prompts).
 
 Long text is tokenized off the event loop (``ModelTokenizer.view_async``): ``plan`` reads the caches and says what
-to encode, the library encodes in a worker thread (in parallel slices cut at line starts), ``ViewPlan.finish``
-hashes and writes the caches on the loop.
+to encode; in one of the model's tokenizer threads the library encodes (in parallel slices cut at line starts) and
+``ViewPlan.build`` hashes the blocks; only the cache writes it returns run on the loop.
 
 Cached-token rule (vLLM ``KVCacheManager.get_computed_blocks``): the cache hit is capped at ``num_tokens - 1``
 tokens so the last prompt token is always computed; in blocks, ``(num_tokens - 1) // block_size``. A full-prompt
@@ -33,9 +33,11 @@ hit therefore reports ``((n - 1) // block_size) * block_size`` cached tokens; ``
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections import OrderedDict
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import msgspec
@@ -52,13 +54,28 @@ from common.tokenization import (
     encode_prompt,
     load_tokenizer,
 )
-from router.block_hash import BlockHash, Namespace, make_namespace
+from router.block_hash import Namespace, make_namespace
 from router.config import ModelConfig
 from router.errors import InvalidFieldError, InvalidJSONError
-from router.prompt_state import EMPTY_STATE, SEED_MASK, PromptState, extend_state, with_opening_hash
+from router.prompt_state import (
+    EMPTY_STATE,
+    SEED_MASK,
+    Commit,
+    PrefixStateCache,
+    PromptState,
+    PromptView,
+    ViewPlan,
+    extend_state,
+    with_opening_hash,
+)
 from router.text_prefix import TextCheckpoint, TextPrefixCache
 
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "OFF_LOOP_CHARS", "SLICE_CHARS", "ModelTokenizer", "ParsedRequest", "PrefixStateCache", "PromptView", "RequestKind",
+    "ViewPlan", "parse_request",
+]
 
 RequestKind = Literal["completions", "chat"]
 
@@ -251,122 +268,44 @@ def _from_completion(body: _CompletionBody) -> ParsedRequest:
     )
 
 
-class PrefixStateCache:
-    """Bounded LRU of conversation prefix states (see module docstring).
+OFF_LOOP_CHARS = 4096
+"""A prompt with more text to tokenize than this (characters, about 1,000 tokens: 2-3 ms of encoding) is tokenized
+in a worker thread: the ``tokenizers`` library's batch encoding releases the GIL while it encodes, so the event
+loop keeps serving meanwhile (``view_async``); a following turn's new text is usually over it."""
 
-    Eviction: least recently used first, until the entry count is at most ``max_entries`` and the total number of
-    cached block hashes is at most ``max_blocks``.
-    """
-
-    def __init__(self, max_entries: int = 4096, max_blocks: int = 4_000_000) -> None:
-        self._entries: OrderedDict[int, PromptState] = OrderedDict()
-        self._max_entries = max_entries
-        self._max_blocks = max_blocks
-        self._num_blocks = 0
-        self.num_hits = 0
-        self.num_misses = 0
-
-    def get(self, key: int) -> PromptState | None:
-        state = self._entries.get(key)
-        if state is not None:
-            self._entries.move_to_end(key)
-        return state
-
-    def put(self, key: int, state: PromptState) -> None:
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._num_blocks -= len(old.block_hashes)
-        self._entries[key] = state
-        self._num_blocks += len(state.block_hashes)
-        while self._entries and (len(self._entries) > self._max_entries or self._num_blocks > self._max_blocks):
-            _, evicted = self._entries.popitem(last=False)
-            self._num_blocks -= len(evicted.block_hashes)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-class PromptView(msgspec.Struct, frozen=True, gc=False):
-    """The routing view of one prompt.
-
-    Attributes:
-        num_tokens: prompt tokens.
-        block_hashes: chained hashes of the full blocks.
-        block_size: tokens per block.
-        num_reused_blocks: blocks taken from the prefix cache (not re-hashed) this time.
-        opening_hash: identity of a chat's opening (``PromptState.opening_hash``); ``None`` for completions.
-    """
-
-    num_tokens: int
-    block_hashes: tuple[BlockHash, ...]
-    block_size: int
-    num_reused_blocks: int = 0
-    opening_hash: int | None = None
-
-    @property
-    def num_cacheable_blocks(self) -> int:
-        """Most blocks a worker can serve from cache: ``(num_tokens - 1) // block_size`` (vLLM's rule)."""
-        return max(0, (self.num_tokens - 1) // self.block_size)
-
-
-OFF_LOOP_CHARS = 32_768
-"""A prompt with more text to tokenize than this (characters) is tokenized in a worker thread: the ``tokenizers``
-library releases the GIL while it encodes, so the event loop keeps serving meanwhile (``view_async``)."""
+TOKENIZE_THREADS = 2
+"""Threads that tokenize long prompts: the library encodes on all cores by itself (``encode_batch``), so two keep
+it busy, and few threads means few holders of the GIL for the event loop to wait behind."""
 
 SLICE_CHARS = 16_384
 """Text longer than this is cut at line starts (``common.line_split``) into slices the library encodes in
-parallel, when the tokenizer composes there."""
+parallel, when the tokenizer composes there: a multiple of the library's threads of them, each at most about this
+long, so the threads finish together."""
 
 
-def _joined(parts: list[list[int]]) -> list[int]:
-    if len(parts) == 1:
-        return parts[0]
-    out: list[int] = []
-    for p in parts:
-        out.extend(p)
-    return out
-
-
-class ViewPlan:
-    """What one prompt still needs tokenized, and how its ids fold into the ``PromptView``.
-
-    Attributes:
-        texts: the texts to encode, in order (slices of groups, see ``finish``).
-        num_chars: their total length in characters.
-    """
-
-    __slots__ = ("_finish", "_group_sizes", "num_chars", "texts")
-
-    def __init__(self, groups: list[list[str]], finish: Callable[[list[list[int]]], PromptView]) -> None:
-        self.texts = [t for g in groups for t in g]
-        self.num_chars = sum(len(t) for t in self.texts)
-        self._group_sizes = [len(g) for g in groups]
-        self._finish = finish
-
-    def finish(self, ids: Sequence[list[int]]) -> PromptView:
-        """The view, from ``ids[i] = encode(texts[i])``; the slices of each group are joined first."""
-        grouped: list[list[int]] = []
-        i = 0
-        for n in self._group_sizes:
-            grouped.append(_joined(list(ids[i: i + n])) if n else [])
-            i += n
-        return self._finish(grouped)
+def _num_encode_threads() -> int:
+    """Threads the ``tokenizers`` library encodes a batch on (its ``RAYON_NUM_THREADS``, else the usable CPUs)."""
+    configured = os.environ.get("RAYON_NUM_THREADS", "")
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class ModelTokenizer:
     """Tokenizer, chat template, namespaces and prefix caches of one model."""
 
-    def __init__(self, config: ModelConfig, *, max_cached_prefixes: int = 4096, max_cached_blocks: int = 4_000_000,
-                 text_anchor_chars: int = 2048, max_cached_text_chars: int = 64_000_000):
+    def __init__(self, config: ModelConfig, *, max_cached_prefixes: int = 4096, text_anchor_chars: int = 2048):
         """Load the model's tokenizer and template exactly as the worker does.
+
+        The prompt caches share ``config.prompt_cache_max_bytes``: half for chat prefix states (``prefixes``), three
+        eighths for text checkpoints (``texts``), one eighth for whole text prompts' states.
 
         Args:
             config: the model.
-            max_cached_prefixes: chat prefix states kept (``PrefixStateCache``).
-            max_cached_blocks: block hashes kept in them.
+            max_cached_prefixes: chat prefix states kept (``PrefixStateCache``); a quarter as many text checkpoints
+                and at most 256 whole-prompt states.
             text_anchor_chars: text prompts up to this length are tokenized whole; longer ones incrementally
                 (``router.text_prefix``).
-            max_cached_text_chars: characters kept in text checkpoints.
 
         Raises:
             ConfigError: the tokenizer or template cannot be loaded.
@@ -391,9 +330,26 @@ class ModelTokenizer:
         self._namespaces: dict[tuple[str | None, str | None], Namespace] = {}
         self._base_namespace = make_namespace(None, None)
         """The namespace of the base model without a cache salt (most requests)."""
-        self.prefixes = PrefixStateCache(max_cached_prefixes, max_cached_blocks)
-        self.texts = TextPrefixCache(max_cached_prefixes // 4, max_cached_text_chars, text_anchor_chars)
-        self._prompts = PrefixStateCache(256, max_cached_blocks // 4)
+        budget = config.prompt_cache_max_bytes
+        self.prefixes = PrefixStateCache(max_cached_prefixes, budget // 2)
+        self.texts = TextPrefixCache(max_cached_prefixes // 4, budget * 3 // 8, text_anchor_chars)
+        self._prompts = PrefixStateCache(256, budget // 8)
+        self._num_encode_threads = _num_encode_threads()
+        self._executor = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix=f"tokenize-{config.name}")
+        """Long prompts are tokenized and hashed here (``view_async``); threads start on first use."""
+
+    @property
+    def num_cached_bytes(self) -> int:
+        """Estimated bytes the prompt caches hold (at most ``config.prompt_cache_max_bytes``)."""
+        return self.prefixes.num_bytes + self.texts.num_bytes + self._prompts.num_bytes
+
+    def clear_caches(self) -> None:
+        """Drop every cached prompt state and text checkpoint (the model's last worker went: nothing routes on
+        them until one comes back, and their memory returns now)."""
+        self.prefixes.clear()
+        self.texts.clear()
+        self._prompts.clear()
+        self._namespaces.clear()
 
     def namespace(self, model: str, cache_salt: str | None) -> Namespace:
         """Chain seed for a request: LoRA adapter (when ``model`` names one) and cache salt."""
@@ -425,42 +381,61 @@ class ModelTokenizer:
         """
         try:
             plan = self.plan(parsed)
-            return plan.finish(self.encode_many(plan.texts) if plan.texts else [])
+            if isinstance(plan, PromptView):
+                return plan
+            return plan.finish(self.encode_many(plan.texts))
         except TokenizerInvalidRequestError as exc:
             raise InvalidFieldError(exc.message, param=exc.param) from exc
         except ValueError as exc:
             raise InvalidFieldError(str(exc), param="prompt") from exc
 
-    async def view_async(self, parsed: ParsedRequest, off_loop_chars: int = OFF_LOOP_CHARS) -> PromptView:
+    async def view_async(self, parsed: ParsedRequest, off_loop_chars: int = OFF_LOOP_CHARS, *,
+                         plan_off_loop: bool = False) -> PromptView:
         """``view``, with the encoding in a worker thread when it has more than ``off_loop_chars`` characters
-        (the first turn of a long conversation): the loop is held only for the lookups and the hashing.
+        (the first turn of a long conversation): the loop is held only for the lookups and the hashing; with
+        ``plan_off_loop`` (a huge prompt) the lookups run in the thread too (their readers tolerate the loop's writes).
 
         Raises:
             InvalidFieldError: as ``view``.
         """
         try:
-            plan = self.plan(parsed)
-            if plan.num_chars > off_loop_chars:
-                ids = await asyncio.get_running_loop().run_in_executor(None, self.encode_many, plan.texts)
+            if plan_off_loop:
+                plan = await asyncio.get_running_loop().run_in_executor(self._executor, self.plan, parsed)
             else:
-                ids = self.encode_many(plan.texts) if plan.texts else []
-            return plan.finish(ids)
+                plan = self.plan(parsed)
+            if isinstance(plan, PromptView):  # known without tokenizing (a repeated prompt, token ids)
+                return plan
+            if plan.num_chars <= off_loop_chars:
+                return plan.finish(self.encode_many(plan.texts))
+            view, commit = await asyncio.get_running_loop().run_in_executor(self._executor, self._build_off_loop, plan)
+            if commit is not None:
+                commit()
+            return view
         except TokenizerInvalidRequestError as exc:
             raise InvalidFieldError(exc.message, param=exc.param) from exc
         except ValueError as exc:
             raise InvalidFieldError(str(exc), param="prompt") from exc
+
+    def _build_off_loop(self, plan: ViewPlan) -> tuple[PromptView, Commit]:
+        # The batch call even for one text: the library's single ``encode`` keeps the GIL while it encodes.
+        encode_batch = self._encode_batch
+        return plan.build(encode_batch(plan.texts) if encode_batch is not None else self.encode_many(plan.texts))
 
     def _pieces(self, text: str, start: int = 0, end: int | None = None) -> list[str]:
         """``text[start:end]``, cut at line starts into ``SLICE_CHARS`` slices where the tokenizer composes."""
         stop = len(text) if end is None else end
         if stop <= start:
             return []
-        if stop - start <= SLICE_CHARS or not self.composes_at_line_starts:
+        num_chars = stop - start
+        if num_chars <= SLICE_CHARS or not self.composes_at_line_starts:
             return [text[start:stop]]
-        return [text[b:e] for b, e in line_start_slices(text, start, stop, SLICE_CHARS)]
+        threads = self._num_encode_threads
+        num_slices = threads * -(-num_chars // (threads * SLICE_CHARS))
+        return [text[b:e] for b, e in line_start_slices(text, start, stop, -(-num_chars // num_slices))]
 
-    def plan(self, parsed: ParsedRequest) -> ViewPlan:
-        """What ``parsed``'s prompt needs tokenized (``ViewPlan``); the caches are read now, written at ``finish``.
+    def plan(self, parsed: ParsedRequest) -> ViewPlan | PromptView:
+        """What ``parsed``'s prompt needs tokenized (``ViewPlan``; the caches are read now, written at ``finish``),
+        or its ``PromptView`` when that is known without tokenizing (token ids, a prompt seen whole before).
 
         Raises:
             InvalidFieldError: an empty ``cache_salt`` (see ``view``).
@@ -482,49 +457,69 @@ class ModelTokenizer:
             return self._text_plan(prompt, ns)
         ids = encode_prompt(self.tokenizer, prompt)
         state = extend_state(EMPTY_STATE, ids, bs, ns)
-        view = PromptView(state.num_tokens, state.block_hashes, bs)
-        return ViewPlan([], lambda _: view)
+        return PromptView(state.num_tokens, state.block_hashes, bs)
 
-    def _text_plan(self, prompt: str, ns: Namespace) -> ViewPlan:
+    def _text_plan(self, prompt: str, ns: Namespace) -> ViewPlan | PromptView:
         bs = self.block_size
         seed = hash((ns, bs)) & SEED_MASK
-        # The same text again (a retry, a benchmark, a fleet-wide prompt) is one lookup, whatever the tokenizer.
-        full_key = xxhash.xxh3_64_intdigest(prompt.encode("utf-8", "surrogatepass"), seed)
-        cached = self._prompts.get(full_key)
-        if cached is not None:
-            view = PromptView(cached.num_tokens, cached.block_hashes, bs, len(cached.block_hashes))
-            return ViewPlan([], lambda _: view)
-        if not self.composes_at_line_starts:
-            def finish_whole(ids: list[list[int]]) -> PromptView:
-                state = extend_state(EMPTY_STATE, ids[0], bs, ns)
-                self._prompts.put(full_key, state)
-                return PromptView(state.num_tokens, state.block_hashes, bs)
-
-            return ViewPlan([[prompt]], finish_whole)
         texts = self.texts
-        key = texts.anchor(prompt, seed)
+        key = (texts.anchor(prompt, seed) if self.composes_at_line_starts and len(prompt) > texts.anchor_chars
+               else None)
         found = texts.find(key, prompt) if key is not None else None
+        full_key: int | None = None
+        if found is None:
+            # The same text again (a retry, a benchmark, a fleet-wide prompt) is one lookup, whatever the tokenizer;
+            # a prompt that extends a checkpoint needs none (its rest since the checkpoint is short).
+            full_key = xxhash.xxh3_64_intdigest(prompt.encode("utf-8", "surrogatepass"), seed)
+            cached = self._prompts.get(full_key)
+            if cached is not None:
+                return PromptView(cached.num_tokens, cached.block_hashes, bs, len(cached.block_hashes))
+        return self._text_plan_from(prompt, ns, key, found, full_key)
+
+    def _text_plan_from(
+        self, prompt: str, ns: Namespace, key: int | None, found: tuple[int, TextCheckpoint] | None,
+        full_key: int | None,
+    ) -> ViewPlan:
+        """``_text_plan`` past its lookups: what to tokenize from the checkpoint ``found`` (bucket ``key``; none:
+        from the start), remembering the whole prompt's state under ``full_key`` (none: not). Kept apart from the
+        lookups, which a repeated prompt ends at, because its closures make every call of their function slower."""
+        bs = self.block_size
+        texts = self.texts
+        prompts = self._prompts
+
+        def remember(state: PromptState) -> Commit:
+            return None if full_key is None else functools.partial(prompts.put, full_key, state)
+
+        if key is None:
+            def build_whole(ids: list[list[int]]) -> tuple[PromptView, Commit]:
+                state = extend_state(EMPTY_STATE, ids[0], bs, ns)
+                return PromptView(state.num_tokens, state.block_hashes, bs), remember(state)
+
+            return ViewPlan([self._pieces(prompt)], build_whole)
         used_id, start_state = (found[0], found[1].state) if found is not None else (None, EMPTY_STATE)
         start = len(found[1].prefix) if found is not None else 0
-        cut = last_line_start(prompt, max(start, texts.anchor_chars), len(prompt)) if key is not None else -1
+        cut = last_line_start(prompt, max(start, texts.anchor_chars), len(prompt))
         num_reused = len(start_state.block_hashes)
         if cut < 0:
-            def finish_tail(ids: list[list[int]]) -> PromptView:
+            def build_tail(ids: list[list[int]]) -> tuple[PromptView, Commit]:
                 state = extend_state(start_state, ids[0], bs, ns)
-                self._prompts.put(full_key, state)
-                return PromptView(state.num_tokens, state.block_hashes, bs, num_reused)
+                return PromptView(state.num_tokens, state.block_hashes, bs, num_reused), remember(state)
 
-            return ViewPlan([self._pieces(prompt, start)], finish_tail)
+            return ViewPlan([self._pieces(prompt, start)], build_tail)
 
-        def finish_cut(ids: list[list[int]]) -> PromptView:
-            assert key is not None
+        def build_cut(ids: list[list[int]]) -> tuple[PromptView, Commit]:
             middle = extend_state(start_state, ids[0], bs, ns)
-            texts.put(key, TextCheckpoint(prompt[:cut], middle), used_id)
+            checkpoint = TextCheckpoint(prompt[:cut], middle)
             state = extend_state(middle, ids[1], bs, ns)
-            self._prompts.put(full_key, state)
-            return PromptView(state.num_tokens, state.block_hashes, bs, num_reused)
+            then = remember(state)
 
-        return ViewPlan([self._pieces(prompt, start, cut), self._pieces(prompt, cut)], finish_cut)
+            def commit() -> None:
+                texts.put(key, checkpoint, used_id)
+                then() if then is not None else None
+
+            return PromptView(state.num_tokens, state.block_hashes, bs, num_reused), commit
+
+        return ViewPlan([self._pieces(prompt, start, cut), self._pieces(prompt, cut)], build_cut)
 
     def _chat_plan(self, messages: tuple[ChatMessage, ...], ns: Namespace, add_generation_prompt: bool) -> ViewPlan:
         # The message segments do not depend on add_generation_prompt (only the last segment does), so the
@@ -533,11 +528,11 @@ class ModelTokenizer:
         segments = rendered.segments
         bs = self.block_size
         if not rendered.is_incremental:
-            def finish_whole(ids: list[list[int]]) -> PromptView:
+            def build_whole(ids: list[list[int]]) -> tuple[PromptView, Commit]:
                 state = extend_state(EMPTY_STATE, ids[0], bs, ns)
-                return PromptView(state.num_tokens, state.block_hashes, bs)
+                return PromptView(state.num_tokens, state.block_hashes, bs), None
 
-            return ViewPlan([self._pieces(rendered.text)], finish_whole)
+            return ViewPlan([self._pieces(rendered.text)], build_whole)
         num_messages = len(segments) - 1
         keys: list[int] = []
         key = hash((ns, bs)) & SEED_MASK
@@ -560,15 +555,18 @@ class ModelTokenizer:
         groups = [self._pieces(segments[i]) for i in range(start, num_messages)]
         groups.append(self._pieces(segments[-1]))
 
-        def finish(ids: list[list[int]]) -> PromptView:
+        prefixes = self.prefixes
+
+        def build(ids: list[list[int]]) -> tuple[PromptView, Commit]:
             state = start_state
             for i in range(start, num_messages):
                 state = extend_state(state, ids[i - start], bs, ns)
                 if i == opening_index:
                     state = with_opening_hash(state, ns)
+            commit: Commit = None
             if num_messages and start < num_messages:
-                self.prefixes.put(keys[num_messages - 1], state)
+                commit = functools.partial(prefixes.put, keys[num_messages - 1], state)
             state = extend_state(state, ids[-1], bs, ns)
-            return PromptView(state.num_tokens, state.block_hashes, bs, num_reused_blocks, state.opening_hash)
+            return PromptView(state.num_tokens, state.block_hashes, bs, num_reused_blocks, state.opening_hash), commit
 
-        return ViewPlan(groups, finish)
+        return ViewPlan(groups, build)

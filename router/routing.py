@@ -42,6 +42,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from itertools import islice
 from typing import Protocol
 
 import msgspec
@@ -58,6 +59,7 @@ from router.index.config import IndexConfig
 from router.index.result import MatchResult
 from router.index.upkeep import ApproxInsert
 from router.ownership import SessionOwnership
+from router.pool_watch import PoolWatcher
 from router.request_view import ParsedRequest, PromptView
 from router.sessions.base import SessionStore
 
@@ -84,10 +86,12 @@ def scored_workers(
 ) -> list[WorkerRuntime]:
     """The workers one decision scores in a large fleet, O(holders + ``LOAD_SAMPLE``) rather than O(candidates).
 
-    Every worker that holds part of the prompt's prefix (the index match's holders; the index is the model's, so
-    they serve it), then ``LOAD_SAMPLE`` others from a window of ``candidates`` that moves by ``LOAD_SAMPLE`` each
-    decision (``turn``), so every idle worker is offered in turn. A session's owner is scored when it holds the
-    prefix, as it does while its cache lives.
+    The ``MAX_SCORED_WORKERS`` deepest workers that hold part of the prompt's prefix (the index match's holders,
+    deepest first; the index is the model's, so they serve it), then ``LOAD_SAMPLE`` others from a window of
+    ``candidates`` that moves by ``LOAD_SAMPLE`` each decision (``turn``), so every idle worker is offered in turn.
+    A session's owner is scored when it is among those holders, as it is while its cache lives. A prompt whose
+    first block the whole fleet holds (a shared system prompt) costs the same as one two workers hold: the match
+    resolves only the holders read here (``router.index.result.HolderMatches``).
 
     Returns:
         Holders in match order, then the sample in candidate order.
@@ -95,7 +99,7 @@ def scored_workers(
     out: list[WorkerRuntime] = []
     seen: set[str] = set()
     if match is not None:
-        for worker_id in match.workers:
+        for worker_id in islice(match.workers, MAX_SCORED_WORKERS):
             worker = workers_by_id.get(worker_id)
             if worker is not None:
                 out.append(worker)
@@ -141,6 +145,8 @@ class IndexLike(Protocol):
     def any_evicted_since(self, worker_id: str, block_hashes: Sequence[int], seq: int) -> bool: ...
 
     def confirmed_since(self, worker_id: str, block_hash: int, seq: int) -> bool: ...
+
+    def miss_cause(self, worker_id: str, block_hashes: Sequence[int], first: int, end: int, seq: int) -> str | None: ...
 
 
 class PolicyHolder:
@@ -206,15 +212,13 @@ class IndexTicket:
         if reported_tokens > predicted_tokens:
             return "late"
         index = self._index
-        if index is not None:
+        if index is not None and index.journal_seq != self._journal_seq:  # else nothing was evicted or confirmed since
             bs = self._view.block_size
             hashes = self._view.block_hashes
-            seq = self._journal_seq
-            first, end = reported_tokens // bs, min(predicted_tokens // bs, len(hashes))
-            if first < end and index.any_evicted_since(worker_id, hashes[first:end], seq):
-                return "evicted"
-            if first < end and index.confirmed_since(worker_id, hashes[first], seq):
-                return "pending"
+            cause = index.miss_cause(worker_id, hashes, reported_tokens // bs, min(predicted_tokens // bs, len(hashes)),
+                                     self._journal_seq)
+            if cause is not None:
+                return cause
         return "index"
 
     def insert_for(self, worker: WorkerRuntime, match: MatchResult | None, now_s: float) -> None:
@@ -252,11 +256,14 @@ class IndexTicket:
         worker needs none (it publishes events and pending entries are off, or it has several dp ranks)."""
         view = self._view
         model = self._model
+        cap = model.max_routed_blocks  # a huge prompt's first blocks only: bounded time on the loop
         if worker.is_approximate:
-            return self._insert(index, worker, view.block_hashes, match, now_s, None)
+            hashes = view.block_hashes
+            return self._insert(index, worker, hashes if len(hashes) <= cap else hashes[:cap], match, now_s, None)
         if model.enable_pending_blocks and worker.config.dp_ranks == 1:
             num_full = view.num_tokens // worker.block_size * worker.block_size // view.block_size
-            return self._insert(index, worker, view.block_hashes[:num_full], match, now_s, model.pending_blocks_ttl_s)
+            return self._insert(index, worker, view.block_hashes[:min(num_full, cap)], match, now_s,
+                                model.pending_blocks_ttl_s)
         return None
 
     def settle(self, chosen: WorkerRuntime, served_by: WorkerRuntime | None, is_ok: bool, now_s: float) -> None:
@@ -324,10 +331,11 @@ class Router:
     def __init__(
         self, fleet: Fleet, indexes: Mapping[str, IndexLike], sessions: SessionStore, holder: PolicyHolder,
         *, num_recent_decisions: int = 256, default_max_tokens: int = 256,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, pool_watcher: PoolWatcher | None = None,
     ) -> None:
         self._fleet = fleet
         self._indexes = indexes
+        self._pool_watcher = pool_watcher
         self.ownership = SessionOwnership(sessions)
         self.holder = holder
         self._clock = clock
@@ -342,6 +350,16 @@ class Router:
         """The fleet routed over."""
         return self._fleet
 
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop a removed worker's entries of the recent-insertion memo and the sessions ``session_sticky`` counted
+        as resident on it (its decision records age out)."""
+        memo = self._inserted_at_s
+        for key in [k for k in memo if k[0] == worker_id]:
+            del memo[key]
+        sticky = self.holder.sticky
+        if sticky is not None:
+            sticky.residents.forget_worker(worker_id)
+
     def ticket(self, model: ModelConfig, view: PromptView) -> IndexTicket:
         """A request's handle on its model's index, for a route decided outside ``route`` (``router.pd``)."""
         return IndexTicket(self._indexes.get(model.name), model, view, self._inserted_at_s)
@@ -354,6 +372,7 @@ class Router:
     def states(
         candidates: Sequence[WorkerRuntime], view: PromptView, now_s: float, max_inflight: int,
         match: MatchResult | None, recent: Mapping[str, int] | None = None,
+        resident: Mapping[str, int] | None = None,
     ) -> tuple[tuple[WorkerState, ...], dict[str, int]]:
         """Each candidate's ``WorkerState`` (the policy's view of it) and its predicted cached tokens.
 
@@ -361,7 +380,9 @@ class Router:
         module docstring says. Load: requests in flight through this gateway, or the polled count when larger;
         waiting requests and KV usage as polled (0 without a poll). Healthy: its health checks pass, it has fewer
         than ``max_inflight`` requests in flight (0: no limit), and its circuit lets a request through at
-        ``now_s``. ``recent`` gives each worker's recent assignments (``RecentAssignments.counts``; none: 0).
+        ``now_s``. ``recent`` gives each worker's recent assignments (``RecentAssignments.counts``; none: 0),
+        ``resident`` its live sessions' prompt tokens (``SessionResidents.resident_tokens``; none: 0); the GPU
+        capacity in tokens is the polled GPU blocks times the worker's block size (0 before a poll).
 
         Returns:
             ``(states in candidate order, predicted cached tokens (all tiers) by worker id)``.
@@ -373,6 +394,7 @@ class Router:
             cap = 0
         limit = max_inflight if max_inflight > 0 else _NO_LIMIT
         recent = recent or {}
+        resident = resident or {}
         states: list[WorkerState] = []
         predicted: dict[str, int] = {}
         for worker in candidates:
@@ -403,13 +425,19 @@ class Router:
             if load is None:
                 states.append(WorkerState(worker_id, is_healthy, worker.is_draining, gpu_tokens, cpu_tokens,
                                           pool_tokens, running, 0, worker.num_pending_prefill_tokens, 0.0,
-                                          worker.num_inflight_prompt_tokens, recent.get(worker_id, 0)))
+                                          worker.num_inflight_prompt_tokens, recent.get(worker_id, 0), 0,
+                                          resident.get(worker_id, 0), worker.num_pending_prefill_token_pairs,
+                                          tuple(worker.pending_prefills.values()), worker.prefill_done_at_s,
+                                          now_s / worker.config.time_scale))
             else:
                 states.append(WorkerState(
                     worker_id, is_healthy, worker.is_draining, gpu_tokens, cpu_tokens, pool_tokens,
                     max(running, load.num_running_requests), load.num_waiting_requests,
                     worker.num_pending_prefill_tokens, load.kv_usage, worker.num_inflight_prompt_tokens,
                     recent.get(worker_id, 0),
+                    (load.num_total_blocks or {}).get("GPU", 0) * worker.block_size, resident.get(worker_id, 0),
+                    worker.num_pending_prefill_token_pairs, tuple(worker.pending_prefills.values()),
+                    worker.prefill_done_at_s, now_s / worker.config.time_scale,
                 ))
         return tuple(states), predicted
 
@@ -438,10 +466,13 @@ class Router:
             session_key = derive_session_key(self.holder.key_sources, headers, parsed.user, view.opening_hash)
         else:
             session_key = None  # no source has a value
+        sticky = self.holder.sticky
+        resident = sticky.residents.resident_tokens(now_s, session_key) if sticky is not None else None
         states, predicted = self.states(candidates, view, now_s, max_inflight_per_worker, match,
-                                        self.assignments.counts if session_key is not None else None)
+                                        self.assignments.counts if session_key is not None else None, resident)
         req = RequestView(request_id, parsed.model, view.num_tokens, parsed.max_tokens or model.default_max_tokens,
-                          view.block_size, session_key)
+                          view.block_size, session_key,
+                          sticky.residents.projected_growth_tokens if sticky is not None and session_key else 0)
         return t0, now_s, candidates, ticket, match, predicted, req, Snapshot(states, None, now_s)
 
     @staticmethod
@@ -487,15 +518,24 @@ class Router:
         """
         holder = self.holder
         sticky = holder.sticky
-        t0, now_s, candidates, ticket, match, predicted, req, snapshot = self._inputs(
-            request_id, parsed, model, view, headers, max_inflight_per_worker)
-        session_key = req.session_key
-        decision = self._forced(headers, parsed, candidates, snapshot) if headers else None
-        if decision is None:
-            if sticky is not None and session_key is not None:
-                decision = await self.ownership.claim(sticky, session_key, req, snapshot)
-            else:
-                decision = holder.policy.select(req, snapshot)
+        for attempt in (0, 1):  # a decision check that finds the chosen pool run gone routes once more
+            t0, now_s, candidates, ticket, match, predicted, req, snapshot = self._inputs(
+                request_id, parsed, model, view, headers, max_inflight_per_worker)
+            session_key = req.session_key
+            decision = self._forced(headers, parsed, candidates, snapshot) if headers else None
+            if decision is None:
+                if sticky is not None and session_key is not None:
+                    decision = await self.ownership.claim(sticky, session_key, req, snapshot)
+                else:
+                    decision = holder.policy.select(req, snapshot)
+            chosen = match.get(decision.worker_id) if match is not None and decision.worker_id else None
+            if attempt or chosen is None or not chosen.num_pool_blocks or self._pool_watcher is None:
+                break
+            start = chosen.num_gpu_blocks + chosen.num_cpu_blocks
+            run = view.block_hashes[start : start + chosen.num_pool_blocks]
+            if not await self._pool_watcher.check(model.name, run):
+                break
+        assert decision is not None  # the loop ran: a decision each time
         return self._plan(t0, now_s, parsed, view, ticket, match, predicted, req, decision, sticky is not None,
                           snapshot)
 

@@ -17,6 +17,7 @@ import asyncio
 import gc
 import logging
 import signal
+import sys
 from collections.abc import Coroutine
 from typing import Any
 
@@ -29,10 +30,13 @@ from events.errors import EventsConfigError
 from router.app import build_app
 from router.config import GatewayConfig, load_config
 from router.errors import ConfigError, GatewayError
+from router.http_server import GatewayAppRunner
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 10.0
+GIL_SWITCH_INTERVAL_S = 0.001
+"""``sys.setswitchinterval`` of a gateway process (see ``serve``)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +97,7 @@ async def serve(
         )
     except ListenError as exc:
         raise ConfigError(str(exc)) from exc
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    runner = GatewayAppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     loop = asyncio.get_running_loop()
     try:
         try:
@@ -109,6 +113,10 @@ async def serve(
         # Everything built so far (modules, config, tokenizer tables, the app) lives as long as the process: move
         # it out of the collector's generations so full collections on the request path no longer walk it.
         gc.freeze()
+        # The tokenizer threads hold the GIL while they turn a long prompt's ids into Python lists and hash its
+        # blocks; the loop waits at most one switch interval for it each time (5 ms by default, the request path's
+        # whole budget), so switch more often.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         logger.info("kvgate gateway listening on %s", ", ".join(f"http://{listen_address(s)}" for s in sockets))
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

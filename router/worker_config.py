@@ -60,6 +60,17 @@ class ModelConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only
             that request, before the worker's events arrive (``router.routing``, step 5).
         pending_blocks_ttl_s: seconds a pending block lives unless the worker's ``BlockStored`` confirms it
             (then it is the event's and stops expiring); cover the queueing plus prefill time of a request.
+        max_routed_blocks: most blocks of one request that its routing decision inserts into the index for the
+            chosen worker (pending entries, or the entries of a worker without events), the prompt's first ones:
+            16,384 blocks are 262,144 tokens at 16 per block, past any model's context. A longer prompt's other
+            blocks come from the worker's events (a worker without events is predicted that far). It bounds how
+            long one huge prompt holds the event loop: inserting the 219K blocks of a 15 MB prompt took 1.8 s on a
+            busy 2-core host (``python -m benchmarks huge_prompt``).
+        prompt_cache_max_bytes: bytes the gateway's prompt caches of this model hold at most (estimated: block
+            hashes, tail tokens and checkpoint text; ``router.request_view.ModelTokenizer``): chat prefix states,
+            text checkpoints and whole-prompt states, least recently used evicted first. Of the default 64 MiB, chat
+            prefix states get half: about 600,000 block hashes (a thousand 9,600-token conversations at block size
+            16). They are dropped when the model's last worker is removed.
         pd: serve the model disaggregated (``router.pd_config``): each request gets a prefill leg on a worker of
             role ``prefill`` (or ``both``) and a decode leg on one of role ``decode`` (or ``both``); ``None``: every
             worker of the model serves whole requests.
@@ -74,6 +85,8 @@ class ModelConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only
     default_max_tokens: AtLeastOne = 256
     enable_pending_blocks: bool = True
     pending_blocks_ttl_s: PositiveSeconds = 10.0
+    max_routed_blocks: AtLeastOne = 16_384
+    prompt_cache_max_bytes: AtLeastOne = 64 << 20
     pd: PDConfig | None = None
 
     def __post_init__(self) -> None:
@@ -82,6 +95,8 @@ class ModelConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only
         check_positive("block_size", self.block_size)
         check_positive("default_max_tokens", self.default_max_tokens)
         check_positive("pending_blocks_ttl_s", self.pending_blocks_ttl_s)
+        check_positive("max_routed_blocks", self.max_routed_blocks)
+        check_positive("prompt_cache_max_bytes", self.prompt_cache_max_bytes)
         if self.tokenizer_path is not None and not Path(self.tokenizer_path).exists():
             raise ValueError(f"tokenizer_path {self.tokenizer_path!r} does not exist")
 

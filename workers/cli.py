@@ -62,6 +62,8 @@ FLAGS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
     ("--mooncake-global-segment-size", ("kv-cache", "pool", "global-segment-size"), int),
     ("--mooncake-local-buffer-size", ("kv-cache", "pool", "local-buffer-size"), int),
     ("--pool-value-bytes-per-block", ("kv-cache", "pool", "value-bytes-per-block"), int),
+    ("--pool-num-layer-groups", ("kv-cache", "pool", "num-layer-groups"), int),
+    ("--pool-verify", ("kv-cache", "pool", "verify"), str),
     ("--max-num-seqs", ("scheduler", "max-num-seqs"), int),
     ("--max-num-batched-tokens", ("scheduler", "max-num-batched-tokens"), int),
     ("--max-model-len", ("scheduler", "max-model-len"), int),

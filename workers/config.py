@@ -28,6 +28,7 @@ from typing import Annotated, Literal
 import msgspec
 import yaml
 
+from common.yaml_load import safe_load_yaml
 from workers.errors import ConfigError
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
@@ -64,6 +65,23 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename
     """Size of a block's value in the pool, bytes: the sim engine's token ids (4 bytes each) padded with zeros to
     this size, so a pool of a given byte size holds as many blocks as a real engine's would (0: the token ids
     only)."""
+    num_layer_groups: Annotated[int, msgspec.Meta(ge=1, le=255)] = 1
+    """Pieces of a block's value, one per layer group (a pipeline stage's layers): all of them go into one pool
+    object with a manifest (``workers.kv.pool_chunk``), so the pool keeps or evicts the whole block and a
+    restore never loads part of one."""
+    io: Literal["threads", "inline"] = "threads"
+    """Where a Mooncake store's reads and puts run: ``threads``: on two background threads, so the engine keeps
+    stepping the other sequences while a restore's bytes arrive (``workers.kv.pool_tier``); ``inline``: inside
+    the engine step (every sequence waits). The sim backend always runs inline (no real I/O)."""
+    read_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    """Restore reads in flight at once with ``io: threads`` (a read's time is mostly Mooncake's per-object round
+    trips to the segments' owners, so reads of several requests can overlap where cores are free). On a loaded
+    2-core host 4 made each read 3.0 s of wall time instead of 0.8 s at 64 sessions of the agentic demo (the
+    workers' threads fight for the cores) and cut the shared pool's reuse to 0.73 of the ceiling: 1 by default."""
+    verify: Literal["all_bytes", "manifest"] = "all_bytes"
+    """What a restore checks of each chunk it reads: ``all_bytes``: the manifest, each layer group's payload
+    against its digest and the tokens expected, and the zero padding (every byte); ``manifest``: all but the
+    padding (which only the sim engine's padded values have), at about the raw client's read speed."""
 
 
 class CacheGroupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
@@ -144,6 +162,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, r
     """Prompt plus output tokens per request."""
     default_max_tokens: Positive = 256
     """``max_tokens`` when a request gives none (capped by the context left)."""
+    hold_prefix_on_arrival: bool = True
+    """Hold a request's GPU prefix hit from its arrival to its admission (a reference on each block, so that the
+    allocations of the requests ahead cannot evict it while it waits), as a router that predicted the hit expects.
+    vLLM looks the prefix up only at admission (a waiting request can lose it); ``False`` behaves that way."""
 
 
 class TimingProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
@@ -250,11 +272,12 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rena
         Raises:
             ValueError: the ``torch`` engine with a shared pool tier (its pool copies are sim-engine only) or with
                 hybrid cache groups. Why groups are refused there: the paged-attention kernels
-                (``kernels/paged_attention.py``) would take a window cheaply in themselves (start the prefill's
-                unmasked key loop and the decode split at ``query_pos - W + 1``, and AND ``key_pos > query_pos - W``
-                into the score mask of the band under a ``tl.constexpr`` switch), but the online softmax in
-                ``_attend_tile`` assumes every row sees a key in its first tile (``exp2(m_i - m_new)`` is NaN for a
-                row masked out while ``m_i`` is still ``-inf``), so it needs a guarded maximum first. The engine side is
+                (``kernels/paged_prefill.py``, ``kernels/paged_decode.py``) would take a window cheaply in
+                themselves (start the prefill's unmasked key loop and the decode split at ``query_pos - W + 1``, and
+                AND ``key_pos > query_pos - W`` into the score mask of the band under a ``tl.constexpr`` switch),
+                but the online softmax in ``attend_tile`` (``kernels/paged_tiles.py``) assumes every row sees a key
+                in its first tile (``exp2(m_i - m_new)`` is NaN for a row masked out while ``m_i`` is still
+                ``-inf``), so it needs a guarded maximum first. The engine side is
                 the larger part and is not there: ``PrefillChunk`` / ``DecodeSeq`` carry one block table per sequence
                 (group 0's), while a window group's blocks come from its own pool (``SlidingWindowGroup`` tables in
                 the KV manager), and the torch model has one layer kind over one KV cache tensor; a recurrent group
@@ -279,7 +302,7 @@ def load_profile(path: str | Path) -> dict[str, object]:
         ConfigError: unreadable file or not a mapping.
     """
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = safe_load_yaml(Path(path).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read profile {path}: {exc}") from exc
     if data is None:

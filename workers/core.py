@@ -4,7 +4,8 @@ One asyncio task (``EngineCore.run``) per worker. It sleeps when idle (no CPU), 
 engine's step duration times ``time_scale`` against a wall-clock anchor, so simulated time tracks wall time
 without drift. A step's sampled tokens and KV events are handed out when the step ends, after its paced sleep
 (a prefill's first token reaches the client one prefill later, as on a real engine). KV events produced by a
-step are published once per step (one batch), as vLLM does.
+step are published once per step (one batch), as vLLM does. Shared pool reads and puts run on the pool's I/O
+threads (``workers.kv.pool_tier``), not inside a step; a finished one wakes the loop.
 """
 
 from __future__ import annotations
@@ -145,6 +146,14 @@ class EngineCore:
 
     async def run(self) -> None:
         """The loop; cancel the task to stop it."""
+        loop = asyncio.get_running_loop()
+        wakeup = self._wakeup
+        # a pool read or put done on an I/O thread (workers.kv.pool_tier) wakes an idle loop to apply it
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(wakeup.set)
+
+        self.kv.set_io_waker(wake)
         anchor_wall = time.monotonic()
         sim_since_anchor = 0.0
         while True:

@@ -39,13 +39,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
 import msgspec
 
 from common.errors import InvalidRequestError
-from common.pd_protocol import BootstrapRequest, KVTransferParams
+from common.pd_protocol import MAX_BOOTSTRAP_ROOM, BootstrapRequest, KVTransferParams
 from workers.config import TimingProfile, WorkerConfig
 from workers.core import EngineCore
 from workers.errors import WorkerError
@@ -90,11 +90,12 @@ class TransferError(WorkerError):
 
 
 class PullRequest(msgspec.Struct, frozen=True):
-    """Body of ``POST /kv/pull`` and ``POST /kv/pull/done`` (module docstring)."""
+    """Body of ``POST /kv/pull`` and ``POST /kv/pull/done`` (module docstring); ``bootstrap_room`` in the range a
+    leg's body takes (``common.pd_protocol.MAX_BOOTSTRAP_ROOM``), so no pull waits for a room no leg can name."""
 
     engine_id: str
     remote_request_id: str | None = None
-    bootstrap_room: int | None = None
+    bootstrap_room: Annotated[int, msgspec.Meta(ge=0, le=MAX_BOOTSTRAP_ROOM)] | None = None
     first_block_index: int = 0
     ok: bool = True
 
@@ -140,6 +141,10 @@ def classify_leg(role: str, kv_transfer_params: dict[str, Any] | None, bootstrap
                     "this worker has role 'prefill': it does not pull remote KV (do_remote_prefill)",
                     param="kv_transfer_params",
                 )
+            try:
+                params.block_ids_by_group()
+            except ValueError as exc:
+                raise InvalidRequestError(f"invalid kv_transfer_params: {exc}", param="kv_transfer_params") from exc
             if not params.is_complete_remote_prefill:
                 raise InvalidRequestError(
                     "kv_transfer_params with do_remote_prefill need remote_block_ids, remote_engine_id, "
@@ -218,7 +223,10 @@ class PrefillHandoff:
             port: its port (``remote_port``).
 
         Returns:
-            The ``kv_transfer_params`` of the response (NIXL ``request_finished`` shape).
+            The ``kv_transfer_params`` of the response, as vLLM 0.32's NIXL connector answers
+            (``common.pd_protocol.KVTransferParams``: the block ids of the one KV cache group in a list of their
+            own, the prompt tokens computed as ``remote_num_tokens``, ``transfer_mode`` pull, and the prompt tokens
+            it found cached as ``remote_prefill_cached_tokens``, which the decode leg reports).
         """
         rid = request.request_id
         entry = _Parked(request, room)
@@ -233,12 +241,18 @@ class PrefillHandoff:
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": list(request.kv.block_ids),
+            "remote_block_ids": [list(request.kv.block_ids)],
             "remote_engine_id": self.engine_id,
             "remote_request_id": rid,
             "remote_host": self.advertise_host or host,
             "remote_port": port,
             "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": request.num_prompt_tokens,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": request.num_cached_tokens or 0,
         }
 
     def fail_room(self, room: int, reason: str) -> None:
@@ -274,10 +288,13 @@ class PrefillHandoff:
             return
         self._release(rid, expired=True)
 
+    def release_parked(self) -> int:
+        """Drop every parked transfer (a reset between runs); how many were dropped."""
+        return sum(self._release(rid, expired=False) for rid in list(self._parked))
+
     def release_all(self) -> None:
-        """Drop every parked transfer (shutdown)."""
-        for rid in list(self._parked):
-            self._release(rid, expired=False)
+        """Drop every parked transfer and fail the rooms waited on (shutdown)."""
+        self.release_parked()
         for room in list(self._room_waiters):
             self.fail_room(room, "worker shutting down")
 
@@ -299,7 +316,8 @@ class PrefillHandoff:
                 raise TransferError("too many pulls wait for unfinished prefills", 503, "kv_transfer_busy")
             waiter = self._room_waiters[room] = asyncio.get_running_loop().create_future()
         try:
-            rid = await asyncio.wait_for(asyncio.shield(waiter), self.config.pull_timeout_s)
+            async with asyncio.timeout(self.config.pull_timeout_s):  # never swallows a cancel (wait_for on 3.11)
+                rid = await asyncio.shield(waiter)
         except TimeoutError:
             self._room_waiters.pop(room, None)
             raise TransferError(f"no prefill finished for room {room} within the pull timeout", 404) from None
@@ -402,8 +420,8 @@ class DecodeHandoff:
             num_tokens_expected: the prompt length here (the parked request's must be the same).
 
         Raises:
-            TransferError: the prefill worker refused or failed, or its parked request does not match (block
-                count or prompt length).
+            TransferError: the prefill worker refused or failed, answered something that is not a
+                ``TransferDescriptor``, or its parked request does not match (block count or prompt length).
         """
         try:
             status, body = await self._post(base_url + "/kv/pull", pull)
@@ -413,7 +431,12 @@ class DecodeHandoff:
         if status != 200:
             self.num_failed += 1
             raise TransferError(f"prefill worker {base_url} refused the pull ({status}): {body[:200]!r}", 502)
-        desc = msgspec.json.decode(body, type=TransferDescriptor)
+        try:
+            desc = msgspec.json.decode(body, type=TransferDescriptor)
+        except msgspec.DecodeError as exc:  # ValidationError too: a prefill side answering junk is a failed pull
+            self.num_failed += 1
+            raise TransferError(f"prefill worker {base_url} answered the pull with an invalid descriptor: {exc}",
+                                502) from exc
         if len(desc.block_ids) != num_blocks_expected or desc.num_tokens != num_tokens_expected:
             self.num_failed += 1
             await self._post(base_url + "/kv/pull/done", msgspec.structs.replace(pull, ok=False))

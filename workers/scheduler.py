@@ -12,6 +12,19 @@ Each step (``schedule`` then, after the engine ran it, ``update``)::
        lands and runs from the next step. Otherwise its first chunk is scheduled. The first request that cannot
        be admitted stops the scan (FCFS: no one jumps the queue).
 
+Held prefixes (``hold_prefix_on_arrival``): ``add_request`` looks up the request's GPU prefix hit at once and takes
+a reference on those blocks (``Request.held_block_ids``), so they leave the free queue and the allocations of the
+requests ahead evict every other free block first; the reference is dropped when the request is admitted (its own
+hit holds them from then on) or finished while waiting. A hold only reorders eviction, it never costs a preemption
+or an admission: when a running request cannot grow, or the head of the queue cannot be admitted, and the holds of
+other waiting requests would make the room, those holds are dropped, newest request first, before anything is
+preempted or the scan stops.
+
+Pool reads off the step (``workers.kv.manager``): a restore whose pool read runs on the I/O thread waits in
+RESTORING like any restore (its blocks reserved) while the others run; ``schedule`` first applies the reads that
+finished (``KVCacheManager.take_finished_reads``). A read that came back short leaves the request with a shorter
+hit: it computes from there, and, if this admission set its cached tokens, reports the shorter hit.
+
 ``update`` advances computed tokens, registers full blocks (events, write-through stores), appends sampled
 tokens, finishes requests (EOS unless ``ignore_eos``, a stop token, ``max_tokens``, ``max_model_len``) and
 applies finished copies. ``finish_request`` (client disconnect, stop string) frees blocks at once.
@@ -40,7 +53,8 @@ import msgspec
 from workers.config import SchedulerConfig
 from workers.engines.base import DecodeSeq, PrefillChunk, SamplingParams, ScheduledStep, StepResult
 from workers.errors import KVCacheError
-from workers.kv.manager import KVCacheManager, PrefixHit, SequenceKV
+from workers.kv.manager import KVCacheManager
+from workers.kv.sequence import PrefixHit, SequenceKV
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +111,8 @@ class Request:
         "park_on_finish",
         "store_job_ids",
         "is_transfer_pending",
+        "held_block_ids",
+        "cached_set_by_restore",
     )
 
     def __init__(
@@ -129,6 +145,9 @@ class Request:
         self.park_on_finish = park_on_finish
         self.store_job_ids: set[int] = set()
         self.is_transfer_pending = False
+        self.held_block_ids: tuple[int, ...] = ()
+        self.cached_set_by_restore = False
+        """``num_cached_tokens`` was set by the admission whose restore is in flight (a short read lowers it)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -182,6 +201,8 @@ class Scheduler:
         self.receiving: dict[str, Request] = {}
         """Decode side: requests holding blocks while their KV arrives from a remote worker."""
         self._store_owner: dict[int, Request] = {}
+        self._num_held_blocks = 0
+        """Blocks referenced by the holds of waiting requests (module docstring), counted once per hold."""
 
     @property
     def num_running(self) -> int:
@@ -205,7 +226,8 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether a step would compute anything, is waiting on a restore, or has copies to issue."""
-        return bool(self.running or self.waiting or self._restoring or self.kv.has_pending_copies())
+        kv = self.kv
+        return bool(self.running or self.waiting or self._restoring or kv.has_pending_copies() or kv.has_io_in_flight())
 
     def add_request(self, request: Request) -> None:
         """Queue ``request`` (FCFS).
@@ -217,6 +239,28 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id}")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.config.hold_prefix_on_arrival:
+            tokens = request.all_token_ids
+            held = self.kv.find_gpu_prefix(request.kv, tokens, len(tokens))
+            if held:
+                self.kv.gpu.touch(held)
+                request.held_block_ids = held
+                self._num_held_blocks += len(held)
+
+    def _release_hold(self, req: Request) -> None:
+        """Drop ``req``'s reference on its held prefix (module docstring), if any."""
+        if req.held_block_ids:
+            self.kv.gpu.free(reversed(req.held_block_ids))
+            self._num_held_blocks -= len(req.held_block_ids)
+            req.held_block_ids = ()
+
+    def _release_newest_hold(self, keep: Request | None = None) -> bool:
+        """Drop the hold of the newest waiting request that has one (not ``keep``'s); False when none had one."""
+        for req in reversed(self.waiting):
+            if req.held_block_ids and req is not keep:
+                self._release_hold(req)
+                return True
+        return False
 
     def finish_request(self, request_id: str, reason: str = "abort") -> bool:
         """Finish a request now (disconnect, stop string) and free its blocks at once.
@@ -229,6 +273,7 @@ class Scheduler:
             return False
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+            self._release_hold(req)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.RECEIVING:
@@ -332,6 +377,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         """Pick this step's work (module docstring) and collect copies to issue."""
+        for job_id in self.kv.take_finished_reads():
+            self._restore_done(job_id)
         budget = self.config.max_num_batched_tokens
         bs = self.kv.block_size
         running = self.running
@@ -352,6 +399,8 @@ class Scheduler:
             kv = req.kv
             if start + num_new > len(kv.block_ids) * bs:
                 while not self.kv.allocate_slots(kv, start + num_new):
+                    if self._num_held_blocks and self._release_newest_hold():
+                        continue  # a hold yields before a running request is preempted
                     victim = running[-1]
                     preempted = True
                     self._preempt(victim)
@@ -409,17 +458,20 @@ class Scheduler:
             num_cached = hit.num_cached_tokens
             num_new = min(len(tokens) - num_cached, budget)
             if not self.kv.admit(req.kv, hit, num_cached + num_new):
+                others = self._num_held_blocks - len(req.held_block_ids)
+                needed = -(-(num_cached + num_new) // self.kv.block_size) - len(hit.gpu_block_ids)
+                if others and needed <= self.kv.gpu.num_free_blocks + others and self._release_newest_hold(req):
+                    continue  # the holds behind the head yield to its admission; retry it
                 break
+            self._release_hold(req)
             num_cached = req.kv.num_cached_blocks * self.kv.block_size  # a pool fetch may shorten the hit
             self.waiting.popleft()
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
-                bs = self.kv.block_size
-                num_gpu = min(len(hit.gpu_block_ids) * bs, req.num_cached_tokens)
-                num_cpu = min(hit.num_cpu_blocks * bs, req.num_cached_tokens - num_gpu)
-                req.num_cached_tokens_by_medium = (num_gpu, num_cpu, req.num_cached_tokens - num_gpu - num_cpu)
+            first_admission = req.num_cached_tokens is None
+            if first_admission:
+                self._set_cached(req, num_cached, len(hit.gpu_block_ids), hit.num_cpu_blocks)
             req.num_computed_tokens = num_cached
             if req.kv.restore_job_id is not None:
+                req.cached_set_by_restore = first_admission
                 req.status = RequestStatus.RESTORING
                 for job_id in req.kv.restore_job_ids:
                     self._restoring[job_id] = req
@@ -429,6 +481,14 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
+
+    def _set_cached(self, req: Request, num_cached: int, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Record the prompt tokens served from the cache at the first admission, by tier (GPU, CPU, pool)."""
+        bs = self.kv.block_size
+        req.num_cached_tokens = total = min(num_cached, req.num_prompt_tokens)
+        num_gpu = min(num_gpu_blocks * bs, total)
+        num_cpu = min(num_cpu_blocks * bs, total - num_gpu)
+        req.num_cached_tokens_by_medium = (num_gpu, num_cpu, total - num_gpu - num_cpu)
 
     # results -------------------------------------------------------------------------------------------------
 
@@ -494,7 +554,15 @@ class Scheduler:
         if seq is None:
             return  # other jobs of the same restore still in flight
         self._num_restoring -= 1
+        set_by_restore, req.cached_set_by_restore = req.cached_set_by_restore, False
         if seq.is_freed or req.status is RequestStatus.FINISHED:
             return
+        num_cached = seq.num_cached_blocks * self.kv.block_size
+        if num_cached < req.num_computed_tokens:  # a pool read came back short: compute from its end
+            req.num_computed_tokens = num_cached
+            if set_by_restore:
+                gpu, cpu, _ = req.num_cached_tokens_by_medium
+                bs = self.kv.block_size
+                self._set_cached(req, num_cached, gpu // bs, cpu // bs)
         req.status = RequestStatus.RUNNING
         self.running.append(req)

@@ -14,7 +14,7 @@ Public API (all synchronous; call from one event loop)::
     index.insert_approximate(worker_id, block_hashes, now_s, dp_rank=0, ttl_s=None) -> ApproxInsert | None
         # workers without events; pending blocks of a routed request (until its events confirm them)
     index.withdraw_approximate(inserted: ApproxInsert) -> int  # the request was refused or served elsewhere
-    index.expire(now_s) -> int                             # approximate blocks past their TTL
+    index.expire(now_s, max_blocks=None) -> int            # approximate blocks past their TTL (a bounded slice)
     index.clear_worker(worker_id, medium=None) -> None     # one tier, or every tier including pools
     index.remove_worker(worker_id) -> None                 # gone from the fleet
     index.clear() -> None

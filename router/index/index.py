@@ -34,7 +34,7 @@ from router.index.config import GroupSpec, IndexConfig
 from router.index.holdings import Holdings
 from router.index.ingest import Ingest
 from router.index.invariants import check_invariants
-from router.index.query import Query
+from router.index.query import PoolHolding, Query
 from router.index.result import ChainDump, IndexStats, MatchResult
 from router.index.slots import LaneKey
 from router.index.state import COUNTER_NAMES, GPU0, OWN_LOWER_MEDIA, POOL_MEDIA, IndexState
@@ -110,9 +110,15 @@ class PrefixIndex:
         """Undo one ``insert_approximate``; returns how many blocks went (``Upkeep.withdraw_approximate``)."""
         return self.upkeep.withdraw_approximate(inserted)
 
-    def expire(self, now_s: float) -> int:
-        """Drop approximate blocks whose TTL ended at or before ``now_s``; returns how many went."""
-        return self.upkeep.expire(now_s)
+    def expire(self, now_s: float, max_blocks: int | None = None) -> int:
+        """Drop approximate blocks whose TTL ended at or before ``now_s``, looking at no more than ``max_blocks``
+        positions (``None``: all that are due); returns how many went."""
+        return self.upkeep.expire(now_s, max_blocks)
+
+    def has_expired(self, now_s: float) -> bool:
+        """Whether approximate blocks are due at ``now_s`` (``expire`` would drop or skip something)."""
+        queue = self.state.approx_queue
+        return bool(queue) and queue[0][0] <= now_s
 
     # ------------------------------------------------------------------ workers and configuration
 
@@ -161,7 +167,7 @@ class PrefixIndex:
     @property
     def is_hybrid(self) -> bool:
         """Whether ``match`` applies the hybrid per-group rule (``Query.is_hybrid``)."""
-        return self.query.is_hybrid
+        return self.state.is_hybrid
 
     @property
     def journal_seq(self) -> int:
@@ -183,6 +189,33 @@ class PrefixIndex:
                 return True
         return False
 
+    def miss_cause(self, worker_id: str, block_hashes: Sequence[int], first: int, end: int, seq: int) -> str | None:
+        """Why ``worker_id`` did not serve ``block_hashes[first:end]`` from cache, from its journals since ``seq``
+        (the honesty check's mismatch cause, read once per mismatched answer): ``"evicted"`` when it reported
+        evicting one of them (``any_evicted_since``) or, for a member of a shared pool, the pool lost one of them
+        (a ``BlockRemoved`` of the pool's medium, ``IndexState.pool_evicted``), ``"pending"`` when
+        ``block_hashes[first]`` was a pending entry a store confirmed since (``confirmed_since``), else ``None``.
+        A worker whose journals are empty costs one test per slot."""
+        if first >= end:
+            return None
+        state = self.state
+        for medium, lost in state.pool_evicted.items():
+            if lost and worker_id in state.pool_members.get(medium, ()) and any(
+                lost.get(block_hashes[i], 0) > seq for i in range(first, end)
+            ):
+                return "evicted"
+        slots = [slot for slot in state.worker_slots(worker_id) if slot.evicted or slot.confirmed]
+        if not slots:
+            return None
+        for slot in slots:
+            evicted = slot.evicted
+            if evicted and any(evicted.get(block_hashes[i], 0) > seq for i in range(first, end)):
+                return "evicted"
+        head = block_hashes[first]
+        if any(slot.confirmed.get(head, 0) > seq for slot in slots):
+            return "pending"
+        return None
+
     def confirmed_since(self, worker_id: str, block_hash: int, seq: int) -> bool:
         """Whether a store of ``worker_id`` confirmed ``block_hash``, until then only a pending entry, after the
         index's ``journal_seq`` was ``seq``: at that time the block was still being computed by a request in
@@ -192,6 +225,10 @@ class PrefixIndex:
     def num_blocks(self) -> int:
         """Indexed blocks (entries)."""
         return self.state.num_entries
+
+    def pool_holdings(self, medium: Medium = Medium.MOONCAKE) -> list[PoolHolding]:
+        """Every holding on a pool tier's lanes (``Query.pool_holdings``): what a pool watcher checks."""
+        return self.query.pool_holdings(medium)
 
     def stats(self) -> IndexStats:
         """Sizes per worker and tier, and the counters."""

@@ -46,8 +46,8 @@ from router.block_hash import (
     tokens_to_bytes,
 )
 from router.index.holdings import Holdings
-from router.index.slots import LaneKey, Slot
-from router.index.state import GPU0, IndexState
+from router.index.slots import LaneKey, Slot, journal
+from router.index.state import GPU0, NULL_ID, ROOTED, IndexState
 from router.index.upkeep import Upkeep
 
 logger = logging.getLogger(__name__)
@@ -300,6 +300,15 @@ class Ingest:
 
     def _remove(self, slot: Slot, event: BlockRemoved) -> None:
         lane_key: LaneKey = (event.group_idx, event.medium)
+        if (
+            lane_key == GPU0
+            and self.holdings.bulk_paths
+            and len(self.state.lanes) == 1
+            and not (slot.spans or slot.approx or slot.span_held)
+        ):
+            self._remove_gpu_only(slot, event.block_hashes)
+            self.upkeep.maybe_sweep_engine(slot)
+            return
         counters = self.state.counters
         parent = self.state.parent
         block_hash_of = self.state.hash_of
@@ -307,7 +316,12 @@ class Ingest:
         for engine_hash in event.block_hashes:
             block_hash = slot.engine.get(engine_hash)
             if block_hash is None:
-                counters["num_unknown_removals"] += 1
+                holder = self._pool_holder(slot, lane_key, engine_hash)
+                if holder is None:
+                    counters["num_unknown_removals"] += 1
+                else:  # a member found the pool lost a block another member stored: applied as the holder's
+                    self._remove(holder, BlockRemoved(block_hashes=(engine_hash,), medium=event.medium,
+                                                      group_idx=event.group_idx))  # fmt: skip
                 continue
             entry_id = self.state.find_entry(block_hash)
             targets = [] if entry_id is None else [(entry_id, block_hash)]
@@ -326,6 +340,9 @@ class Ingest:
                 if lane_key == GPU0:
                     self.state.journal_seq += 1
                     slot.note_evicted(block_hash, self.state.journal_seq)
+                elif lane_key[0] == 0 and event.medium in self.state.pool_members:
+                    self.state.journal_seq += 1
+                    journal(self.state.pool_evicted.setdefault(event.medium, {}), block_hash, self.state.journal_seq)
             else:
                 counters["num_removals_not_held"] += 1
             if not self.state.slot_holds_hash(slot, block_hash):
@@ -333,3 +350,91 @@ class Ingest:
                 if factor > 1:
                     del slot.spans[(event.medium, engine_hash)]
         self.upkeep.maybe_sweep_engine(slot)
+
+    def _pool_holder(self, slot: Slot, lane_key: LaneKey, engine_hash: int) -> Slot | None:
+        """Another pool member's slot holding ``engine_hash`` on the pool lane ``lane_key``, when ``slot`` is a
+        member of that pool that does not know the hash (a worker reporting a pool block gone that another member
+        stored), else ``None``. O(the pool members' slots)."""
+        state = self.state
+        members = state.pool_members.get(lane_key[1])
+        lane = state.lanes.get(lane_key)
+        if members is None or lane is None or slot.worker_id not in members:
+            return None
+        for worker_id in members:
+            for other in state.worker_slots(worker_id):
+                block_hash = other.engine.get(engine_hash)
+                if block_hash is not None and lane[state.id_of.get(block_hash, NULL_ID)] & other.mask:
+                    return other
+        return None
+
+    def _remove_gpu_only(self, slot: Slot, engine_hashes: Sequence[int]) -> None:
+        """``_remove`` on the GPU lane of group 0 when it is the index's only lane and the slot has no offload
+        spans or approximate blocks (an engine with events and no lower tier: the common case): the same changes as
+        ``Holdings.drop`` per block (an extra copy, else the bit, ``num_held``, gaps, the entry's deletion; the
+        eviction journal, the engine-hash mapping), inlined in one loop over the event's hashes."""
+        state = self.state
+        engine = slot.engine
+        id_of = state.id_of
+        kind = state.kind
+        parent = state.parent
+        gpu = state.gpu0
+        extra_children = state.extra_children
+        mask = slot.mask
+        copies = slot.copies
+        num_unknown = num_not_held = num_dropped = num_dropped_copies = 0
+        num_emptied = 0
+        gaps = 0
+        for engine_hash in engine_hashes:
+            block_hash = engine.get(engine_hash)
+            if block_hash is None:
+                num_unknown += 1
+                continue
+            entry_id = id_of.get(block_hash, NULL_ID)
+            holders = gpu[entry_id]  # 0 for an unknown hash (the null id) and for dangling keys
+            if copies:
+                key = (GPU0, block_hash)
+                num_copies = copies.get(key)
+                if num_copies:  # one copy of several goes: the block stays held, its engine hash mapped
+                    if num_copies == 1:
+                        del copies[key]
+                    else:
+                        copies[key] = num_copies - 1
+                    num_dropped_copies += 1
+                    state.journal_seq += 1
+                    slot.note_evicted(block_hash, state.journal_seq)
+                    continue
+            if not holders & mask:
+                num_not_held += 1
+                del engine[engine_hash]
+                continue
+            holders ^= mask
+            gpu[entry_id] = holders
+            num_dropped += 1
+            # Gaps: the block's held children become gaps; the block was one if its parent is not held.
+            nxt = entry_id + 1
+            if nxt < state.num_ids and parent[nxt] == entry_id and gpu[nxt] & mask:
+                gaps += 1
+            extra = extra_children.get(entry_id)
+            if extra is not None:
+                if type(extra) is int:
+                    gaps += 1 if gpu[extra] & mask else 0
+                else:
+                    assert isinstance(extra, list)
+                    gaps += sum(1 for child in extra if gpu[child] & mask)
+            if kind[entry_id] != ROOTED and not gpu[parent[entry_id]] & mask:
+                gaps -= 1
+            state.journal_seq += 1
+            slot.note_evicted(block_hash, state.journal_seq)
+            del engine[engine_hash]
+            if not holders:
+                num_emptied += 1
+                state.maybe_delete_entry(entry_id)
+        if num_dropped:
+            slot.num_held[GPU0] -= num_dropped
+            state.lane_sizes[GPU0] -= num_emptied
+        if gaps:
+            state.add_gaps(slot, gaps)
+        counters = state.counters
+        counters["num_unknown_removals"] += num_unknown
+        counters["num_removals_not_held"] += num_not_held
+        counters["num_blocks_removed"] += num_dropped + num_dropped_copies

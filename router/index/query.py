@@ -2,9 +2,9 @@
 
 ``match`` for group 0 on GPU (the routing hot path) reads the holder masks of the prompt's blocks in the GPU
 lane. Slots without gaps (``router.index.state``) hold a prefix of the prompt's positions and nothing after it,
-so their depths come from a binary search over positions (``match.jump_depths``: 2 probes when every holder
+so their depths come from a binary search over positions (``match.jump_levels``: 2 probes when every holder
 holds the whole prompt, about ``2 log2 n`` more per distinct depth); slots with gaps are walked position by
-position until the last of them stops (``match.prefix_depths``). This relies on ``block_hashes`` being a hash
+position until the last of them stops (``match.prefix_levels``). This relies on ``block_hashes`` being a hash
 chain (``router.block_hash``: each hash determines its whole prefix); for a sequence that is not one, a slot
 without gaps may be credited with positions it does not hold.
 """
@@ -13,14 +13,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from itertools import repeat
-from operator import and_
 
 from events.types import Medium
-from router.index.config import GroupKind
 from router.index.errors import UnknownWorkerError
-from router.index.match import hybrid_prefix_len, jump_depths, position_bitsets, prefix_depths
-from router.index.result import ChainDump, IndexStats, MatchResult, WorkerMatch
+from router.index.match import (
+    deepest_first,
+    hybrid_prefix_len,
+    jump_levels,
+    levels_of,
+    position_bitsets,
+    prefix_levels,
+    walk_levels,
+)
+from router.index.result import ChainDump, HolderMatches, IndexStats, Levels, MatchResult
 from router.index.state import GPU0, NULL_ID, OWN_LOWER_MEDIA, POOL_MEDIA, IndexState
+
+PoolHolding = tuple[str, int, int, int, int]
+"""``(worker_id, dp_rank, group_idx, engine_hash, block_hash)`` of one pool-tier holding (``pool_holdings``)."""
 
 
 class Query:
@@ -43,16 +52,22 @@ class Query:
         Returns:
             Per worker with a non-empty match: GPU depth, then the CPU/disk continuation, then the shared pool
             continuation (``WorkerMatch``); for a worker with several dp ranks, the rank with the longest one.
+            ``workers`` is a ``HolderMatches``: depths as levels of slot masks, resolved per worker on demand
+            (no object per holder is built unless asked for).
         """
+        state = self.state
         num_blocks = len(block_hashes)
-        if not num_blocks or not self.state.slots:
+        if not num_blocks or not state.slots:
             return MatchResult({}, num_blocks)
-        if len(self.state.groups) > 1 or self.state.groups[0].kind is not GroupKind.FULL:
+        if state.is_hybrid:
             return self._match_hybrid(block_hashes)
-        sizes = self.state.lane_sizes
-        if sum(sizes.values()) == sizes[GPU0]:  # one group: every lane but GPU0 is empty (no lower tier, no pool)
-            gpu_depths = self._gpu_depths(block_hashes)
-            return self._result(gpu_depths, gpu_depths, gpu_depths, num_blocks)
+        sizes = state.lane_sizes
+        if len(sizes) == 1 or sum(sizes.values()) == sizes[GPU0]:  # every lane but GPU0 is empty (no lower tier)
+            levels = self._gpu_levels(block_hashes)
+            if not levels:
+                return MatchResult({}, num_blocks)
+            return MatchResult(HolderMatches(levels, None, None, state.slots_by_bit, state.slots_of_worker),
+                               num_blocks)
         lower = [
             lane
             for (g, medium), lane in self.state.lanes.items()
@@ -64,30 +79,38 @@ class Query:
             if g == 0 and medium in POOL_MEDIA and sizes[(g, medium)]
         ]
         if not lower and not pools:
-            gpu_depths = self._gpu_depths(block_hashes)
-            return self._result(gpu_depths, gpu_depths, gpu_depths, num_blocks)
-        pool_depths, max_depth = prefix_depths(self._level_masks(block_hashes, lower, pools))
+            return self._result(self._gpu_levels(block_hashes), None, None, num_blocks)
+        pool_levels, max_depth = prefix_levels(self._level_masks(block_hashes, lower, pools))
         if not max_depth:
             return MatchResult({}, num_blocks)
         prefix = block_hashes[:max_depth]
-        own_depths = prefix_depths(self._level_masks(prefix, lower, []))[0] if pools else pool_depths
-        gpu_depths = self._gpu_depths(prefix)
-        return self._result(gpu_depths, own_depths, pool_depths, num_blocks)
+        own_levels = prefix_levels(self._level_masks(prefix, lower, []))[0] if pools else pool_levels
+        return self._result(
+            deepest_first(pool_levels),
+            self._gpu_levels(prefix),
+            deepest_first(own_levels),
+            num_blocks,
+        )
 
-    def _gpu_depths(self, hashes: Sequence[int]) -> dict[int, int]:
-        """Contiguous GPU depth (group 0) per slot bit holding ``hashes[0]``: jump search for slots without
-        gaps, a walk with early exit for the others. ``hashes`` is non-empty."""
-        get = self.state.id_of.get
-        gpu = self.state.gpu0
+    def _gpu_levels(self, hashes: Sequence[int]) -> Levels:
+        """Contiguous GPU depths (group 0) of the slots holding ``hashes[0]``, as levels deepest first: jump search
+        for slots without gaps, a walk with early exit for the others. ``hashes`` is non-empty. When every holder
+        of the first block is without gaps and holds the last one too (a repeated prompt), two lookups."""
+        state = self.state
+        get = state.id_of.get
+        gpu = state.gpu0
         first = gpu[get(hashes[0], NULL_ID)]
         if not first:
-            return {}
-        dirty = first & self.state.dirty_mask
-        depths = jump_depths(get, gpu, hashes, first ^ dirty) if first ^ dirty else {}
-        if dirty:
-            masks = map(gpu.__getitem__, map(get, hashes, repeat(NULL_ID)))
-            depths.update(prefix_depths(map(and_, masks, repeat(dirty)))[0])
-        return depths
+            return ()
+        dirty = first & state.dirty_mask
+        if not dirty:
+            if gpu[get(hashes[-1], NULL_ID)] & first == first:
+                return ((len(hashes), first),)
+            return deepest_first(jump_levels(get, gpu, hashes, first))
+        levels = jump_levels(get, gpu, hashes, first ^ dirty) if first ^ dirty else {}
+        for depth, holders in walk_levels(get, state.hash_of, gpu, hashes, dirty).items():
+            levels[depth] = levels.get(depth, 0) | holders
+        return deepest_first(levels)
 
     def _level_masks(
         self,
@@ -114,33 +137,11 @@ class Query:
 
         return map(level, ids)
 
-    def _result(self, gpu: dict[int, int], own: dict[int, int], pool: dict[int, int], num_blocks: int) -> MatchResult:
-        best: dict[str, WorkerMatch] = {}
-        if gpu is own is pool:  # GPU only: the best rank is the deepest, then the lowest
-            slots_by_bit = self.state.slots_by_bit
-            for bit, depth in gpu.items():
-                slot = slots_by_bit.get(bit)
-                if slot is None:
-                    continue
-                current = best.get(slot.worker_id)
-                if current is None or (depth, -slot.dp_rank) > (current.num_gpu_blocks, -current.dp_rank):
-                    best[slot.worker_id] = WorkerMatch(slot.worker_id, slot.dp_rank, depth)
-            return MatchResult(best, num_blocks)
-        for bit, total in pool.items():
-            slot = self.state.slots_by_bit.get(bit)
-            if slot is None:
-                continue
-            num_gpu = gpu.get(bit, 0)
-            num_own = own.get(bit, 0)
-            found = WorkerMatch(slot.worker_id, slot.dp_rank, num_gpu, num_own - num_gpu, total - num_own)
-            current = best.get(slot.worker_id)
-            if current is None or (found.num_blocks, num_gpu, -slot.dp_rank) > (
-                current.num_blocks,
-                current.num_gpu_blocks,
-                -current.dp_rank,
-            ):
-                best[slot.worker_id] = found
-        return MatchResult(best, num_blocks)
+    def _result(self, total: Levels, gpu: Levels | None, own: Levels | None, num_blocks: int) -> MatchResult:
+        if not total:
+            return MatchResult({}, num_blocks)
+        state = self.state
+        return MatchResult(HolderMatches(total, gpu, own, state.slots_by_bit, state.slots_of_worker), num_blocks)
 
     def _match_hybrid(self, block_hashes: Sequence[int]) -> MatchResult:
         num_blocks = len(block_hashes)
@@ -174,7 +175,12 @@ class Query:
                     )
                 }
             )
-        return self._result(per_level[0], per_level[1], per_level[2], num_blocks)
+        return self._result(
+            deepest_first(levels_of(per_level[2])),
+            deepest_first(levels_of(per_level[0])),
+            deepest_first(levels_of(per_level[1])),
+            num_blocks,
+        )
 
     # ------------------------------------------------------------------ introspection
 
@@ -195,8 +201,7 @@ class Query:
     @property
     def is_hybrid(self) -> bool:
         """Whether the index applies a hybrid hit rule (more than one cache group, or group 0 not full attention)."""
-        groups = self.state.groups
-        return len(groups) > 1 or groups[0].kind is not GroupKind.FULL
+        return self.state.is_hybrid
 
     def dump_worker(self, worker_id: str) -> list[ChainDump]:
         """A worker's chains (group 0), each from its first held block to a held leaf, sorted.
@@ -226,3 +231,25 @@ class Query:
                 chains.append(ChainDump(slot.dp_rank, tuple(block_hash_of[i] for i in chain), media))
         chains.sort(key=lambda c: (c.dp_rank, c.block_hashes))
         return chains
+
+    def pool_holdings(self, medium: Medium) -> list[PoolHolding]:
+        """Every block a slot holds on a pool tier's lanes, as its engine hash (what the pool's key names):
+        ``(worker_id, dp_rank, group_idx, engine_hash, block_hash)``, in no particular order. O(the pool members'
+        engine hashes)."""
+        lanes = [(g, lane) for (g, m), lane in self.state.lanes.items() if m is medium]
+        if not lanes:
+            return []
+        members = self.state.pool_members.get(medium, frozenset())
+        id_of = self.state.id_of
+        out: list[PoolHolding] = []
+        for slot in self.state.slots.values():
+            if slot.worker_id not in members or not any(slot.num_held.get((g, medium)) for g, _ in lanes):
+                continue
+            mask = slot.mask
+            for engine_hash, block_hash in slot.engine.items():
+                entry_id = id_of.get(block_hash, NULL_ID)
+                for g, lane in lanes:
+                    if lane[entry_id] & mask:
+                        out.append((slot.worker_id, slot.dp_rank, g, engine_hash, block_hash))
+        return out
+

@@ -19,14 +19,14 @@ MAX_EVICTED = 65536
 """Blocks each slot's eviction journal remembers (``Slot.evicted``)."""
 
 
-def _journal(journal: dict[int, int], block_hash: int, seq: int) -> None:
+def journal(entries: dict[int, int], block_hash: int, seq: int) -> None:
     """Stamp ``block_hash`` with ``seq`` as the newest entry, dropping the oldest half past ``MAX_EVICTED``."""
-    journal.pop(block_hash, None)
-    journal[block_hash] = seq
-    if len(journal) > MAX_EVICTED:
-        keep = list(journal.items())[MAX_EVICTED // 2:]
-        journal.clear()
-        journal.update(keep)
+    entries.pop(block_hash, None)
+    entries[block_hash] = seq
+    if len(entries) > MAX_EVICTED:
+        keep = list(entries.items())[MAX_EVICTED // 2:]
+        entries.clear()
+        entries.update(keep)
 
 
 class Slot:
@@ -50,7 +50,8 @@ class Slot:
         span_held: (lane, our hash) pairs held only through a multi-block offload span.
         copies: (lane, our hash) -> extra copies.
         num_held: lane -> blocks held.
-        approx: our hash -> expiry time in seconds (approximate mode, group 0 GPU lane).
+        approx: our hash -> the ``ApproxRecord`` owning it (approximate mode, group 0 GPU lane;
+            ``router.index.approximate``).
         parked: parent engine hash -> stores waiting for it, and their order for dropping the oldest.
         num_gaps: blocks held on the group 0 GPU lane whose parent the slot does not hold there
             (``router.index.state``); 0 lets ``match`` binary-search this slot's depth.
@@ -93,7 +94,7 @@ class Slot:
         self.span_held: set[tuple[LaneKey, int]] = set()
         self.copies: dict[tuple[LaneKey, int], int] = {}
         self.num_held: dict[LaneKey, int] = {}
-        self.approx: dict[int, float] = {}
+        self.approx: dict[int, ApproxRecord] = {}
         self.parked: dict[int, list[BlockStored]] = {}
         self.parked_order: deque[tuple[int, BlockStored]] = deque()
         self.num_gaps = 0
@@ -104,12 +105,37 @@ class Slot:
 
     def note_evicted(self, block_hash: int, seq: int) -> None:
         """Journal one GPU eviction (``evicted``)."""
-        _journal(self.evicted, block_hash, seq)
+        journal(self.evicted, block_hash, seq)
 
     def note_confirmed(self, block_hash: int, seq: int) -> None:
         """Journal one pending entry confirmed by the worker's store (``confirmed``)."""
-        _journal(self.confirmed, block_hash, seq)
+        journal(self.confirmed, block_hash, seq)
 
     def num_parked(self) -> int:
         """Stores waiting for a parent."""
         return len(self.parked_order)
+
+
+class ApproxRecord:
+    """The approximate blocks of one chain of one slot (``router.index.approximate`` describes the tree they form).
+
+    Attributes:
+        slot: the worker rank holding them.
+        hashes: ``[n]`` the chain's block hashes, root-most first.
+        start: the first position the record may own (it owns ``hashes[i]``, ``i >= start``, while
+            ``slot.approx[hashes[i]] is self``).
+        expiry_s: monotonic seconds at which its blocks expire.
+        up: the record of the block before ``start`` when this one was made, or ``None``.
+        num_children: records made with ``up`` this one (a record with children is not extended in place).
+    """
+
+    __slots__ = ("slot", "hashes", "start", "expiry_s", "up", "num_children")
+
+    def __init__(self, slot: Slot, hashes: tuple[int, ...], start: int, expiry_s: float,
+                 up: ApproxRecord | None) -> None:
+        self.slot = slot
+        self.hashes = hashes
+        self.start = start
+        self.expiry_s = expiry_s
+        self.up = up
+        self.num_children = 0

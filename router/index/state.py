@@ -58,15 +58,16 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import repeat
+from itertools import compress, repeat
+from operator import add, ne
 from typing import cast
 
 import numpy as np
 
 from events.types import Medium
-from router.index.config import GroupSpec, IndexConfig
+from router.index.config import GroupKind, GroupSpec, IndexConfig
 from router.index.errors import IndexConfigError
-from router.index.slots import LaneKey, Slot
+from router.index.slots import ApproxRecord, LaneKey, Slot
 
 POOL_MEDIA: frozenset[Medium] = frozenset({Medium.MOONCAKE})
 """Tiers shared by several workers; membership comes from ``set_pool_members``."""
@@ -148,17 +149,26 @@ class IndexState:
         self.reset_tables((GPU0,))
         self.dirty_mask = 0
         self.slots: dict[tuple[str, int], Slot] = {}
+        # Copied on write (``set_roster``), never changed in place: a match result keeps the roster of its time.
         self.slots_by_bit: dict[int, Slot] = {}
+        self.slots_of_worker: dict[str, tuple[Slot, ...]] = {}
         self.free_bits: list[int] = []
         self.pool_members: dict[Medium, frozenset[str]] = {}
         self.pool_masks: dict[Medium, int] = {}
         self.groups: dict[int, GroupSpec] = {0: GroupSpec()}
+        self.is_hybrid = False
+        """More than one cache group, or group 0 not full attention (kept by ``set_group_spec``)."""
         for group_idx, spec in enumerate(self.config.groups):
             self.set_group_spec(group_idx, spec)
-        self.approx_queue: list[tuple[float, int, Slot, tuple[int, ...]]] = []  # heap by expiry
+        self.approx_queue: list[tuple[float, int, ApproxRecord]] = []  # heap by expiry (router.index.approximate)
         self.approx_seq = 0
         self.num_approx = 0
-        self.journal_seq = 0  # GPU evictions and pending confirmations so far (``Slot.evicted``, ``confirmed``)
+        self.journal_seq = 0  # GPU and pool evictions, pending confirmations so far (journals below and per slot)
+        self.pool_evicted: dict[Medium, dict[int, int]] = {}
+        """Per pool medium: blocks dropped from the pool's group 0 lane by a removal (``BlockRemoved`` of that
+        medium: the pool watcher saw the master lose them, or a worker reported it), stamped with ``journal_seq``
+        (the latest ``MAX_EVICTED``): the honesty check reads a pool block lost after the decision as a forecast
+        miss of every pool member, as ``Slot.evicted`` is for one worker's GPU."""
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         for medium, workers in (pool_members or {}).items():
             self.set_pool_members(medium, workers)
@@ -186,14 +196,18 @@ class IndexState:
     # ------------------------------------------------------------------ configuration
 
     def set_pool_members(self, medium: Medium, worker_ids: Iterable[str]) -> None:
-        """Declare which workers are attached to a shared pool tier (replaces the previous set).
+        """Declare which workers are attached to a shared pool tier (replaces the previous set). A member that
+        has no slot yet (no event so far) gets its dp rank 0 slot now, so the pool's entries count for it at once.
 
         Raises:
             IndexConfigError: ``medium`` is not a pool tier.
         """
         if medium not in POOL_MEDIA:
             raise IndexConfigError(f"{medium} is not a shared pool tier")
-        self.pool_members[medium] = frozenset(worker_ids)
+        self.pool_members[medium] = members = frozenset(worker_ids)
+        for worker_id in members:  # a member reaches the pool before its first event (rank 0's slot)
+            if not any(wid == worker_id for wid, _ in self.slots):
+                self.slot(worker_id, 0)
         self.recompute_pool_masks()
 
     def set_group_spec(self, group_idx: int, spec: GroupSpec) -> None:
@@ -205,6 +219,7 @@ class IndexState:
         if group_idx < 0:
             raise IndexConfigError(f"group index must be >= 0, got {group_idx}")
         self.groups[group_idx] = spec
+        self.is_hybrid = len(self.groups) > 1 or self.groups[0].kind is not GroupKind.FULL
 
     def recompute_pool_masks(self) -> None:
         self.pool_masks = {
@@ -218,13 +233,28 @@ class IndexState:
             bit = self.free_bits.pop() if self.free_bits else len(self.slots_by_bit)
             slot = Slot(worker_id, dp_rank, bit)
             self.slots[(worker_id, dp_rank)] = slot
-            self.slots_by_bit[bit] = slot
+            by_bit = self.slots_by_bit.copy()  # copies, not in place: see ``set_roster``
+            by_bit[bit] = slot
+            self.slots_by_bit = by_bit
+            of_worker = self.slots_of_worker.copy()
+            of_worker[worker_id] = (*of_worker.get(worker_id, ()), slot)
+            self.slots_of_worker = of_worker
             if any(worker_id in members for members in self.pool_members.values()):
                 self.recompute_pool_masks()
         return slot
 
-    def worker_slots(self, worker_id: str) -> list[Slot]:
-        return [slot for (wid, _), slot in self.slots.items() if wid == worker_id]
+    def set_roster(self) -> None:
+        """Rebuild ``slots_by_bit`` and ``slots_of_worker`` from ``slots`` as new dicts (O(slots), on a worker's
+        first event, removal or a clear only): a ``MatchResult`` resolves its bits through the dicts of its time."""
+        self.slots_by_bit = {slot.bit: slot for slot in self.slots.values()}
+        of_worker: dict[str, tuple[Slot, ...]] = {}
+        for slot in self.slots.values():
+            of_worker[slot.worker_id] = (*of_worker.get(slot.worker_id, ()), slot)
+        self.slots_of_worker = of_worker
+
+    def worker_slots(self, worker_id: str) -> tuple[Slot, ...]:
+        """The worker's slots in creation order (O(1))."""
+        return self.slots_of_worker.get(worker_id, ())
 
     def lane(self, lane_key: LaneKey) -> list[int]:
         lane = self.lanes.get(lane_key)
@@ -414,20 +444,29 @@ class IndexState:
             if not is_rooted and first != up + 1:
                 self.add_child(up, first)
         else:
+            # Reused ids in several ascending runs (chains freed leaf first, one after the other): each run by
+            # slice writes as above, linked to the run before it.
             del self.free_ids[-num_blocks:]
             block_hash_of = self.hash_of
             stamp = self.stamp
             prev = up
-            for entry_id, block_hash in zip(ids, hashes, strict=True):
-                block_hash_of[entry_id] = block_hash
-                parent[entry_id] = prev
-                kind[entry_id] = ENTRY
-                lane[entry_id] = mask
-                stamp[entry_id] = len(log)
-                log.append(entry_id)
+            cuts = compress(range(1, num_blocks), map(ne, ids[1:], map(add, ids, repeat(1))))
+            start = 0
+            for end in (*cuts, num_blocks):
+                run_first = ids[start]
+                length = end - start
+                run_end = run_first + length
+                block_hash_of[run_first:run_end] = hashes[start:end]
+                parent[run_first] = prev
+                parent[run_first + 1 : run_end] = self.iota_slice(run_first, length - 1)
+                kind[run_first:run_end] = ENTRY_BYTES * length
+                lane[run_first:run_end] = repeat(mask, length)
+                stamp[run_first:run_end] = self.iota_slice(len(log), length)
+                log.extend(self.iota_slice(run_first, length))
                 if prev != NULL_ID:
-                    self.add_child(prev, entry_id)
-                prev = entry_id
+                    self.add_child(prev, run_first)
+                prev = run_end - 1
+                start = end
             if is_rooted:
                 kind[first] = ROOTED
         self.num_entries += num_blocks

@@ -12,8 +12,8 @@ first (a chain stored in one go); then it deletes each run by slice writes of th
 (one holder set over the run: the common case) and ``log`` is compacted with numpy. The result, down to the
 order in which ids are freed, is that of evicting one entry at a time. Ingest at the cap (pruning all along) runs
 at about 0.8x the rate below it in ``python -m router.index.bench`` (the "ingest at the cap" row).
-Approximate blocks expire in expiry order (a heap of insert records); a record whose block was refreshed,
-confirmed by an event or dropped since is skipped.
+Approximate mode (records of inserted chains, refreshed and expired in expiry order) is
+``router.index.approximate``; ``ApproxInsert`` is re-exported here.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import logging
 from array import array
 from collections.abc import Sequence
 from itertools import repeat
-from typing import NamedTuple
 
 from events.types import Medium
+from router.index.approximate import REQUEST_PATH_EXPIRY_BLOCKS, Approximate, ApproxInsert
 from router.index.errors import UnknownWorkerError
 from router.index.holdings import Holdings
 from router.index.match import iter_bits
@@ -34,19 +34,10 @@ from router.index.state import GPU0, NULL_ID, POOL_MEDIA, ROOTED, UNSTAMPED, UNS
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["ApproxInsert", "Upkeep"]
 
-class ApproxInsert(NamedTuple):
-    """One ``insert_approximate`` call, to withdraw it (``withdraw_approximate``).
-
-    Attributes:
-        slot: the worker rank the blocks were inserted for.
-        block_hashes: the blocks, root-most first.
-        expiry_s: their expiry time, monotonic seconds (identifies this insertion's holdings).
-    """
-
-    slot: Slot
-    block_hashes: tuple[int, ...]
-    expiry_s: float
+SHRINK_MIN_IDS = 4096
+"""An empty index whose tables have more ids than this resets them (``Upkeep.shrink_if_empty``)."""
 
 
 class Upkeep:
@@ -60,6 +51,7 @@ class Upkeep:
     def __init__(self, state: IndexState, holdings: Holdings) -> None:
         self.state = state
         self.holdings = holdings
+        self.approximate = Approximate(state, holdings)
 
     # ------------------------------------------------------------------ clearing
 
@@ -122,6 +114,7 @@ class Upkeep:
         if GPU0 in cleared:
             self.state.num_approx -= len(slot.approx)
             slot.approx.clear()
+            self.drop_approx_records(slot)
             self.state.reset_gaps(slot)
         if medium is None:
             slot.parked.clear()
@@ -135,6 +128,26 @@ class Upkeep:
             slot.spans = {key: k for key, k in slot.spans.items() if key[1] in slot.engine}
         for entry_id in freed:
             self.state.maybe_delete_entry(entry_id)
+        self.shrink_if_empty()
+
+    def drop_approx_records(self, slot: Slot) -> None:
+        """Take ``slot``'s records out of the expiry queue (its approximate blocks were just cleared): each record
+        holds its chain's block hashes and the slot itself, so a record left queued kept a cleared slot's hashes,
+        and a removed slot with its engine map and journals, alive until its expiry (``approx_ttl_s``, 120 s by
+        default). O(queue length); a clear or a removal is rare."""
+        queue = self.state.approx_queue
+        kept = [item for item in queue if item[2].slot is not slot]
+        if len(kept) != len(queue):
+            heapq.heapify(kept)
+            queue[:] = kept
+
+    def shrink_if_empty(self) -> None:
+        """Give the tables' memory back once no entry is left (every worker cleared or removed): the id tables and
+        lanes keep the length of the most entries ever held (``SHRINK_MIN_IDS`` ids and more), which would stay
+        allocated however empty the index is. O(1) unless it resets."""
+        state = self.state
+        if state.num_entries == 0 and state.num_ids > SHRINK_MIN_IDS:
+            state.reset_tables(state.lanes)
 
     def clear_worker(self, worker_id: str, medium: Medium | None = None) -> None:
         """Drop a worker's holdings (all dp ranks) on one medium, or on every medium including pools.
@@ -154,8 +167,8 @@ class Upkeep:
             self.clear_slot(slot, None, include_pool=True)
             slot.is_live = False
             del self.state.slots[(slot.worker_id, slot.dp_rank)]
-            del self.state.slots_by_bit[slot.bit]
             self.state.free_bits.append(slot.bit)
+        self.state.set_roster()
         self.state.recompute_pool_masks()
 
     def clear(self) -> None:
@@ -166,7 +179,7 @@ class Upkeep:
             slot.is_live = False
             fresh = Slot(slot.worker_id, slot.dp_rank, slot.bit)
             self.state.slots[(slot.worker_id, slot.dp_rank)] = fresh
-            self.state.slots_by_bit[slot.bit] = fresh
+        self.state.set_roster()
         self.state.approx_queue.clear()
         self.state.num_approx = 0
 
@@ -363,8 +376,10 @@ class Upkeep:
 
         The blocks (our hashes from the root, group 0, GPU) expire ``ttl_s`` (default ``approx_ttl_s``) after
         ``now_s`` unless an event of the worker stores them first (then they are the event's and stop expiring).
-        Re-inserting refreshes the expiry. Blocks beyond ``approx_max_blocks`` evict the soonest-expiring
-        approximate ones. Records of different TTLs expire in expiry order (a heap).
+        Re-inserting refreshes the expiry (never shortens it), of the blocks the slot already held too; only the
+        blocks past what the slot holds are linked (``router.index.approximate``: O(new blocks + log n)).
+        Blocks beyond ``approx_max_blocks`` evict the soonest-expiring approximate ones. Records of different
+        TTLs expire in expiry order (a heap); expired blocks are dropped first, a bounded slice of them.
 
         Args:
             worker_id: the chosen worker.
@@ -381,73 +396,24 @@ class Upkeep:
         """
         if ttl_s is not None and ttl_s <= 0.0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
-        self.expire(now_s)
+        self.approximate.expire(now_s, REQUEST_PATH_EXPIRY_BLOCKS)
         if not block_hashes:
             return None
-        slot = self.state.slot(worker_id, dp_rank)
-        hashes = list(block_hashes)
-        ids, _, is_consistent = self.state.link(hashes, 0, True)
-        expiry = now_s + (self.state.config.approx_ttl_s if ttl_s is None else ttl_s)
-        lane = self.state.gpu0
-        mask = slot.mask
-        approx = slot.approx
-        num_new = 0
-        num_filled = 0
-        olds = list(map(lane.__getitem__, ids))
-        for entry_id, block_hash, old in zip(ids, hashes, olds, strict=True):
-            if old & mask:
-                if block_hash in approx:
-                    approx[block_hash] = expiry
-                continue
-            lane[entry_id] = old | mask
-            approx[block_hash] = expiry
-            num_new += 1
-            num_filled += not old
-        self.state.lane_sizes[GPU0] += num_filled
-        slot.num_held[GPU0] = slot.num_held.get(GPU0, 0) + num_new
-        self.holdings.gaps_after_chain_hold(slot, ids, olds, is_consistent)
-        self.state.num_approx += num_new
-        self.state.counters["num_approx_blocks_inserted"] += num_new
-        self.state.approx_seq += 1
-        record = tuple(hashes)
-        heapq.heappush(self.state.approx_queue, (expiry, self.state.approx_seq, slot, record))
-        if self.state.num_approx > self.state.config.approx_max_blocks:
-            target = int(self.state.config.approx_max_blocks * self.state.config.prune_target_ratio)
-            while self.state.num_approx > target and self.state.approx_queue:
-                self._expire_record(*heapq.heappop(self.state.approx_queue))
-        if self.state.num_entries > self.state.config.max_blocks:
+        config = self.state.config
+        inserted = self.approximate.insert(self.state.slot(worker_id, dp_rank), block_hashes, now_s,
+                                           config.approx_ttl_s if ttl_s is None else ttl_s)
+        self.approximate.evict_over_cap()
+        if self.state.num_entries > config.max_blocks:
             self.prune()
-        return ApproxInsert(slot, record, expiry)
+        return inserted
 
     def withdraw_approximate(self, inserted: ApproxInsert) -> int:
-        """Undo one ``insert_approximate`` (the request it stood for was refused or went elsewhere): drop those of
-        its blocks that are still approximate with its expiry. A block an event has confirmed since, or a later
-        insertion refreshed (another request still pending), stays. Returns how many blocks went."""
-        num_dropped = self._drop_approx(inserted.expiry_s, inserted.slot, inserted.block_hashes)
-        self.state.counters["num_approx_blocks_withdrawn"] += num_dropped
-        return num_dropped
+        """Undo one ``insert_approximate`` (the request it stood for was refused or went elsewhere): drop the
+        blocks it added, unless an event has confirmed them since or a later insertion refreshed them (another
+        request still pending). Returns how many blocks went."""
+        return self.approximate.withdraw(inserted)
 
-    def expire(self, now_s: float) -> int:
-        """Drop approximate blocks whose TTL ended at or before ``now_s``; returns how many went."""
-        queue = self.state.approx_queue
-        num_expired = 0
-        while queue and queue[0][0] <= now_s:
-            num_expired += self._expire_record(*heapq.heappop(queue))
-        return num_expired
-
-    def _expire_record(self, expiry: float, seq: int, slot: Slot, hashes: tuple[int, ...]) -> int:
-        num_expired = self._drop_approx(expiry, slot, hashes)
-        self.state.counters["num_approx_blocks_expired"] += num_expired
-        return num_expired
-
-    def _drop_approx(self, expiry: float, slot: Slot, hashes: tuple[int, ...]) -> int:
-        """Drop the slot's approximate holdings of ``hashes`` whose expiry is still ``expiry``."""
-        if not slot.is_live:
-            return 0
-        num_dropped = 0
-        for block_hash in hashes:
-            if slot.approx.get(block_hash) == expiry:
-                entry_id = self.state.find_entry(block_hash)
-                if entry_id is not None and self.holdings.drop(slot, GPU0, entry_id):
-                    num_dropped += 1
-        return num_dropped
+    def expire(self, now_s: float, max_blocks: int | None = None) -> int:
+        """Drop approximate blocks whose TTL ended at or before ``now_s``, looking at no more than ``max_blocks``
+        positions (``None``: all that are due); returns how many went."""
+        return self.approximate.expire(now_s, max_blocks)

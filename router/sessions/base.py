@@ -16,8 +16,8 @@ Lifecycle (in the gateway's ``cleanup_ctx``): ``store = build_session_store(conf
 ``router/sessions/config.py``), ``await store.start()``, a background task calling ``await store.reap_expired()``
 every ``config.sessions.reap_interval_s``, and ``await store.aclose()`` on exit. Metrics read ``store.stats()``
 (synchronous, no I/O): live and expired sessions, and whether the store is degraded (Redis unreachable, local
-fallback in use). Admin ``sessions list``/``drop`` call ``list_sessions``/``drop``; removing a worker calls
-``drop_worker``.
+fallback in use). Admin ``sessions list``/``drop`` call ``find_sessions`` (``SessionFilter``) and ``drop`` or
+``drop_sessions``; removing a worker calls ``drop_worker``.
 
 Errors: no method raises because a backing service is down; the Redis store answers from its local fallback
 instead. Bad arguments (an empty key or worker id) raise ``ValueError``.
@@ -44,6 +44,60 @@ class SessionEntry(msgspec.Struct, frozen=True, gc=False):
     worker_id: str
     last_used_s: float
     is_new: bool = False
+
+
+class SessionFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which live sessions an admin listing or bulk drop takes: every condition given holds (none given: every live
+    session). Times are in seconds.
+
+    Attributes:
+        worker_id: owned by this worker.
+        key_prefix: the session key starts with this (keys are ``<source>:<value>``: ``sid:`` takes every
+            ``x-session-id`` session, ``sid:tenant-a-`` one tenant's).
+        min_idle_s: unused for at least this long.
+        max_idle_s: used within this long.
+        min_age_s: created at least this long ago.
+    """
+
+    worker_id: str | None = None
+    key_prefix: str = ""
+    min_idle_s: float = 0.0
+    max_idle_s: float | None = None
+    min_age_s: float = 0.0
+
+    @property
+    def is_everything(self) -> bool:
+        """No condition is given: every live session matches."""
+        return (self.worker_id is None and not self.key_prefix and self.min_idle_s <= 0 and self.max_idle_s is None
+                and self.min_age_s <= 0)
+
+    def takes(self, session_key: str, worker_id: str, idle_s: float, age_s: float) -> bool:
+        """The session matches (``idle_s`` and ``age_s`` as of the same instant)."""
+        return ((self.worker_id is None or worker_id == self.worker_id) and session_key.startswith(self.key_prefix)
+                and idle_s >= self.min_idle_s and (self.max_idle_s is None or idle_s <= self.max_idle_s)
+                and age_s >= self.min_age_s)
+
+
+class SessionInfo(msgspec.Struct, frozen=True, gc=False):
+    """One live session as ``/admin/sessions`` shows it.
+
+    Attributes:
+        session_key: the key as derived by the gateway.
+        worker_id: the owning worker.
+        last_used_s: store clock (seconds) of the last use (the Redis store: of the key's last TTL refresh, Unix
+            seconds on Redis's clock).
+        created_s: store clock (seconds) when the session was created (claimed with no owner).
+        idle_s: seconds since ``last_used_s`` (the Redis store: since the last TTL refresh, so up to
+            ``refresh_fraction * idle_timeout_s`` more than since the last use).
+        age_s: seconds since ``created_s``.
+    """
+
+    session_key: str
+    worker_id: str
+    last_used_s: float
+    created_s: float
+    idle_s: float
+    age_s: float
 
 
 class SessionStore(Protocol):
@@ -73,6 +127,16 @@ class SessionStore(Protocol):
 
     async def num_sessions(self) -> int:
         """Number of live (unexpired) sessions."""
+        ...
+
+    async def find_sessions(self, match: SessionFilter, limit: int) -> list[SessionInfo]:
+        """Live sessions that ``match`` takes, most recently used first, at most ``limit`` (a scan in bounded
+        slices: sessions used while it runs may be missed)."""
+        ...
+
+    async def drop_sessions(self, match: SessionFilter) -> int:
+        """Forget every live session that ``match`` takes, on every replica; returns how many (a scan in bounded
+        slices: a session created or used while it runs may stay)."""
         ...
 
     async def aclose(self) -> None:

@@ -6,14 +6,16 @@ Used on its own (``sessions.store: memory``, one gateway replica) and as the Red
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 
 from sortedcontainers import SortedList
 
-from router.sessions.base import SessionEntry, SessionStoreStats
+from router.sessions.base import SessionEntry, SessionFilter, SessionInfo, SessionStoreStats
 
 logger = logging.getLogger(__name__)
 
@@ -24,11 +26,12 @@ REAP_SLICE = 4096
 class _Slot:
     """Mutable owner record of one session (kept out of the public API)."""
 
-    __slots__ = ("worker_id", "last_used_s")
+    __slots__ = ("worker_id", "last_used_s", "created_s")
 
     def __init__(self, worker_id: str, last_used_s: float) -> None:
         self.worker_id = worker_id
         self.last_used_s = last_used_s
+        self.created_s = last_used_s
 
 
 def _check_key(session_key: str) -> None:
@@ -53,11 +56,13 @@ class MemorySessionStore:
 
     Expiry and eviction order: least recently used first. ``reap_expired`` pops from the front of
     ``_by_last_use`` (O(k log n) for k expired); past ``max_num_sessions`` a new claim evicts the least recently
-    used live session. Every operation is O(log n) except ``drop_worker`` (O(sessions of that worker)) and
-    ``list_sessions`` (O(limit)).
+    used live session. Every operation is O(log n) except ``drop_worker`` (O(sessions of that worker)),
+    ``list_sessions`` (O(limit)) and the admin scans ``find_sessions``/``drop_sessions`` (O(sessions in the idle
+    range asked, or of the worker asked)).
 
-    All methods run on the event loop without awaiting, so each one is atomic with respect to other coroutines.
-    The ``*_sync`` methods are the same operations for callers that are not coroutines.
+    All methods run on the event loop without awaiting, so each one is atomic with respect to other coroutines,
+    except ``reap_expired`` and the admin scans, which yield to the loop every ``REAP_SLICE`` sessions. The
+    ``*_sync`` methods are the same operations for callers that are not coroutines.
     """
 
     def __init__(
@@ -277,6 +282,86 @@ class MemorySessionStore:
         self._by_last_use.clear()
         self._by_worker.clear()
         return num_entries
+
+    async def _scan(self, match: SessionFilter, now_s: float) -> AsyncGenerator[list[tuple[float, str]], None]:
+        """The live sessions ``match`` takes as ``(last_used_s, session_key)`` batches, yielding to the event loop
+        between batches of ``REAP_SLICE`` sessions looked at. Without ``worker_id``: most recently used first,
+        only the range of ``_by_last_use`` the idle bounds allow; with it: that worker's sessions, in no order.
+        A batch is checked against the table as it is when given out."""
+        by_last_use = self._by_last_use
+        newest_s = now_s - match.min_idle_s
+        oldest_s = now_s - self.idle_timeout_s  # exclusive: at or before it, expired
+        if match.max_idle_s is not None:
+            oldest_s = max(oldest_s, math.nextafter(now_s - match.max_idle_s, -math.inf))
+        if match.worker_id is not None:
+            keys = list(self._by_worker.get(match.worker_id, ()))
+            for start in range(0, len(keys), REAP_SLICE):
+                batch = []
+                for session_key in keys[start:start + REAP_SLICE]:
+                    slot = self._owners.get(session_key)
+                    if (slot is not None and oldest_s < slot.last_used_s <= newest_s
+                            and match.takes(session_key, slot.worker_id, now_s - slot.last_used_s,
+                                            now_s - slot.created_s)):
+                        batch.append((slot.last_used_s, session_key))
+                yield batch
+                await asyncio.sleep(0)
+            return
+        # Entries with last_used_s <= t sort before (nextafter(t, inf), "").
+        end: tuple[float, str] = (math.nextafter(newest_s, math.inf), "")
+        floor = (math.nextafter(oldest_s, math.inf), "")
+        while True:
+            hi = by_last_use.bisect_left(end)  # the table may have changed at the yield: found again by value
+            lo = max(by_last_use.bisect_left(floor), hi - REAP_SLICE)
+            if hi <= lo:
+                return
+            entries = by_last_use[lo:hi]
+            batch = []
+            for last_used_s, session_key in reversed(entries):
+                slot = self._owners[session_key]
+                if match.takes(session_key, slot.worker_id, now_s - last_used_s, now_s - slot.created_s):
+                    batch.append((last_used_s, session_key))
+            yield batch
+            end = entries[0]
+            await asyncio.sleep(0)
+
+    async def find_sessions(self, match: SessionFilter, limit: int) -> list[SessionInfo]:
+        """Live sessions ``match`` takes, most recently used first, at most ``limit`` (see ``SessionStore``).
+
+        Raises:
+            ValueError: ``limit < 0``.
+        """
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit!r}")
+        now_s = self._clock()
+        found: list[tuple[float, str]] = []
+        async with contextlib.aclosing(self._scan(match, now_s)) as batches:
+            async for batch in batches:
+                found.extend(batch)
+                if match.worker_id is None and len(found) >= limit:  # newest first: the rest is older
+                    break
+                if len(found) > 2 * limit + REAP_SLICE:
+                    found = heapq.nlargest(limit, found)
+        out = []
+        for last_used_s, session_key in heapq.nlargest(limit, found):
+            slot = self._owners.get(session_key)
+            if slot is not None and slot.last_used_s == last_used_s:
+                out.append(SessionInfo(session_key, slot.worker_id, last_used_s, slot.created_s,
+                                       now_s - last_used_s, now_s - slot.created_s))
+        return out
+
+    async def drop_sessions(self, match: SessionFilter) -> int:
+        """Forget every live session ``match`` takes; returns how many (see ``SessionStore``)."""
+        now_s = self._clock()
+        num_dropped = 0
+        async with contextlib.aclosing(self._scan(match, now_s)) as batches:
+            async for batch in batches:
+                for last_used_s, session_key in batch:
+                    slot = self._owners.get(session_key)
+                    if slot is not None and slot.last_used_s == last_used_s:  # not used since it was matched
+                        self._remove(session_key, slot)
+                        num_dropped += 1
+        self._num_dropped_total += num_dropped
+        return num_dropped
 
     def dump(self) -> list[tuple[str, str, float]]:
         """Test introspection: ``(session_key, worker_id, last_used_s)`` for every entry, oldest first, expired

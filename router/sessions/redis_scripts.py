@@ -2,7 +2,7 @@
 
 Keys, all under ``P = sessions.key_prefix``::
 
-    P s:<session_key>   hash {w: worker_id, t: last refresh, ms of Redis TIME}   PEXPIRE idle_timeout_s
+    P s:<session_key>   hash {w: worker_id, t: last refresh, c: creation, ms of Redis TIME}   PEXPIRE idle_timeout_s
     P idx               zset member=session_key score=t          (list/count across replicas, most recent first)
     P w:<worker_id>     zset member=session_key score=t          (drop_worker without a SCAN)
     P changes           pub/sub channel, one msgpack message per ownership change
@@ -46,7 +46,7 @@ if owner then
 else
   owner = ARGV[1]
   wkey = ARGV[5] .. 'w:' .. owner
-  redis.call('HSET', KEYS[1], 'w', owner)
+  redis.call('HSET', KEYS[1], 'w', owner, 'c', now_ms)
 end
 redis.call('HSET', KEYS[1], 't', now_ms)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -135,6 +135,54 @@ COUNT = _NOW_MS + """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - tonumber(ARGV[1]))
 return redis.call('ZCARD', KEYS[1])
 """
+
+
+# KEYS[1]=the zset to walk (P idx, or P w:<worker> for one worker's sessions); ARGV[1]=P, ARGV[2]=idle_ms,
+# ARGV[3]=min_idle_ms, ARGV[4]=max_idle_ms or '', ARGV[5]=min_age_ms, ARGV[6]=worker or '', ARGV[7]=key prefix,
+# ARGV[8]=offset, ARGV[9]=page size, ARGV[10]='1' to drop what matches, ARGV[11]=channel.
+# Looks at one page of the zset, most recently refreshed first, within the idle bounds (ZREVRANGEBYSCORE ... LIMIT
+# offset count: the script's work is bounded by the page); returns {now_ms, num_looked_at, key1, worker1, t_ms1,
+# c_ms1, key2, ...} for the sessions that match (dropped, each published as a drop, when ARGV[10] is '1'). A
+# session created before the 'c' field existed reads as created at its last refresh.
+SWEEP = _NOW_MS + """
+local hi = now_ms - tonumber(ARGV[3])
+local lo = now_ms - tonumber(ARGV[2])
+if ARGV[4] ~= '' then
+  local oldest = now_ms - tonumber(ARGV[4]) - 1
+  if oldest > lo then lo = oldest end
+end
+local members = redis.call('ZREVRANGEBYSCORE', KEYS[1], hi, '(' .. lo, 'LIMIT', ARGV[8], ARGV[9])
+local out = {now_ms, #members}
+local prefix = ARGV[7]
+local min_age = tonumber(ARGV[5])
+for _, k in ipairs(members) do
+  if prefix == '' or string.sub(k, 1, #prefix) == prefix then
+    local skey = ARGV[1] .. 's:' .. k
+    local cur = redis.call('HMGET', skey, 'w', 't', 'c')
+    local w = cur[1]
+    if w and (ARGV[6] == '' or w == ARGV[6]) then
+      local t = tonumber(cur[2]) or 0
+      local c = tonumber(cur[3]) or t
+      if now_ms - c >= min_age then
+        if ARGV[10] == '1' then
+          redis.call('DEL', skey)
+          redis.call('ZREM', ARGV[1] .. 'idx', k)
+          redis.call('ZREM', ARGV[1] .. 'w:' .. w, k)
+          redis.call('PUBLISH', ARGV[11], cmsgpack.pack({'d', k}))
+        end
+        out[#out + 1] = k
+        out[#out + 1] = w
+        out[#out + 1] = t
+        out[#out + 1] = c
+      end
+    end
+  end
+end
+return out
+"""
+
+SWEEP_PAGE = 1000
+"""Sessions ``SWEEP`` looks at per call (one round trip; about a millisecond of Redis time)."""
 
 
 def session_key_name(key_prefix: str, session_key: str) -> str:

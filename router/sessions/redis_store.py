@@ -5,7 +5,7 @@ one; with ``enable_local_cache`` a cache hit costs none, except when the key's T
 
 TTL refresh: a key's TTL (``idle_timeout_s``) is refreshed at most once per
 ``refresh_fraction * idle_timeout_s`` per replica; the replica keeps the time of its last refresh of each key
-(``_RefreshTable``). A session therefore expires between ``(1 - refresh_fraction) * idle_timeout_s`` and
+(``RefreshTable``). A session therefore expires between ``(1 - refresh_fraction) * idle_timeout_s`` and
 ``idle_timeout_s`` after its last use.
 
 Local cache (optional): ``session_key -> owner`` for ``local_cache_ttl_s``, used only while this replica is
@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,77 +52,15 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from router.sessions import redis_scripts as scripts
-from router.sessions.base import SessionEntry, SessionStoreStats
+from router.sessions.base import SessionEntry, SessionFilter, SessionInfo, SessionStoreStats
 from router.sessions.config import RedisTarget, SessionsConfig
 from router.sessions.errors import SessionBackendError
 from router.sessions.memory import REAP_SLICE, MemorySessionStore
+from router.sessions.refresh_table import RefreshTable
 
 logger = logging.getLogger(__name__)
 
 _WRITE_BACK_BATCH = 256
-
-
-class _RefreshTable:
-    """Per key: the owner this replica last saw and when (local clock, s) it last refreshed the key's TTL.
-
-    An ``OrderedDict`` in refresh order (a refresh moves the key to the end), so expired entries are at the front
-    and reaping is O(expired). Bounded by ``max_num_entries``: the least recently refreshed goes first. Not a plain
-    dict: deleting from a dict's front leaves slots that every later ``next(iter(...))`` walks again, which made
-    each eviction O(entries) and a reap of many keys quadratic (minutes for a million).
-    """
-
-    def __init__(self, max_num_entries: int) -> None:
-        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        self._max_num_entries = max_num_entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, session_key: str) -> tuple[str, float] | None:
-        return self._entries.get(session_key)
-
-    def refreshed(self, session_key: str, worker_id: str, now_s: float) -> None:
-        self._entries[session_key] = (worker_id, now_s)
-        self._entries.move_to_end(session_key)
-        if len(self._entries) > self._max_num_entries:
-            self._entries.popitem(last=False)
-
-    def set_owner(self, session_key: str, worker_id: str) -> None:
-        entry = self._entries.get(session_key)
-        if entry is not None:
-            self._entries[session_key] = (worker_id, entry[1])
-
-    def pop(self, session_key: str) -> None:
-        self._entries.pop(session_key, None)
-
-    def drop_worker(self, worker_id: str) -> None:
-        for session_key in [k for k, (w, _) in self._entries.items() if w == worker_id]:
-            del self._entries[session_key]
-
-    def reap(self, cutoff_s: float, max_num_reaped: int | None = None) -> int:
-        """Forget entries refreshed at or before ``cutoff_s`` (at most ``max_num_reaped``); returns how many."""
-        entries = self._entries
-        num_reaped = 0
-        while entries and num_reaped != max_num_reaped:
-            _, (_, refreshed_s) = next(iter(entries.items()))  # the oldest: O(1) in an OrderedDict
-            if refreshed_s > cutoff_s:
-                break
-            entries.popitem(last=False)
-            num_reaped += 1
-        return num_reaped
-
-    def num_live(self, cutoff_s: float) -> int:
-        """Entries refreshed after ``cutoff_s``: O(expired ones not yet reaped), as entries are in refresh order."""
-        num_expired = 0
-        for _, refreshed_s in self._entries.values():
-            if refreshed_s > cutoff_s:
-                break
-            num_expired += 1
-        return len(self._entries) - num_expired
-
-    def live_owner(self, session_key: str, cutoff_s: float) -> str | None:
-        entry = self._entries.get(session_key)
-        return entry[0] if entry is not None and entry[1] > cutoff_s else None
 
 
 def _text(value: Any) -> str:
@@ -177,9 +114,10 @@ class RedisSessionStore:
         self._drop_worker_script = self._client.register_script(scripts.DROP_WORKER)
         self._list_script = self._client.register_script(scripts.LIST)
         self._count_script = self._client.register_script(scripts.COUNT)
+        self._sweep_script = self._client.register_script(scripts.SWEEP)
         self._fallback = MemorySessionStore(config.idle_timeout_s, clock=clock,
                                             max_num_sessions=config.max_num_sessions, store_name="redis-fallback")
-        self._refresh = _RefreshTable(config.max_num_sessions)
+        self._refresh = RefreshTable(config.max_num_sessions)
         self._cache: dict[str, tuple[str, float, float]] = {}  # key -> (owner, last_used_s, expires_at_s)
         self._invalidation_seq = 0
         self._is_subscribed = False
@@ -508,6 +446,73 @@ class RedisSessionStore:
             except (RedisError, OSError) as exc:
                 self._on_backend_error(exc)
         return self._fallback.num_sessions_sync()
+
+    async def _sweep(self, match: SessionFilter, limit: int | None, *, is_drop: bool) -> list[SessionInfo]:
+        """Walk the sessions ``match`` takes in Redis, ``SWEEP_PAGE`` per round trip, most recently refreshed
+        first: at most ``limit`` of them (``None``: all), dropped when ``is_drop``. Raises RedisError or OSError."""
+        zset = (scripts.worker_key_name(self._prefix, match.worker_id) if match.worker_id is not None
+                else self._index_key)
+        ms = [str(max(0, round(x * 1000))) for x in (match.min_idle_s, match.min_age_s)]
+        max_idle = str(max(0, round(match.max_idle_s * 1000))) if match.max_idle_s is not None else ""
+        args_head: list[str | int] = [self._prefix, self._idle_ms, ms[0], max_idle, ms[1], match.worker_id or "",
+                                      match.key_prefix]
+        out: list[SessionInfo] = []
+        offset = 0
+        while limit is None or len(out) < limit:
+            page: Sequence[Any] = await self._call(
+                self._sweep_script, [zset],
+                [*args_head, offset, scripts.SWEEP_PAGE, "1" if is_drop else "0", self._channel])
+            now_ms = int(page[0])
+            num_looked_at = int(page[1])
+            num_matched = 0
+            for i in range(2, len(page), 4):
+                session_key, worker_id = _text(page[i]), _text(page[i + 1])
+                t_ms, c_ms = int(page[i + 2]), int(page[i + 3])
+                out.append(SessionInfo(session_key, worker_id, t_ms / 1000.0, c_ms / 1000.0,
+                                       max(0, now_ms - t_ms) / 1000.0, max(0, now_ms - c_ms) / 1000.0))
+                num_matched += 1
+            if is_drop:
+                for info in out[-num_matched:] if num_matched else ():
+                    self._forget_locally(info.session_key)
+            offset += num_looked_at - (num_matched if is_drop else 0)  # dropped members left the zset
+            if num_looked_at < scripts.SWEEP_PAGE:
+                break
+        return out if limit is None else out[:limit]
+
+    def _forget_locally(self, session_key: str) -> None:
+        self._cache.pop(session_key, None)
+        self._refresh.pop(session_key)
+        self._fallback.drop_sync(session_key)
+
+    async def find_sessions(self, match: SessionFilter, limit: int) -> list[SessionInfo]:
+        """Live sessions of every replica that ``match`` takes, most recently refreshed first, at most ``limit``
+        (this replica's own while degraded). ``last_used_s`` and ``created_s`` are Redis's clock (Unix seconds);
+        idle time is counted from the last TTL refresh (``refresh_fraction``).
+
+        Raises:
+            ValueError: ``limit < 0``.
+        """
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit!r}")
+        if not self._is_degraded:
+            try:
+                return await self._sweep(match, limit, is_drop=False)
+            except (RedisError, OSError) as exc:
+                self._on_backend_error(exc)
+        return await self._fallback.find_sessions(match, limit)
+
+    async def drop_sessions(self, match: SessionFilter) -> int:
+        """Forget every session ``match`` takes, on every replica (each drop is published); returns how many. While
+        degraded, this replica's own sessions only (Redis keeps its copies)."""
+        num_dropped = 0
+        if not self._is_degraded:
+            try:
+                num_dropped = len(await self._sweep(match, None, is_drop=True))
+            except (RedisError, OSError) as exc:
+                self._on_backend_error(exc)
+        num_dropped += await self._fallback.drop_sessions(match)
+        self._num_dropped_total += num_dropped
+        return num_dropped
 
     async def reap_expired(self) -> int:
         """Forget local state (refresh times, cache, fallback) idle past ``idle_timeout_s``; Redis expires its

@@ -1,5 +1,5 @@
 """deploy/image/Dockerfile: hadolint finds nothing, and the image built with podman runs ``kvgate --version`` and
-serves ``/health`` as a non-root user on a read-only root file system, its HEALTHCHECK passing.
+serves ``/health`` as a non-root user on a read-only root file system, its HEALTHCHECK passing, Python on jemalloc.
 
 No image registry is reachable from the test machines: the base is the Debian root file system that
 ``deploy/image/build-base.sh`` makes with debootstrap and imports (``scripts/test`` runs it). The build itself
@@ -127,7 +127,8 @@ def test_image_runs_kvgate_version(image):
 @pytest.mark.timeout(BUILD_TIMEOUT_S + 300)
 def test_image_serves_health_on_a_read_only_root(image, tmp_path):
     """``kvgate serve`` with the default command and a mounted config, the root read-only and /tmp a tmpfs (as the
-    chart runs it): /health answers 200, the image's HEALTHCHECK passes, and the process runs as uid 10001."""
+    chart runs it): /health answers 200, the image's HEALTHCHECK passes, the process runs as uid 10001, and Python
+    runs on jemalloc."""
     name, options = image
     port = free_port()
     config_dir = tmp_path / "etc"
@@ -155,6 +156,10 @@ def test_image_serves_health_on_a_read_only_root(image, tmp_path):
         assert _podman("healthcheck", "run", container, check=False).returncode == 0
         uid = _podman("exec", container, "/opt/kvgate/bin/python", "-c", "import os; print(os.getuid())").stdout
         assert uid.strip() == "10001"
+        # every Python object on the preloaded jemalloc, glibc's trims off (common.allocator, README)
+        allocator = _podman("exec", container, "/opt/kvgate/bin/python", "-c",
+                            "from common.process_stats import ALLOCATOR; print(ALLOCATOR)").stdout
+        assert allocator.strip() == "jemalloc"
         modes = json.loads(_podman(
             "exec", container, "/opt/kvgate/bin/python", "-c",
             "import json; print(json.dumps({m.split()[1]: m.split()[3].split(',')[0] for m in open('/proc/mounts')}))",

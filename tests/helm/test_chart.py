@@ -297,6 +297,29 @@ def test_vllm_discovery_settings_from_the_readme(tmp_path, monkeypatch):
         "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", None, None)
 
 
+def test_disaggregated_fleet_roles_from_the_pod_label(tmp_path, monkeypatch):
+    """examples/pd.yaml: the model's ``pd`` section reaches the gateway, and each pod's role comes from its label."""
+    objs = render(tmp_path, "pd.yaml")
+    monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "t")
+    config = parse_config(gateway_yaml(objs))
+    [model] = config.models
+    assert model.pd is not None
+    assert (model.pd.protocol, model.pd.kv_bytes_per_token, model.pd.link_bytes_per_s, model.pd.queue_timeout_s) == (
+        "vllm", 131072, 25.0e9, 5.0)
+    discovery = decode_discovery_config(config.discovery)
+    assert discovery.role_label == "kvgate.io/role"
+    roles = {}
+    for name, labels in (("p-0", {"kvgate.io/role": "prefill"}), ("d-0", {"kvgate.io/role": "decode"}),
+                         ("x-0", {})):
+        pod = {"metadata": {"name": name, "labels": {"app": "vllm", **labels}},
+               "status": {"phase": "Running", "podIP": "10.0.0.5",
+                          "conditions": [{"type": "Ready", "status": "True"}]}}
+        worker = pod_to_worker(discovery, pod)
+        assert worker is not None
+        roles[name] = worker.role
+    assert roles == {"p-0": "prefill", "d-0": "decode", "x-0": "both"}
+
+
 SCHEMA = "don't meet the specifications of the schema"
 
 

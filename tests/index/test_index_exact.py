@@ -324,13 +324,12 @@ def test_block_cap_restore_of_a_chain_makes_it_recent():
 
 
 def test_block_cap_prunes_a_parent_left_without_holders_with_its_last_child():
-    # Block 0 expires before block 1 (a shorter TTL refreshed it): an entry only as block 1's parent. Pruning
-    # reaches its target with block 1 (the oldest leaf); block 0, now without holders or children, goes too.
+    # Block 0 is removed before block 1: an entry only as block 1's parent. Pruning reaches its target with
+    # block 1 (the oldest leaf); block 0, now without holders or children, goes too.
     index = make_index(max_blocks=3, prune_target_ratio=1.0)
     other = hash_token_blocks(list(range(500, 508)), BS)
-    index.insert_approximate("a", HASHES[:2], now_s=0.0, ttl_s=10.0)
-    index.insert_approximate("a", HASHES[:1], now_s=0.0, ttl_s=1.0)
-    assert index.expire(1.0) == 1
+    index.apply(batch("a", stored(0, 2)))
+    index.apply(batch("a", BlockRemoved((1000,))))
     assert index.num_blocks() == 2 and depths(index) == {}
     index.insert_approximate("b", other, now_s=2.0)  # 4 > 3: prune 1
     assert index.num_blocks() == 2
@@ -340,7 +339,7 @@ def test_block_cap_prunes_a_parent_left_without_holders_with_its_last_child():
     assert depths(index, other) == {"b": (2, 0, 0)}
     assert index.stats().num_approx_blocks == 2
     index.check_invariants()
-    assert index.expire(10.0) == 0  # a's first insertion has nothing left
+    assert index.expire(10.0) == 0  # b's blocks expire at 122
     index.remove_worker("b")
     assert index.num_blocks() == 0
 

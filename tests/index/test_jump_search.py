@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from events.types import BlockRemoved, BlockStored, EventBatch, Medium
 from router.block_hash import hash_token_blocks
 from router.index import IndexConfig, PrefixIndex
-from router.index.match import iter_bits, jump_depths, prefix_depths
+from router.index.match import iter_bits, jump_depths, prefix_depths, prefix_levels, walk_levels
 
 pytestmark = pytest.mark.unit
 
@@ -47,6 +47,45 @@ def test_jump_depths_agrees_with_walk_on_monotone_masks(depths: list[int], num_b
     ids = {h: h + 1 for h in hashes}  # id 0 is the null id
     assert jump_depths(ids.get, [0, *masks], hashes, held_at_root) == expected
     assert set(expected) == set(iter_bits(held_at_root))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    num_blocks=st.integers(1, 700),
+    run_cuts=st.lists(st.integers(1, 700), max_size=12),
+    bits=st.lists(st.lists(st.integers(0, 699), max_size=6), min_size=1, max_size=8),
+    unknown=st.one_of(st.none(), st.integers(0, 699)),
+    seed=st.integers(0, 2**16),
+)
+def test_walk_levels_agrees_with_the_walk_on_masks_with_gaps(
+    num_blocks: int, run_cuts: list[int], bits: list[list[int]], unknown: int | None, seed: int
+) -> None:
+    # Ids laid out in runs of consecutive ids, in shuffled order, so some runs break at every cut.
+    rng = random.Random(seed)
+    hashes = [1000 + pos for pos in range(num_blocks)]
+    cuts = sorted({c for c in run_cuts if c < num_blocks})
+    runs = [list(range(a, b)) for a, b in zip([0, *cuts], [*cuts, num_blocks], strict=True)]
+    rng.shuffle(runs)
+    id_of: dict[int, int] = {}
+    hash_of = [0]
+    for run in runs:
+        for pos in run:
+            id_of[hashes[pos]] = len(hash_of)
+            hash_of.append(hashes[pos])
+    if unknown is not None and unknown < num_blocks:
+        del id_of[hashes[unknown]]  # a block nobody holds, not indexed
+    # Each slot holds position 0 and then a random set of positions (holes anywhere: slots with gaps).
+    held = [{0, *(p for p in positions if p < num_blocks)} for positions in bits]
+    masks = [0] * len(hash_of)
+    for bit, positions in enumerate(held):
+        for pos in positions:
+            if hashes[pos] in id_of:
+                masks[id_of[hashes[pos]]] |= 1 << bit
+    along = [masks[id_of.get(h, 0)] for h in hashes]
+    mask = along[0]
+    expected, _ = prefix_levels(along)
+    assert walk_levels(id_of.get, hash_of, masks, hashes, mask) == expected
+    assert walk_levels(id_of.get, hash_of, masks, tuple(hashes), mask) == expected
 
 
 def chain_tokens(rng: random.Random, trunks: list[list[int]]) -> list[int]:

@@ -53,6 +53,10 @@ def test_eviction_journal_stamps_gpu_removals_after_a_given_sequence():
     assert not index.any_evicted_since("w1", HASHES, seq)
     assert not index.any_evicted_since("w0", HASHES, 2)
     assert not index.any_evicted_since("w0", (), seq)
+    # The mismatch's one question: evicted in a range of positions (no slice made), else the first confirmed.
+    assert index.miss_cause("w0", HASHES, 2, 5, seq) == "evicted" and index.miss_cause("w0", HASHES, 5, 6, seq)
+    assert index.miss_cause("w0", HASHES, 0, 4, seq) is None and index.miss_cause("w0", HASHES, 4, 4, seq) is None
+    assert index.miss_cause("w1", HASHES, 0, 6, seq) is None and index.miss_cause("w0", HASHES, 0, 6, 2) is None
 
 
 def test_cpu_removals_are_not_gpu_evictions():
@@ -94,3 +98,46 @@ def test_a_block_pending_at_the_decision_and_stored_after_it_is_a_pending_miss()
     later = ticket(index)
     later.match()
     assert later.mismatch_cause("w0", 20, 8) == "index"  # confirmed before this decision: the index was right
+
+
+def test_a_pool_block_lost_after_the_decision_is_an_evicted_miss_for_every_pool_member():
+    index = PrefixIndex(IndexConfig(block_size=BS), pool_members={Medium.MOONCAKE: ["w0", "w1"]})
+    pooled = stored(0, 6)
+    index.apply(batch("w0", BlockStored(block_hashes=pooled.block_hashes, parent_block_hash=None,
+                                        token_ids=pooled.token_ids, block_size=BS, medium=Medium.MOONCAKE)))
+    index.apply(batch("w2", stored(0, 2)))  # w2 is no pool member
+    t = ticket(index)
+    match = t.match()
+    assert match is not None and match.workers["w1"].num_pool_blocks == 6
+    assert t.mismatch_cause("w1", 24, 12) == "index"  # nothing lost: the index was wrong
+    # The pool watcher finds block 5 gone (past the 20 predicted tokens), then block 4, as w0's removals.
+    index.apply(batch("w0", BlockRemoved(block_hashes=(1005,), medium=Medium.MOONCAKE)))
+    assert index.journal_seq == 1
+    assert t.mismatch_cause("w1", 20, 12) == "index"
+    assert t.mismatch_cause("w1", 24, 12) == "evicted"
+    index.apply(batch("w0", BlockRemoved(block_hashes=(1004,), medium=Medium.MOONCAKE)))
+    assert index.journal_seq == 2
+    assert t.mismatch_cause("w1", 20, 12) == "evicted" and t.mismatch_cause("w0", 20, 12) == "evicted"
+    assert t.mismatch_cause("w2", 20, 12) == "index"  # w2 reaches no pool
+    later = ticket(index)
+    assert later.match() is not None  # a decision after the losses: they are no excuse
+    assert later.mismatch_cause("w1", 20, 12) == "index"
+
+
+def test_a_member_reporting_a_pool_block_gone_that_another_member_stored_drops_it_as_the_holders():
+    index = PrefixIndex(IndexConfig(block_size=BS), pool_members={Medium.MOONCAKE: ["w0", "w1"]})
+    pooled = stored(0, 6)
+    index.apply(batch("w0", BlockStored(block_hashes=pooled.block_hashes, parent_block_hash=None,
+                                        token_ids=pooled.token_ids, block_size=BS, medium=Medium.MOONCAKE)))
+    index.apply(batch("w2", stored(0, 2)))
+    t = ticket(index)
+    assert t.match() is not None
+    # w2 is no member: its report of a pool block it never held is unknown and changes nothing.
+    index.apply(batch("w2", BlockRemoved(block_hashes=(1004,), medium=Medium.MOONCAKE)))
+    assert index.stats().counters["num_unknown_removals"] == 1 and index.journal_seq == 0
+    # w1's read found block 4 gone (it lost it between w1's lookup and its read): w0's pool entry is dropped.
+    index.apply(batch("w1", BlockRemoved(block_hashes=(1004,), medium=Medium.MOONCAKE)))
+    assert index.stats().counters["num_unknown_removals"] == 1 and index.journal_seq == 1
+    assert t.mismatch_cause("w1", 20, 16) == "evicted"
+    after = index.match(HASHES)
+    assert after.workers["w1"].num_pool_blocks == 4 and after.workers["w0"].num_pool_blocks == 4

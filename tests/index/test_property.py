@@ -153,6 +153,7 @@ def test_index_agrees_with_brute_force_model(ops, queries):
 
     index = PrefixIndex(IndexConfig(block_size=BLOCK_SIZE), pool_members={Medium.MOONCAKE: POOL_MEMBERS})
     model = Model()
+    model.known.extend((worker, 0) for worker in sorted(POOL_MEMBERS))  # members reach the pool before any event
     seq = 0
     seen: list[Prefix] = list(queries)
     for op in ops:

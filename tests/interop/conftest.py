@@ -22,11 +22,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import yaml
 
@@ -408,3 +409,24 @@ def fleet(interop_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
         for w in started:
             w.stop()
         gateway.stop()
+
+
+OpenAIClients = Callable[[str, float], openai.OpenAI]
+"""The ``openai_client`` fixture: ``(base_url, timeout_s) -> openai.OpenAI``."""
+
+
+@pytest.fixture
+def openai_client() -> Iterator[OpenAIClients]:
+    """Makes official ``openai`` clients (``base_url``, ``timeout_s``; no retries) and closes them when the test
+    ends: an unclosed client's pooled sockets are collected later, inside another test, whose ResourceWarning then
+    fails that test."""
+    clients: list[openai.OpenAI] = []
+
+    def make(base_url: str, timeout_s: float) -> openai.OpenAI:
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=timeout_s)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()

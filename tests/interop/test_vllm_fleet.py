@@ -27,6 +27,7 @@ from tests.interop.conftest import (
     MODEL_DIR,
     MODEL_NAME,
     Fleet,
+    OpenAIClients,
     process_family,
     sum_metric,
 )
@@ -142,11 +143,11 @@ def test_multi_turn_conversation_lands_on_its_holder(fleet: Fleet) -> None:
     assert all(v == 0 for w, v in hits.items() if w != holder)
 
 
-def test_openai_client_through_the_gateway(fleet: Fleet) -> None:
+def test_openai_client_through_the_gateway(fleet: Fleet, openai_client: OpenAIClients) -> None:
     """The official ``openai`` client: chat and completions, streamed and not."""
     gw = fleet.gateway
     tokenizer, template = load_tokenizer(MODEL_DIR / "tokenizer.json")
-    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
+    client = openai_client(gw.url + "/v1", 60.0)
     messages: list[Any] = [{"role": "system", "content": "Be brief."},
                            {"role": "user", "content": "Name one test runner."}]
     num_chat_tokens = len(encode_chat(tokenizer, template, normalize_messages(messages)))
@@ -198,7 +199,7 @@ def test_cache_salt_separates_tenants(fleet: Fleet) -> None:
     assert (unsalted.predicted, unsalted.reported) == (0, 0)
 
 
-def test_worker_killed_mid_stream_then_restarted(fleet: Fleet) -> None:
+def test_worker_killed_mid_stream_then_restarted(fleet: Fleet, openai_client: OpenAIClients) -> None:
     """Kill the session's worker mid-stream: the client gets an error, the session moves; the restarted worker's
     sequence restart is detected and its stale index entries are cleared."""
     gw = fleet.gateway
@@ -212,7 +213,7 @@ def test_worker_killed_mid_stream_then_restarted(fleet: Fleet) -> None:
     assert stale_blocks > 0
     resyncs_before = sum_metric(gw.metrics_text(), "kvgate_index_events_total", 'counter="num_resyncs"')
 
-    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
+    client = openai_client(gw.url + "/v1", 60.0)
     max_tokens = MAX_MODEL_LEN - first.num_prompt_tokens - 1
     process = fleet.workers["vllm-a"].process
     assert process is not None and process.popen is not None
@@ -246,10 +247,11 @@ def test_worker_killed_mid_stream_then_restarted(fleet: Fleet) -> None:
     num_chunks = 0
     finish_reason = None
     t0 = time.monotonic()
-    # The gateway relays what vLLM sent, then closes the stream without its end: the client raises, never hangs
-    # and never mistakes the cut stream for a finished one. On a loaded machine vLLM can still have sent its whole
-    # stream before the kill (the client read its first chunk late): then the stream must end complete, with its
-    # finish reason, and the rest of the test (the session moves, the restart is detected) holds the same.
+    # The gateway relays what vLLM sent, then ends the stream with an OpenAI error event and [DONE] (router.sse):
+    # the client raises a clean APIError, never hangs and never mistakes the cut stream for a finished one. On a
+    # loaded machine vLLM can still have sent its whole stream before the kill (the client read its first chunk
+    # late): then the stream must end complete, with its finish reason, and the rest of the test (the session
+    # moves, the restart is detected) holds the same.
     try:
         for chunk in stream:
             num_chunks += 1
@@ -261,7 +263,9 @@ def test_worker_killed_mid_stream_then_restarted(fleet: Fleet) -> None:
                 signal_family(signal.SIGKILL)
                 process.kill()
         is_cut = False
-    except openai.APIConnectionError:
+    except openai.APIError as exc:
+        assert not isinstance(exc, openai.APIConnectionError), "the stream must end with an error event"
+        assert exc.message.startswith("the worker's answer broke after its headers: ")
         is_cut = True
     if is_cut:
         assert 1 <= num_chunks < max_tokens and finish_reason is None

@@ -11,8 +11,8 @@ know when the pool drops them (eviction, lease, a restarted master): its CPU ent
 copies and it predicts a hit vLLM cannot serve. ``test_pool_loss_is_invisible_to_the_gateway`` pins that gap with
 exact values; the README says what would close it.
 
-Our reference worker has no Mooncake tier (only a CPU tier, ``workers/kv/cpu_tier.py``), so there is nothing of
-ours to run beside vLLM's pool here.
+Our reference worker's own pool tier (``workers/kv/pool_tier.py``) is checked against a real master in
+``tests/workers/test_pool_mooncake.py`` and behind the gateway in ``tests/router/test_pool_watch_gateway.py``.
 """
 
 from __future__ import annotations
@@ -88,6 +88,45 @@ class EventTap:
 
 
 @dataclass
+class LocalMaster:
+    """A ``mooncake_master`` on loopback (not started: HTTP metadata server on, leases of 5 s) and the
+    ``MooncakeStoreConnector`` config of an embedded client of it (``MOONCAKE_CONFIG_PATH``, written to
+    ``config_path``)."""
+
+    process: Process
+    admin_url: str
+    store_config: dict[str, str]
+    config_path: Path
+
+
+def require_mooncake() -> None:
+    """Skip the test when Mooncake Store is not installed in the vLLM virtualenv."""
+    if not MOONCAKE_STAMP.is_file() or not MOONCAKE_MASTER.is_file():
+        pytest.skip("Mooncake Store is not installed in the vLLM virtualenv (./scripts/setup-vllm --with-mooncake; "
+                    "needs libibverbs1)")
+
+
+def local_master(log_dir: Path, *, global_segment_size: str, local_buffer_size: str) -> LocalMaster:
+    """The master on free ports, its log in ``log_dir``, and an embedded client's config with the segment each
+    client contributes to the pool and its local transfer buffer (``"256MB"``...)."""
+    rpc_port, http_port, admin_port = free_port(), free_port(), free_port()
+    master = Process("mooncake_master", [
+        str(MOONCAKE_MASTER), "--rpc_address=127.0.0.1", f"--rpc_port={rpc_port}",
+        "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+        f"--http_metadata_server_port={http_port}", "--metrics_host=127.0.0.1", f"--metrics_port={admin_port}",
+        "--default_kv_lease_ttl=5000",
+    ], log_dir / "mooncake_master.log")  # fmt: skip
+    store_config = {
+        "metadata_server": f"http://127.0.0.1:{http_port}/metadata", "master_server_address": f"127.0.0.1:{rpc_port}",
+        "protocol": "tcp", "device_name": "", "mode": "embedded", "global_segment_size": global_segment_size,
+        "local_buffer_size": local_buffer_size,
+    }  # fmt: skip
+    config_path = log_dir / "mooncake_vllm.json"
+    config_path.write_text(json.dumps(store_config), encoding="utf-8")
+    return LocalMaster(master, f"http://127.0.0.1:{admin_port}", store_config, config_path)
+
+
+@dataclass
 class MooncakeFleet:
     gateway: Gateway
     worker: VllmWorker
@@ -99,30 +138,16 @@ class MooncakeFleet:
 @pytest.fixture(scope="module")
 def mooncake_fleet(interop_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeFleet]:
     """mooncake_master on loopback, one vLLM with ``MooncakeStoreConnector`` (embedded pool), one gateway."""
-    if not MOONCAKE_STAMP.is_file() or not MOONCAKE_MASTER.is_file():
-        pytest.skip("Mooncake Store is not installed in the vLLM virtualenv (./scripts/setup-vllm --with-mooncake; "
-                    "needs libibverbs1)")
+    require_mooncake()
     log_dir: Path = tmp_path_factory.mktemp("mooncake")
-    rpc_port, http_port, admin_port = free_port(), free_port(), free_port()
-    master = Process("mooncake_master", [
-        str(MOONCAKE_MASTER), "--rpc_address=127.0.0.1", f"--rpc_port={rpc_port}",
-        "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-        f"--http_metadata_server_port={http_port}", "--metrics_host=127.0.0.1", f"--metrics_port={admin_port}",
-        "--default_kv_lease_ttl=5000",
-    ], log_dir / "mooncake_master.log")
-    config_path = log_dir / "mooncake_vllm.json"
-    store_config = {
-        "metadata_server": f"http://127.0.0.1:{http_port}/metadata", "master_server_address": f"127.0.0.1:{rpc_port}",
-        "protocol": "tcp", "device_name": "", "mode": "embedded", "global_segment_size": "256MB",
-        "local_buffer_size": "128MB",
-    }
-    config_path.write_text(json.dumps(store_config), encoding="utf-8")
+    mc = local_master(log_dir, global_segment_size="256MB", local_buffer_size="128MB")
+    master = mc.process
     events_port = free_port()
     worker = VllmWorker(
         "vllm-mc", free_port(), f"tcp://*:{events_port}", "kv-events", log_dir,
         extra_args=["--kv-transfer-config", json.dumps({"kv_connector": "MooncakeStoreConnector",
                                                          "kv_role": "kv_both"})],
-        extra_env={"MOONCAKE_CONFIG_PATH": str(config_path)},
+        extra_env={"MOONCAKE_CONFIG_PATH": str(mc.config_path)},
     )
     workers = [worker_entry("vllm-mc", worker.url, events_endpoint=f"tcp://127.0.0.1:{events_port}",
                             topology="connect", pools=("MOONCAKE",))]
@@ -131,13 +156,13 @@ def mooncake_fleet(interop_ready: None, tmp_path_factory: pytest.TempPathFactory
     tap: EventTap | None = None
     try:
         master.start()
-        wait_http_ok(master, f"http://127.0.0.1:{admin_port}/metrics", 30.0)
+        wait_http_ok(master, mc.admin_url + "/metrics", 30.0)
         gateway.start()
         tap = EventTap(f"tcp://127.0.0.1:{events_port}")  # before vLLM binds: ZMQ retries every 100 ms
         worker.start()
         worker.wait_ready()
         gateway.wait_events_flowing("vllm-mc")
-        yield MooncakeFleet(gateway, worker, f"http://127.0.0.1:{admin_port}", tap, store_config)
+        yield MooncakeFleet(gateway, worker, mc.admin_url, tap, mc.store_config)
     except RuntimeError as exc:
         pytest.fail(str(exc))
     finally:

@@ -13,12 +13,15 @@ from workers.model.llama import LlamaModel, PagedBatch, SeqSlice  # noqa: E402
 pytestmark = pytest.mark.unit
 
 BLOCK_SIZE = 4
-ATOL, RTOL = 8e-3, 1e-2  # bf16 logits (std ~0.15): caching changes only rounding order, not the inputs
+# float32: caching changes only the order of the sums, not the inputs, so the logits (std ~0.15) agree to ~1e-6.
+# In bfloat16 the same reordering moves a logit by a rounding step (2**-8 relative), and which CPU kernels torch
+# picks (AVX-512 BF16 or not) decides how many steps: a bf16 tolerance passes on one host and fails on another.
+ATOL, RTOL = 1e-4, 1e-4
 
 
 @pytest.fixture
 def model():
-    return LlamaModel.random(TINY, seed=7, device=torch.device("cpu"), dtype=torch.bfloat16)
+    return LlamaModel.random(TINY, seed=7, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def make_prompt(num_tokens, seed=3):
@@ -47,7 +50,7 @@ def greedy(model, prompt, num_new_tokens):
 def test_greedy_generation_is_deterministic(model):
     prompt = make_prompt(11)
     first = greedy(model, prompt, 6)
-    again = greedy(LlamaModel.random(TINY, seed=7, device=torch.device("cpu"), dtype=torch.bfloat16), prompt, 6)
+    again = greedy(LlamaModel.random(TINY, seed=7, device=torch.device("cpu"), dtype=torch.float32), prompt, 6)
     assert first == again
     assert len(first) == 6
 

@@ -39,3 +39,27 @@ async def test_loadgen_synthetic_closed_loop_writes_results(tmp_path):
     # nothing failed, so the run served the whole slice: its ceiling is the slice's
     assert data["slice_ceiling"]["hit_ratio"] == run["ceiling_hit_ratio"]
     assert data["slice_ceiling"]["num_prompt_tokens"] == run["num_prompt_tokens"]
+
+
+def test_loadgen_against_a_url_that_is_down_says_so(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        code = kvgate(["loadgen", "--synthetic", "--syn-num-sessions", "2", "--syn-num-turns", "1", "--url", url,
+                       "--mode", "closed", "--max-duration-s", "20", "--no-progress", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "Errors by kind: run: {'connect': 2}." in out
+    assert f"no request reached {url}: is the gateway (or worker) up and listening there?" in out
+
+
+def test_no_success_hint_names_the_model_on_404_and_stays_quiet_otherwise():
+    from loadgen.cli import _no_success_hint
+
+    hint = _no_success_hint(0, {"http_404": 3}, "http://h:1", "sim")
+    assert hint == "every request got 404: does http://h:1 serve the model 'sim'? --model names it (default 'sim')"
+    assert _no_success_hint(1, {"connect": 3}, "http://h:1", "m") is None
+    assert _no_success_hint(0, {"connect": 1, "timeout": 1}, "http://h:1", "m") is None
+    assert _no_success_hint(0, {"timeout": 2}, "http://h:1", "m") is None

@@ -177,6 +177,12 @@ def test_default_policy_is_held_to_the_best_peer():
     assert checks[f"{name} TTFT p50 < every peer's (s)"] == (pytest.approx(0.4), pytest.approx(0.3), False)
     assert checks[f"{name} TTFT p99 < every peer's (s)"] == (pytest.approx(0.4), pytest.approx(0.3), False)
     assert checks[f"{name} cached-token mismatch from a wrong index = 0"] == (0.0, 0.0, True)
+    # A peer asked for that did not run (it did not start) fails its own check; the others are still compared.
+    missing = {c.name: (c.value, c.passed) for c in standard_checks([ours, peer_b],
+                                                                    ["sglang:cache_aware", "vllm:cache_aware"])}
+    assert missing["sglang:cache_aware replayed (the default policy is held to its run)"] == (None, False)
+    assert missing[f"{name} TTFT p50 < every peer's (s)"] == (pytest.approx(0.4), False)
+    assert "vllm:cache_aware replayed (the default policy is held to its run)" not in missing
     # Without peers only the fixed bars apply.
     assert [c.name for c in standard_checks([ours], [])] == [
         f"{name} hit ratio ÷ ceiling >= 0.97", f"{name} cached-token mismatch from a wrong index = 0"]

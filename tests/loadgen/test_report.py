@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from loadgen.report import imbalance, markdown_table, percentile, summarize
+from loadgen.report import imbalance, markdown_table, percentile, simulated_ttft_s, summarize
 
 from .builders import make_record
 
@@ -112,3 +112,33 @@ def test_markdown_table_names_the_requests_not_sent():
         summarize(records, policy="x", ceiling_hit_ratio=0.5, duration_s=1, num_skipped=1)
     with pytest.raises(ValueError, match="num_skipped"):
         summarize(records, policy="x", ceiling_hit_ratio=0.5, duration_s=1, num_skipped=-1)
+
+
+def test_only_the_engines_part_of_the_ttft_is_scaled():
+    # TTFT 0.3 s at the client of which the engine took 0.1 s: at time scale 5, 0.1 * 5 + 0.2 = 0.7 simulated s.
+    with_engine = make_record(0, ttft=0.3)
+    with_engine.engine_ttft_s = 0.1
+    without = make_record(1, ttft=0.3)
+    inconsistent = make_record(2, ttft=0.3)
+    inconsistent.engine_ttft_s = 0.4  # longer than the client's TTFT: not trusted, the whole is scaled
+    assert simulated_ttft_s(with_engine, 5.0) == pytest.approx(0.7)
+    assert simulated_ttft_s(without, 5.0) == pytest.approx(1.5)
+    assert simulated_ttft_s(inconsistent, 5.0) == pytest.approx(1.5)
+    assert simulated_ttft_s(make_record(3, error="connect", ttft=None), 5.0) is None
+    s = summarize([with_engine, without], policy="p", ceiling_hit_ratio=0.5, duration_s=1.0, time_scale=5.0)
+    assert s.ttft_p50_s == pytest.approx((0.7 + 1.5) / 2)
+    assert s.ttft_outside_engine_p50_s == pytest.approx(0.2)
+
+
+def test_plots_of_a_run_where_every_request_failed_warn_nothing(tmp_path):
+    """A replay against a URL that is down (every request `connect`) writes its three plots without a warning."""
+    import warnings
+
+    from loadgen.plots import RunRecords, write_plots
+
+    run = RunRecords("run", [make_record(i, error="connect") for i in range(4)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = write_plots([run], tmp_path)
+    assert [p.name for p in paths] == ["ttft_cdf.png", "hit_ratio_over_time.png", "worker_load_over_time.png"]
+    assert all(p.stat().st_size > 0 for p in paths)

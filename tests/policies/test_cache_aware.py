@@ -357,3 +357,24 @@ def test_decode_load_is_charged_over_max_tokens_when_shorter() -> None:
     assert model.decode_load_s(worker, 1000, 16) == pytest.approx(expected_decode_load_s(1000, 3, 5000, 16))
     assert model.decode_load_s(worker, 1000, 10_000) == pytest.approx(expected_decode_load_s(1000, 3, 5000, 256))
     assert model.decode_load_s(make_worker("w1"), 1000, 256) == 0.0
+
+
+def test_queued_prefill_is_priced_with_its_attention_pairs():
+    """A worker holding one long queued prompt is heavier than one holding more queued tokens in short prompts: the
+    attention of the queued prompts (their token pairs) counts as the request's own does."""
+    long_queue = make_worker("w0", num_pending_prefill_tokens=30_000, num_pending_prefill_token_pairs=30_000**2)
+    short_queue = make_worker("w1", num_pending_prefill_tokens=35_000, num_pending_prefill_token_pairs=5 * 7_000**2)
+    cache_aware = policy()
+    decision = cache_aware.select(make_view(2_048), make_snapshot(long_queue, short_queue))
+    prefill = 2_048 / R_LIN + 2_048**2 / R_QUAD
+    assert decision.scores["w0"] == OVERHEAD_S + (30_000 / R_LIN + 9e8 / R_QUAD + prefill)
+    assert decision.scores["w1"] == OVERHEAD_S + (35_000 / R_LIN + 2.45e8 / R_QUAD + prefill)
+    assert round(decision.scores["w0"], 6) == 1.175532 and round(decision.scores["w1"], 6) == 1.031539
+    assert decision.worker_id == "w1" and decision.ranking == ("w1", "w0")
+    terms = cache_aware.cost_terms(make_view(2_048), make_snapshot(long_queue, short_queue))
+    assert terms["w0"].queue_s == 30_000 / R_LIN + 9e8 / R_QUAD
+    assert terms["w0"].ttft_s == decision.scores["w0"] and terms["w1"].ttft_s == decision.scores["w1"]
+    # without the pairs (a worker the gateway knows nothing queued about) the linear part alone is left
+    linear_only = cache_aware.select(make_view(2_048), make_snapshot(
+        make_worker("w0", num_pending_prefill_tokens=30_000), make_worker("w1", num_pending_prefill_tokens=35_000)))
+    assert linear_only.worker_id == "w0"

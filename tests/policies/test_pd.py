@@ -117,3 +117,21 @@ def test_ledger_reserve_move_release_exactly_once() -> None:
     assert ledger.forget_worker("d1") == ["b"]
     assert len(ledger) == 0 and ledger.reserved_blocks("d0") == 0 and ledger.bytes_ahead("d1") == 0
     assert (ledger.num_reserved_total, ledger.num_released_total) == (3, 3)
+
+
+def test_never_fits_only_when_no_usable_decode_worker_could_hold_the_request_empty() -> None:
+    """n=64, m=16, bs=16: 5 blocks; a worker's capacity is its total blocks times ``max_reserved_fraction``
+    (free blocks and reservations are what waiting can change, so they never make a request too large)."""
+    p = policy()
+    small = DecodeCandidate("d0", num_free_blocks=0, num_total_blocks=4, num_reserved_blocks=4)
+    assert p.never_fits(view(), (small,)) == (5, 4)
+    assert p.never_fits(view(), (small, dec("d1", 0, num_reserved_blocks=100))) is None  # d1 holds 5 once empty
+    # a worker that holds the prompt's first 2 blocks needs 3 there, and 3 fit in 4
+    assert p.never_fits(view(), (DecodeCandidate("d0", 4, 4, num_gpu_cached_tokens=32),)) is None
+    # the bigger one drains or is down: it does not count
+    assert p.never_fits(view(), (small, DecodeCandidate("d1", 100, 100, is_draining=True))) == (5, 4)
+    assert p.never_fits(view(), (small, DecodeCandidate("d1", 100, 100, is_healthy=False))) == (5, 4)
+    assert p.never_fits(view(), ()) is None
+    half = policy(PDTransferConfig(max_reserved_fraction=0.5))
+    assert half.never_fits(view(), (DecodeCandidate("d0", 9, 9),)) == (5, 4)  # int(9 * 0.5) = 4
+    assert half.never_fits(view(), (DecodeCandidate("d0", 10, 10),)) is None

@@ -63,9 +63,19 @@ CASES = [
         "owner_costlier",
     ),
     (
-        "owner slightly costlier (within 0.5 s): kept",
+        "alternative holds more of the prompt and is cheaper: moves, nothing to recompute",
         {"num_gpu_cached_tokens": 0},
         {"num_gpu_cached_tokens": 4096},
+        "owner",
+        False,
+        "other",
+        "sticky_moved",
+        "owner_costlier",
+    ),
+    (
+        "owner holds the prefix behind a queue shorter than its recompute: kept",
+        {"num_pending_prefill_tokens": 2000},
+        {},
         "owner",
         False,
         "owner",
@@ -86,7 +96,7 @@ def test_keep_or_move(owner_fields, other_fields, owner_id, is_new, worker_id, r
     snapshot = two_workers(owner_fields, other_fields)
     view = make_view(num_prompt_tokens, session_key="sid:s1")
     inner = policy.select_inner(view, snapshot)
-    decision = policy.resolve(owner_id, inner, snapshot, is_new=is_new)
+    decision = policy.resolve(owner_id, inner, snapshot, is_new=is_new, view=view)
     assert (decision.worker_id, decision.reason, decision.detail) == (worker_id, reason, detail)
     assert decision.ranking[0] == worker_id
     chosen = next(w for w in snapshot.workers if w.worker_id == worker_id)
@@ -94,7 +104,7 @@ def test_keep_or_move(owner_fields, other_fields, owner_id, is_new, worker_id, r
     # select() with the owner in the snapshot gives the same answer (when not a fresh claim)
     if not is_new:
         in_snapshot = make_snapshot(*snapshot.workers, session_owner=owner_id)
-        assert policy.select(view, in_snapshot) == decision
+        assert sticky(inner={"name": "cache_aware", "max_running_requests": 32}).select(view, in_snapshot) == decision
 
 
 def test_kept_owner_is_first_then_inner_ranking():

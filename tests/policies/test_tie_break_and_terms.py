@@ -1,5 +1,5 @@
-"""cache_aware's tie-break (load, then recent assignments, then configuration order) and its cost terms, each
-against values written out from the module docstrings."""
+"""cache_aware's tie-break (load, then resident session tokens, then recent assignments, then configuration order) and
+its cost terms, each against values written out from the module docstrings."""
 
 from __future__ import annotations
 
@@ -36,6 +36,17 @@ def test_ties_prefer_the_lighter_load_before_recent_assignments():
     assert decision.scores["w0"] == pytest.approx(decision.scores["w1"], abs=1e-9)
     # w0 has 1 waiting request, w1 none: w1 is lighter by running + waiting, though given more lately.
     assert decision.ranking == ("w1", "w0")
+
+
+def test_ties_prefer_fewer_resident_session_tokens_before_recent_assignments():
+    # An idle fleet with room for every session (no capacity known: no memory term): equal costs. w0 owns 8192 tokens
+    # of live sessions, w1 4096, w2 none but was given 3 sessions lately, w3 4096 and given 1.
+    workers = [make_worker("w0", num_resident_tokens=8192), make_worker("w1", num_resident_tokens=4096),
+               make_worker("w2", num_recent_assignments=3),
+               make_worker("w3", num_resident_tokens=4096, num_recent_assignments=1)]
+    decision = CacheAwarePolicy(CacheAwareConfig()).select(make_view(2048), make_snapshot(*workers))
+    assert len(set(decision.scores.values())) == 1
+    assert decision.ranking == ("w2", "w1", "w3", "w0")
 
 
 def test_cold_sessions_spread_over_an_idle_fleet_through_the_router_counts():

@@ -16,22 +16,13 @@ from tests.redis_server import restartable_redis  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-FAULTS = tuple(f for f in SCHEDULE if f != "fail_after_headers")
-"""Every fault but a worker failing after its headers: the gateway then aborts the client's stream instead of
-ending it with an OpenAI error (``test_worker_fails_after_headers.py``, an xfail until the proxy changes)."""
 
-
-@pytest.mark.xfail(strict=False, reason=(
-    "known open bug (issue 20): a worker killed by kill -9 while one of its streams is relayed cuts that stream "
-    "after its headers, and the proxy aborts the client's connection instead of ending the stream with an OpenAI "
-    "error event (the strict xfail in test_worker_fails_after_headers.py); whether a stream is in flight at the kill "
-    "depends on timing, so this check fails on some runs until the proxy changes"))
 def test_chaos_every_request_ends_cleanly_and_state_recovers(restartable_redis, tmp_path, capsys):  # noqa: F811
     trace = find_default_trace()
     assert trace is not None
     config = ChaosConfig(trace=trace, out=str(tmp_path), max_requests=150, time_scale=2.0, num_workers=3,
                          max_output_tokens=4, deadline_s=30.0, recovery_timeout_s=30.0, slow_delay_s=0.5, hold_s=3.0,
-                         faults=FAULTS)
+                         faults=SCHEDULE)
     outcome = asyncio.run(run_chaos(config, restartable_redis))
     report(config, outcome)
     printed = capsys.readouterr().out
@@ -41,4 +32,4 @@ def test_chaos_every_request_ends_cleanly_and_state_recovers(restartable_redis, 
     assert counts["hung"] == 0 and counts["unclean_error"] == 0
     assert counts["completed"] + counts["clean_error"] == counts["requests"] > 0
     assert counts["completed"] > 0 and counts["calm_requests"] == 40
-    assert [action for _, action in outcome.log if action in SCHEDULE] == list(FAULTS)
+    assert [action for _, action in outcome.log if action in SCHEDULE] == list(SCHEDULE)

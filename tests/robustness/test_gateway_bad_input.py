@@ -3,13 +3,13 @@ refusal is an OpenAI-style JSON error with the right status, and nothing is left
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import pytest
 import xxhash
 
+from tests.robustness import raw_http
 from tests.router.sim_fleet import MODEL, TOKEN, Gw, SimWorker, free_port, make_config, running
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -138,14 +138,8 @@ async def _raw_http(port: int, head: bytes, body: bytes = b"") -> tuple[int, dic
     ``head`` is the request line and headers without the blank line; ``Connection: close`` and the body's length
     are added.
     """
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(head + b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
-        await writer.drain()
-        async with asyncio.timeout(10):
-            data = await reader.read()
-    finally:
-        writer.close()
+    data = await raw_http.exchange(
+        port, head + b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
     response_head, _, response_body = data.partition(b"\r\n\r\n")
     status_line, *header_lines = response_head.decode("latin-1").split("\r\n")
     headers = {}
@@ -242,15 +236,9 @@ async def test_non_utf8_long_session_header_with_a_stateless_policy() -> None:
 async def test_a_body_that_stalls_gets_408_and_releases_its_slot() -> None:
     async with running(SimWorker("w0", with_events=False)) as ws, Gw(make_config(
             ws, listen={"host": "127.0.0.1", "port": 0, "body_timeout_s": 0.3})) as g:
-        reader, writer = await asyncio.open_connection("127.0.0.1", g.port)
-        try:
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
-                         b"content-length: 100\r\n\r\n{\"model\": ")  # 10 of the 100 bytes, then nothing
-            await writer.drain()
-            async with asyncio.timeout(10):
-                data = await reader.read(65536)
-        finally:
-            writer.close()
+        data = await raw_http.exchange(g.port, b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: "
+                                       b"application/json\r\ncontent-length: 100\r\n\r\n{\"model\": ",
+                                       max_bytes=65536)  # 10 of the 100 bytes, then nothing
         head, _, body = data.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408 ")
         error = json.loads(body)["error"]
@@ -259,3 +247,16 @@ async def test_a_body_that_stalls_gets_408_and_releases_its_slot() -> None:
         assert g.gw.admission.num_inflight == 0
         status, _, _ = await g.post("/v1/completions", {"model": MODEL, "prompt": "still serving"})
         assert status == 200
+
+
+@pytest.mark.parametrize("path", ["/admin/sessions", "/admin/decisions", "/admin/debug/memory"])
+@pytest.mark.parametrize("value", ["false", "", "1.5", "ten"])
+async def test_admin_limit_that_is_not_an_integer_is_400_naming_it(path: str, value: str) -> None:
+    # Found by the API fuzzer (benchmarks.api_fuzz): ``?limit=false`` used to answer 200 with the default limit.
+    async with running(SimWorker("w0", with_events=False)) as ws, Gw(make_config(ws)) as g:
+        status, ctype, out = await _raw(g, "GET", f"{path}?limit={value}", b"", AUTH)
+        assert status == 400 and ctype == "application/json" and _is_openai_error(out), out
+        assert out["error"]["param"] == "limit"
+        assert out["error"]["message"] == f"limit must be an integer, got {value!r}"
+        status, _, out = await _raw(g, "GET", f"{path}?limit=0", b"", AUTH)  # out of range: clamped, as before
+        assert status == 200, out

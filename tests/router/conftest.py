@@ -16,3 +16,12 @@ async def workers() -> AsyncIterator[list[FakeWorker]]:
     yield ws
     for w in ws:
         await w.stop()
+
+
+@pytest.fixture
+async def worker() -> AsyncIterator[FakeWorker]:
+    """One started fake worker, ``w0``."""
+    w = FakeWorker("w0")
+    await w.start()
+    yield w
+    await w.stop()

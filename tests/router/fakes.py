@@ -35,6 +35,8 @@ class FakeWorker:
         self.fail_statuses: list[int] = []
         self.stream_release: asyncio.Event | None = None
         self.answer_release: asyncio.Event | None = None
+        self.stream_cut: bytes | None = None
+        """When set, a stream answers these bytes after its headers, then its connection is aborted."""
         self.num_active = 0
         self.num_cancelled = 0
         self.on_request: Callable[[dict], None] | None = None
@@ -52,7 +54,7 @@ class FakeWorker:
         return self.publisher.endpoint.replace("0.0.0.0", "127.0.0.1").replace("*", "127.0.0.1")
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=64 << 20)  # a real worker takes prompts of many MB
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/health", self._health)
@@ -127,6 +129,11 @@ class FakeWorker:
             if self.answer_release is not None:
                 await self.answer_release.wait()
             await resp.prepare(request)
+            if self.stream_cut is not None:
+                await resp.write(self.stream_cut)
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
             for i in range(2):
                 chunk = {"id": "x", "object": obj + ".chunk", "choices": [{"index": 0, "text": f"t{i}"}]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())

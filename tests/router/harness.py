@@ -13,6 +13,7 @@ from aiohttp import web
 from router.app import build_app
 from router.config import GatewayConfig, parse_config
 from router.gateway import GATEWAY, Gateway
+from router.http_server import GatewayAppRunner
 from router.transport import Transport
 from tests.router.fakes import BLOCK_SIZE, FakeWorker
 
@@ -62,7 +63,7 @@ class LoopbackGateway:
     def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic,
                  transport: Transport | None = None) -> None:
         self.app = build_app(config, clock=clock, transport=transport)
-        self.runner = web.AppRunner(self.app, handler_cancellation=True)
+        self.runner = GatewayAppRunner(self.app, handler_cancellation=True)  # as ``router.serve`` runs it
         self.port = 0
         self.session: aiohttp.ClientSession | None = None
 

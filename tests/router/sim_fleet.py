@@ -242,7 +242,13 @@ async def in_sync(gw: Gateway, workers: list[SimWorker], timeout_s: float = 10.0
         return all(num_indexed_blocks(gw, w.worker_id, "GPU") == worker_blocks(w, "GPU")
                    and num_indexed_blocks(gw, w.worker_id, "CPU") == worker_blocks(w, "CPU") for w in workers)
 
-    await wait_until(check, timeout_s, "index in sync with the workers")
+    try:
+        await wait_until(check, timeout_s, "index in sync with the workers")
+    except AssertionError:
+        counts = {w.worker_id: {m: (num_indexed_blocks(gw, w.worker_id, m), worker_blocks(w, m))
+                                for m in ("GPU", "CPU")} for w in workers}
+        raise AssertionError(f"index not in sync with the workers after {timeout_s} s: (indexed, held) "
+                             f"{counts}") from None
 
 
 async def connected(g: Gw, workers: list[SimWorker], timeout_s: float = 10.0) -> None:

@@ -61,3 +61,23 @@ async def test_several_spaces_may_follow_the_scheme(harness):
 ])
 async def test_a_wrong_or_missing_token_is_a_401(harness, authorization):
     assert await get(harness, "/admin/workers", authorization) == (401, "application/json", UNAUTHORIZED)
+
+
+@pytest.mark.parametrize(("credentials", "status"), [
+    (TOKEN, 200), ("x" * len(TOKEN), 401), (TOKEN[:-1], 401), (TOKEN + "x", 401), ("w", 401)])
+async def test_every_bearer_token_is_compared_in_constant_time(harness, monkeypatch, credentials, status):
+    """The token goes through ``hmac.compare_digest`` whatever its length or content (no ``==``, no length check
+    first, which would let a client time its way to the token); a scheme other than Bearer is refused before."""
+    import hmac
+
+    calls: list[tuple[bytes, bytes]] = []
+    compare_digest = hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((a, b))
+        return compare_digest(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    got, _, _ = await get(harness, "/admin/workers", f"Bearer {credentials}")
+    assert got == status
+    assert calls == [(credentials.encode(), TOKEN.encode())]

@@ -58,6 +58,7 @@ FLOAT_KEYS: list[tuple[str | int, ...]] = [
     ("admission", "queue_timeout_s"),
     ("admission", "retry_after_s"),
     ("health", "interval_s"),
+    ("memory", "trim_interval_s"),
     ("health", "timeout_s"),
     ("circuit_breaker", "open_s"),
     ("load_poll", "interval_s"),
@@ -79,6 +80,8 @@ FLOAT_KEYS: list[tuple[str | int, ...]] = [
     ("index", "approx_ttl_s"),
     ("policy", "max_extra_ttft_s"),
     ("policy", "max_ttft_ratio"),
+    ("policy", "move_tail_quantile"),
+    ("policy", "resident_idle_s"),
     ("policy", "inner", "prefill_linear_tokens_per_s"),
     ("policy", "inner", "prefill_quadratic_tokens_sq_per_s"),
     ("policy", "inner", "per_waiting_request_s"),
@@ -100,6 +103,11 @@ FLOAT_KEYS: list[tuple[str | int, ...]] = [
     ("discovery", "backoff_initial_s"),
     ("discovery", "backoff_max_s"),
     ("tracing", "sample_ratio"),
+    ("pool_watch", "lease_ttl_s"),
+    ("pool_watch", "interval_s"),
+    ("pool_watch", "entry_ttl_s"),
+    ("pool_watch", "request_timeout_s"),
+    ("pool_watch", "decision_check_budget_s"),
 ]
 """Every float key of the gateway's YAML, as a path from the top (``test_float_keys_are_all_listed`` keeps it
 complete)."""
@@ -128,7 +136,8 @@ def with_value(raw: dict[str, Any], key: tuple[str | int, ...], value: float) ->
     node: Any = raw
     for part in key[:-1]:
         if isinstance(node, dict) and part not in node:
-            node[part] = {"label_selector": "app=vllm"} if part == "discovery" else {}
+            node[part] = ({"label_selector": "app=vllm"} if part == "discovery"
+                          else {"admin_url": "http://127.0.0.1:1"} if part == "pool_watch" else {})
         node = node[part]
     node[key[-1]] = value
     return raw

@@ -20,6 +20,7 @@ from router.config import (
     HealthConfig,
     ListenConfig,
     LoadPollConfig,
+    MemoryConfig,
     ModelConfig,
     RetryConfig,
     TimeoutsConfig,
@@ -60,7 +61,9 @@ def test_sections_show_the_defaults(example):
     assert example.load_poll == LoadPollConfig()
     assert example.admin == AdminConfig()
     assert example.tracing == TracingConfig()
+    assert example.memory == MemoryConfig()
     assert example.endpoint_picker is None
+    assert example.pool_watch is None
     defaults = GatewayConfig(models=(ModelConfig(name="m"),))
     assert (example.ready_timeout_s, example.index, example.session_key_sources, example.discovery) == (
         defaults.ready_timeout_s, defaults.index, defaults.session_key_sources, defaults.discovery

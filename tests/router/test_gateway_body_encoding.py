@@ -16,14 +16,6 @@ from tests.router.harness import GatewayHarness, make_config
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
 
-@pytest.fixture
-async def worker():
-    w = FakeWorker("w0")
-    await w.start()
-    yield w
-    await w.stop()
-
-
 @pytest.mark.parametrize(("encoding", "compress"), [("gzip", gzip.compress), ("deflate", zlib.compress)])
 async def test_compressed_body_is_forwarded_inflated_without_content_encoding(
     worker: FakeWorker, encoding: str, compress: Callable[[bytes], bytes],

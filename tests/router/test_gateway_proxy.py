@@ -48,10 +48,33 @@ async def test_stream_break_after_first_byte_is_not_retried(workers):
             first = await r.content.readline()
             assert first.startswith(b"data: ")
             await workers[0].stop()  # the worker dies mid-stream
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await r.read()
+            rest = await r.read()  # the stream ends cleanly, with an OpenAI error event and [DONE]
+        assert rest.startswith(b'\ndata: {"error":{"message":"the worker\'s answer broke after its headers: ')
+        assert rest.endswith(b'"type":"upstream_error","param":null,"code":"upstream_error"}}\n\ndata: [DONE]\n\n')
         assert len(workers[1].requests) == 0
         await wait_until(lambda: h.gw.fleet.workers["w0"].num_inflight_requests == 0)
+        assert h.gw.fleet.workers["w0"].breaker.num_consecutive_failures == 1
+
+
+@pytest.mark.parametrize(("cut", "relayed"), [
+    # Half an event after a whole one: the whole one is relayed, the half dropped, the error event follows.
+    (b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choi', b'data: {"choices":[{"text":"a"}]}\n\n'),
+    (b'data: {"choices":[{"text":"a"}]}\r\n\r\ndata: {', b'data: {"choices":[{"text":"a"}]}\r\n\r\n'),
+    (b'data: {"choi', b""),  # nothing whole came
+])
+async def test_a_stream_cut_inside_an_event_ends_after_its_last_whole_event(workers, cut, relayed):
+    workers[0].stream_cut = cut
+    async with GatewayHarness(make_config(workers), workers=workers) as h:
+        body = {"model": "m", "prompt": "hello there", "stream": True}
+        async with h.session.post(h.url + "/v1/completions", json=body, headers={"x-kvgate-worker": "w0"}) as r:
+            assert r.status == 200
+            raw = await r.read()
+        assert raw.startswith(relayed + b'data: {"error":{"message":"the worker\'s answer broke after its headers: ')
+        assert raw.endswith(b'"code":"upstream_error"}}\n\ndata: [DONE]\n\n') and raw.count(b"data: ") == (
+            relayed.count(b"data: ") + 2)
+        text = (await (await h.session.get(h.url + "/metrics")).read()).decode()
+        assert 'kvgate_stream_errors_total{worker="w0"} 1.0' in text
+        assert 'kvgate_stream_errors_total{worker="w1"} 0.0' in text
 
 
 async def test_openai_client_against_gateway(workers):

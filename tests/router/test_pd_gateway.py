@@ -114,12 +114,8 @@ async def test_one_plus_three_a_refusing_decode_worker_is_retried_on_another():
     fleet[1].raw["scheduler"]["max-num-seqs"] = 1
     async with running(*fleet) as ws, Gw(pd_config(ws)) as g:
         await connected(g, ws)
-        # d0's one sequence slot is held by a decode leg waiting for a room nobody prefills (sent to it directly:
-        # the gateway does not know), so d0 refuses the gateway's transfer (503) and the gateway retries d1
-        held = asyncio.create_task(_post(ws[1].url + "/v1/completions", {
-            "model": MODEL, "prompt": "zz", "max_tokens": 1, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": ws[0].port, "bootstrap_room": 999}))
-        await wait_until(lambda: len(ws[1].worker.core.scheduler.receiving) == 1, what="d0 holds its slot")
+        # d0's one sequence slot is held, so d0 refuses the gateway's transfer (503) and the gateway retries d1
+        held = await hold_decode_slot(ws[0], ws[1])
         c = client(g)
         try:
             got = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
@@ -134,26 +130,64 @@ async def test_one_plus_three_a_refusing_decode_worker_is_retried_on_another():
         assert ws[0].worker.core.scheduler.parked == {}  # d1 pulled the parked KV
 
 
-async def _post(url: str, body: dict[str, Any]) -> int:
+async def hold_decode_slot(prefill: SimWorker, decode: SimWorker, prompt: str = "zz") -> asyncio.Task[int]:
+    """Hold ``decode``'s one sequence slot (``scheduler.max-num-seqs: 1``) and the blocks of ``prompt`` with a decode
+    leg sent to it directly (the gateway does not know) for a room nobody prefills on ``prefill``; returns once it
+    holds them, with the request's task (its HTTP status), which the test cancels when done."""
+    held = asyncio.create_task(post_status(decode.url + "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": prefill.port, "bootstrap_room": 999}))
+    try:
+        await wait_until(lambda: len(decode.worker.core.scheduler.receiving) == 1,
+                         what=f"{decode.worker_id} holds its slot")
+    except BaseException:
+        held.cancel()
+        raise
+    return held
+
+
+async def post_status(url: str, body: dict[str, Any]) -> int:
+    """POST ``body`` as JSON; the answer's HTTP status (its body read whole)."""
     async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
         await r.read()
         return r.status
 
 
+async def hold_decode_blocks(g: Gw, prefill: SimWorker, decode: SimWorker, num_free: int) -> asyncio.Task[int]:
+    """Hold all but ``num_free`` of ``decode``'s 12 blocks (``hold_decode_slot`` with a prompt of that many blocks
+    less ``num_free``) until the gateway's load poll has seen it."""
+    held = await hold_decode_slot(prefill, decode, prompt="z" * (12 - num_free) * BLOCK_SIZE)
+    load = lambda: g.gw.fleet.workers[decode.worker_id].load  # noqa: E731
+    await wait_until(lambda: (w := load()) is not None and w.num_free_gpu_blocks == num_free,
+                     what=f"the gateway's poll of {decode.worker_id}'s {num_free} free blocks")
+    return held
+
+
 async def test_no_decode_room_waits_then_429_and_the_queue_is_released():
-    fleet = [pd_worker("p0", "prefill"), pd_worker("d0", "decode", num_gpu_blocks=6)]  # the request needs 7
+    # the request needs 7 of d0's 12 blocks, 6 of which a transfer the gateway does not know holds
+    fleet = [pd_worker("p0", "prefill"), pd_worker("d0", "decode", num_gpu_blocks=12, **{"pull-timeout-s": 60.0})]
     async with running(*fleet) as ws, Gw(pd_config(
         ws, pd={"queue_timeout_s": 0.3, "retry_after_s": 2.0}, load_poll={"interval_s": 0.05}
     )) as g:
         await connected(g, ws)
-        async with aiohttp.ClientSession() as s:
-            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}
-            async with s.post(g.url + "/v1/completions", json=body) as r:
-                assert r.status == 429 and r.headers["Retry-After"] == "2"
-                err = (await r.json())["error"]
+        held = await hold_decode_blocks(g, ws[0], ws[1], num_free=6)
+        try:
+            async with aiohttp.ClientSession() as s:
+                body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}
+                async with s.post(g.url + "/v1/completions", json=body) as r:
+                    assert r.status == 429 and r.headers["Retry-After"] == "2"
+                    err = (await r.json())["error"]
+        finally:
+            held.cancel()
         assert "no decode worker could take the request's KV within 0.3 s" in err["message"]
         assert g.gw.pd.num_waiting == 0 and g.gw.pd.num_rejected == 1 and len(g.gw.pd.ledger) == 0
         assert g.gw.admission.num_inflight == 0
+        text = g.gw.metrics.render().decode()
+        assert 'kvgate_pd_capacity_rejected_total 1.0' in text.splitlines()
+        assert 'kvgate_pd_waiting_requests 0.0' in text.splitlines()
+        assert 'kvgate_pd_reservations_made_total 0.0' in text.splitlines()  # the request never held one
+        assert 'kvgate_pd_reserved_blocks{worker="d0"} 0.0' in text.splitlines()
+        assert 'kvgate_pd_reserved_blocks{worker="p0"}' not in text  # a prefill worker holds no decode room
 
 
 async def test_a_dead_prefill_worker_is_retried_and_a_dead_decode_worker_too():
@@ -173,6 +207,14 @@ async def test_a_dead_prefill_worker_is_retried_and_a_dead_decode_worker_too():
         assert (rec["prefill_worker_id"], rec["prefill_served_by"]) == ("p0", "p1")
         assert (rec["decode_worker_id"], rec["decode_served_by"]) == ("d0", "d1")
         assert len(g.gw.pd.ledger) == 0 and ws[1].worker.core.scheduler.parked == {}
+        lines = g.gw.metrics.render().decode().splitlines()
+        # reserved on d0, moved to d1 by the retry (a release and a new reservation), released at the end
+        assert 'kvgate_pd_reservations_made_total 2.0' in lines
+        assert 'kvgate_pd_reservations_released_total 2.0' in lines
+        for wid in ("d0", "d1"):
+            assert f'kvgate_pd_reserved_blocks{{worker="{wid}"}} 0.0' in lines
+            assert f'kvgate_pd_reservations{{worker="{wid}"}} 0.0' in lines
+            assert f'kvgate_pd_transfer_bytes_ahead{{worker="{wid}"}} 0.0' in lines
 
 
 async def test_every_prefill_worker_dead_is_a_clean_openai_error_with_nothing_reserved():
@@ -191,3 +233,83 @@ async def test_every_prefill_worker_dead_is_a_clean_openai_error_with_nothing_re
         assert ws[1].worker.core.scheduler.receiving == {}
         rec = [d for d in await decisions(g) if d.get("kind") == "pd"][0]
         assert rec["outcome"] == "UpstreamError" and rec["prefill_served_by"] is None
+
+
+async def test_a_client_leaving_mid_stream_is_recorded_as_served_by_its_decode_worker():
+    """The client reads the decode leg's first chunk and leaves: the record names the decode worker that served the
+    answer (its stream began) with outcome client_gone, and every reservation is released."""
+    fleet = [pd_worker("p0", "prefill"), SimWorker("d0", time_scale=1.0)]
+    fleet[1].raw["role"] = "decode"
+    fleet[1].raw["kv-transfer"] = {"abort-request-timeout-s": 30.0}
+    async with running(*fleet) as ws, Gw(pd_config(ws)) as g:
+        await connected(g, ws)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(g.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                assert (await r.content.readany()).startswith(b"data: ")
+        # the connection is closed; the gateway's handler is cancelled
+        await wait_until(lambda: len(g.gw.pd.ledger) == 0)
+        recs = [d for d in await decisions(g) if d.get("kind") == "pd"]
+        await wait_until(lambda: bool(recs))
+        rec = recs[0]
+        assert (rec["prefill_served_by"], rec["decode_served_by"], rec["outcome"]) == ("p0", "d0", "client_gone")
+        assert g.gw.admission.num_inflight == 0
+
+
+async def test_a_session_keeps_its_decode_worker_over_a_better_cached_one():
+    """The decode leg is sticky too: a session's next turn goes to the decode worker that served its last turn (it
+    holds the conversation's KV), even where another decode worker holds more of the new prompt."""
+    fleet = [pd_worker("p0", "prefill"), pd_worker("d0", "decode"), pd_worker("d1", "decode")]
+    other = "".join(chr(ord("A") + i % 26) for i in range(4 * BLOCK_SIZE + 3))
+    async with running(*fleet) as ws, Gw(pd_config(ws)) as g:
+        await connected(g, ws)
+        c = client(g)
+        try:
+            await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                       extra_headers={"x-session-id": "s1"})
+            await in_sync(g.gw, ws)
+            assert (await g.admin("POST", "/admin/workers/d0/drain"))[0] == 200
+            await c.completions.create(model=MODEL, prompt=other, max_tokens=2)  # no session: d1 holds `other`
+            assert (await g.admin("POST", "/admin/workers/d0/undrain"))[0] == 200
+            await in_sync(g.gw, ws)
+            await c.completions.create(model=MODEL, prompt=other, max_tokens=2)  # no session: d1, its prefix
+            await c.completions.create(model=MODEL, prompt=other, max_tokens=2, extra_headers={"x-session-id": "s1"})
+        finally:
+            await c.close()
+        recs = [d for d in await decisions(g) if d.get("kind") == "pd"]
+        turn2, free, _, turn1 = recs[:4]
+        assert (turn1["decode_worker_id"], turn1["session_key"]) == ("d0", "sid:s1")
+        assert (free["decode_worker_id"], free["decode_reason"]) == ("d1", "min_decode_cost")
+        assert free["decode_scores"]["d1"] < free["decode_scores"]["d0"]  # d1 holds the prompt, d0 does not
+        assert (turn2["decode_worker_id"], turn2["decode_reason"]) == ("d0", "sticky")
+        assert g.gw.pd.decode_owners == {"sid:s1": "d0"} and len(g.gw.pd.ledger) == 0
+
+
+async def test_a_prefill_leg_mismatch_is_counted_with_its_cause():
+    """The prefill worker drops its prefix cache while its events do not reach the gateway: the next prefill leg is
+    predicted a hit it does not get, and the mismatch is counted with its cause (``index``: nothing the worker
+    reported explains it), as on the aggregated path."""
+    fleet = [pd_worker("p0", "prefill"), pd_worker("d0", "decode")]
+    async with running(*fleet) as ws, Gw(pd_config(ws)) as g:
+        await connected(g, ws)
+        c = client(g)
+        try:
+            await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+            await in_sync(g.gw, ws)
+            # in_sync counts the first leg's pending entries too: wait for its stores to confirm them, or a
+            # confirmation landing after the second decision reads as the "pending" cause instead
+            await wait_until(lambda: g.gw.indexes[MODEL].stats().num_approx_blocks == 0,
+                             what="the first leg's pending entries confirmed")
+            core = ws[0].worker.core
+            assert core.publisher is not None
+            core.publisher.set_faults(drop_sends=True, refuse_replay=False)  # what it publishes from now on is lost
+            assert core.kv.reset_prefix_cache()
+            core.flush_events()
+            await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+        finally:
+            await c.close()
+        rec = [d for d in await decisions(g) if d.get("kind") == "pd"][0]
+        assert rec["predicted_cached_tokens"] == {"p0": 96} and rec["reported_cached_tokens"] == 0
+        m = g.gw.metrics.worker("p0")
+        assert m.num_checks_mismatch == 1 and m.num_mismatches == {"index": 1, "evicted": 0, "pending": 0, "late": 0}

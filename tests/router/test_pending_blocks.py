@@ -117,14 +117,6 @@ class HeldEvents:
         self.batches.clear()
 
 
-@pytest.fixture
-async def worker():
-    w = FakeWorker("w0")
-    await w.start()
-    yield w
-    await w.stop()
-
-
 async def _complete(h: GatewayHarness, prompt: str) -> tuple[int, int]:
     """(predicted, reported) cached tokens of one request."""
     status, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2})
@@ -211,3 +203,24 @@ async def test_disabled_leaves_the_race(worker):
 def test_config_rejects_non_positive_ttl():
     with pytest.raises(ConfigError, match="pending_blocks_ttl_s"):
         parse_config({"models": [{"name": "m", "pending_blocks_ttl_s": 0}]})
+
+
+@pytest.mark.integration
+async def test_a_huge_prompt_inserts_only_its_first_max_routed_blocks(worker):
+    """``max_routed_blocks`` bounds one decision's insertion (and so its time on the event loop): the first blocks
+    are pending, a request behind predicts them, the rest waits for the worker's events."""
+    config = make_config([worker], models=[{"name": "m", "block_size": BLOCK_SIZE, "max_routed_blocks": 6}])
+    async with GatewayHarness(config, workers=[worker]) as h:
+        held = HeldEvents(worker)
+        assert await _complete(h, SHARED + "aaaaaa") == (0, 0)  # 11 full blocks; 6 inserted
+        assert h.gw.indexes["m"].stats().num_approx_blocks == 6
+        assert await _complete(h, SHARED + "bbbbbb") == (24, 40)  # predicted: the 6 pending blocks (the rest: late)
+        assert h.gw.indexes["m"].stats().num_approx_blocks == 6  # the same first 6 blocks, refreshed
+        held.release()
+        await wait_until(lambda: _counter(h, "num_blocks_stored") >= 12)
+        assert await _complete(h, SHARED + "cccccc") == (40, 40)  # the events know all 10 shared blocks
+
+
+def test_config_rejects_non_positive_max_routed_blocks():
+    with pytest.raises(ConfigError):
+        parse_config({"models": [{"name": "m", "max_routed_blocks": 0}]})

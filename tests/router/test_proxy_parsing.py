@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.proxy import (
-    MAX_MEMO_BLOCK_CHARS,
-    ClientHeaderReader,
-    cached_tokens_of,
-    client_headers_of,
-    response_headers_of,
-    usage_from_sse_tail,
-)
+from router.proxy import MAX_MEMO_BLOCK_CHARS, ClientHeaderReader, client_headers_of, response_headers_of
+from router.sse import cached_tokens_of, usage_from_sse_tail
 
 
 def _usage_event(cached: int) -> bytes:
@@ -99,6 +93,33 @@ def test_client_header_reader_reads_each_distinct_block_once() -> None:
     assert again is not first and again == first
 
 
+def test_client_header_reader_shares_an_entry_across_content_lengths() -> None:
+    """A client's POSTs differ only in Content-Length: they share one memo entry, whose forwarded headers hold no
+    length (the HTTP client writes the forwarded body's own)."""
+    reader = ClientHeaderReader()
+
+    def block(length: bytes, spelling: bytes = b"Content-Length") -> tuple[tuple[bytes, bytes], ...]:
+        return ((b"Host", b"gw:8000"), (b"User-Agent", b"openai/1.0"), (spelling, length),
+                (b"Content-Type", b"application/json"), (b"X-Session-Id", b"conv-7"))
+
+    def mapping(raw: tuple[tuple[bytes, bytes], ...]) -> CIMultiDictProxy[str]:
+        return CIMultiDictProxy(CIMultiDict([(name.decode(), value.decode()) for name, value in raw]))
+
+    first = reader.read(block(b"12"), mapping(block(b"12")))
+    assert first.forward == (("User-Agent", "openai/1.0"), ("Content-Type", "application/json"),
+                             ("X-Session-Id", "conv-7"))
+    assert first.num_chars == len("Hostgw:8000User-Agentopenai/1.0Content-Typeapplication/jsonX-Session-Idconv-7")
+    for length, spelling in ((b"2048", b"Content-Length"), (b"7", b"content-length"), (b"99", b"CONTENT-LENGTH")):
+        assert reader.read(block(length, spelling), CIMultiDictProxy(CIMultiDict())) is first
+    assert list(reader._memo) == [(block(b"")[:2] + block(b"")[3:])]
+    # Another spelling stays in the key: memoized per length, with the same headers to forward.
+    odd = reader.read(block(b"5", b"content-Length"), mapping(block(b"5", b"content-Length")))
+    assert odd is not first and odd == first and len(reader) == 2
+    # A header other than Content-Length that differs is another block.
+    other = ((b"User-Agent", b"openai/1.1"), (b"Content-Length", b"12"))
+    assert reader.read(other, mapping(other)).forward == (("User-Agent", "openai/1.1"),) and len(reader) == 3
+
+
 def test_client_headers_drop_the_request_content_encoding() -> None:
     """aiohttp inflates a compressed request body before the gateway reads it, so the body forwarded is no longer
     encoded: the client's Content-Encoding is not forwarded."""
@@ -106,8 +127,8 @@ def test_client_headers_drop_the_request_content_encoding() -> None:
                                             ("Content-Length", "31")]))
     got = client_headers_of(headers)
     assert got.forward == (("Content-Type", "application/json"),)
-    assert got.num_chars == len("Content-Type") + len("application/json") + len("Content-Encoding") + len("gzip") \
-        + len("Content-Length") + len("31")
+    # Content-Length is left out of the count, as of the memo's key: one memoized block serves every length.
+    assert got.num_chars == len("Content-Type") + len("application/json") + len("Content-Encoding") + len("gzip")
 
 
 def test_client_header_reader_memoizes_only_small_blocks() -> None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from events.types import BlockStored, EventBatch
+from router.block_hash import hash_token_blocks
 from router.config import CircuitBreakerConfig, WorkerConfig
 from router.fleet import WorkerRuntime
+from router.index import IndexConfig, PrefixIndex
 from router.index.result import MatchResult, WorkerMatch
-from router.routing import LOAD_SAMPLE, scored_workers
+from router.routing import LOAD_SAMPLE, MAX_SCORED_WORKERS, scored_workers
 
 pytestmark = pytest.mark.unit
 
@@ -36,3 +39,23 @@ def test_a_removed_holder_is_skipped_and_a_small_fleet_is_all_sampled() -> None:
     by_id = {w.worker_id: w for w in workers}
     match = MatchResult({"gone": WorkerMatch("gone", 0, 3), "w4": WorkerMatch("w4", 0, 3)}, 3)
     assert [w.worker_id for w in scored_workers(workers, by_id, match, 0)] == ["w4", "w0", "w1", "w2", "w3"]
+
+
+def test_a_prefix_the_whole_fleet_holds_scores_the_deepest_holders_and_the_sample() -> None:
+    """100 workers hold the first block of a prompt (a shared system prompt), each to a depth of 1 to 5 blocks: a
+    decision scores the 64 deepest (deepest first, then in the order the index first saw them) and 8 others."""
+    workers = _fleet(100)
+    by_id = {w.worker_id: w for w in workers}
+    index = PrefixIndex(IndexConfig(block_size=2))
+    tokens = list(range(10))
+    hashes = hash_token_blocks(tokens, 2)
+    for i in range(100):
+        depth = 1 + i % 5
+        event = BlockStored(tuple(range(1, depth + 1)), None, tuple(tokens[: 2 * depth]), 2)
+        index.apply(EventBatch(f"w{i}", 0, 1, 0.0, (event,)))
+    match = index.match(hashes)
+    ids = [w.worker_id for w in scored_workers(workers, by_id, match, 0)]
+    deepest = [f"w{i}" for depth in (5, 4, 3, 2) for i in range(100) if 1 + i % 5 == depth][:MAX_SCORED_WORKERS]
+    assert ids[:MAX_SCORED_WORKERS] == deepest
+    assert ids[MAX_SCORED_WORKERS:] == ["w0", "w5", "w10", "w15", "w20", "w21", "w25", "w26"]
+    assert [match.workers[w].num_gpu_blocks for w in ("w4", "w3", "w0")] == [5, 4, 1]

@@ -3,8 +3,8 @@ running; a model without ``tokenizer_path`` gets one warning."""
 
 from __future__ import annotations
 
+import json
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -42,8 +42,44 @@ def write_config(tmp_path: Path, *, listen_port: int, events_bind_port: int | No
     return path
 
 
-def open_fds() -> list[str]:
-    return sorted(os.listdir("/proc/self/fd"))
+# Runs ``kvgate serve`` twice in a fresh interpreter (the first call takes imports and first-use allocations out of
+# the count) and prints the exit statuses, the second call's error lines and every descriptor it left open, with its
+# target (a socket the first call left listening would make the second fail on the port instead). A fresh
+# interpreter, because in the test process other tests' background threads (a Mooncake client pinging its master, a
+# Redis pool) open and close sockets of their own at any moment.
+FD_CHECK = """
+import json, logging, os, sys
+from router.cli import main
+def fds():
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
+class Errors(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.lines = []
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+args = ["serve", "--config", sys.argv[1]]
+first = main(args)
+errors = Errors()
+logging.getLogger().handlers[:] = [errors]
+before = fds()
+second = main(args)
+left = {fd: target for fd, target in fds().items() if before.get(fd) != target}
+print(json.dumps({"statuses": [first, second], "errors": errors.lines, "left_open": left}))
+"""
+
+
+def fds_left_by_second_serve(config: Path) -> dict[str, object]:
+    out = subprocess.run([sys.executable, "-c", FD_CHECK, str(config)], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, check=True)
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
 def messages(caplog: pytest.LogCaptureFixture) -> list[tuple[str, int, str]]:
@@ -73,21 +109,17 @@ def test_taken_port_is_one_error_line_exit_2_and_no_traceback(tmp_path, held_por
 @pytest.mark.integration
 def test_taken_port_starts_nothing_and_leaks_nothing(tmp_path, held_port, caplog):
     config = write_config(tmp_path, listen_port=held_port)
-    assert main(["serve", "--config", str(config)]) == 2  # imports and first-use allocations out of the count
-    fds_before = open_fds()
-    caplog.clear()
     with caplog.at_level(logging.INFO):
         status = main(["serve", "--config", str(config)])
     assert status == 2
-    assert messages(caplog)[-1] == (
-        "router.serve",
-        logging.ERROR,
+    error = (
         f"cannot listen on {HOST}:{held_port}: address already in use "
-        "(another process holds it; pick another listen.port or --port)",
+        "(another process holds it; pick another listen.port or --port)"
     )
+    assert messages(caplog)[-1] == ("router.serve", logging.ERROR, error)
     # The port is bound before the app starts: no subscription, no worker, no listener was ever started.
-    assert not [r for r in caplog.records if r.name in ("events.subscriber", "router.fleet")]
-    assert open_fds() == fds_before
+    assert not [r for r in caplog.records if r.name in ("events.subscriber", "events.rank_stream", "router.fleet")]
+    assert fds_left_by_second_serve(config) == {"statuses": [2, 2], "errors": [error], "left_open": {}}
 
 
 @pytest.mark.integration
@@ -130,16 +162,10 @@ def test_failed_start_closes_what_had_started(tmp_path, caplog):
         "admin: {disable_auth: true}\n",
         encoding="utf-8",
     )
-    assert main(["serve", "--config", str(config)]) == 2  # imports and first-use allocations out of the count
-    fds_before = open_fds()
-    caplog.clear()
     assert main(["serve", "--config", str(config)]) == 2
-    assert messages(caplog)[-1] == (
-        "router.serve",
-        logging.ERROR,
-        f"worker 'w1': events_endpoint: cannot connect tcp://{HOST}:x: Invalid argument (addr='tcp://{HOST}:x')",
-    )
-    assert open_fds() == fds_before
+    error = f"worker 'w1': events_endpoint: cannot connect tcp://{HOST}:x: Invalid argument (addr='tcp://{HOST}:x')"
+    assert messages(caplog)[-1] == ("router.serve", logging.ERROR, error)
+    assert fds_left_by_second_serve(config) == {"statuses": [2, 2], "errors": [error], "left_open": {}}
 
 
 @pytest.mark.unit

@@ -14,7 +14,7 @@ from common.line_split import composes_at_line_starts, is_line_start, last_line_
 from common.tokenization import ByteTokenizer, HFTokenizer
 from router.block_hash import hash_token_blocks
 from router.config import ModelConfig
-from router.request_view import ModelTokenizer, parse_request
+from router.request_view import ModelTokenizer, PromptView, ViewPlan, parse_request
 
 pytestmark = pytest.mark.unit
 
@@ -167,3 +167,49 @@ def test_long_chat_messages_are_sliced_exactly(bpe_path: Path) -> None:
     view = asyncio.run(model.view_async(parse_request("chat", body), off_loop_chars=1000))
     ids = encode_chat(model.tokenizer, model.template, [ChatMessage("user", content)])
     assert (view.num_tokens, view.block_hashes) == (len(ids), tuple(hash_token_blocks(ids, BLOCK_SIZE)))
+
+
+def test_a_continued_prompt_costs_no_whole_prompt_key_and_a_short_repeat_is_one_lookup(bpe_path: Path) -> None:
+    tok = HFTokenizer(bpe_path)
+    model = _model(bpe_path)
+    rng = random.Random(11)
+    prompt = "system: you are a coder\n" + _text(rng, 800)
+    model.view(parse_request("completions", _completion(prompt)))
+    assert len(model._prompts) == 1  # a first turn is keyed whole (a retry of it is one lookup)
+    longer = prompt + "user: more\n" + _text(rng, 50)
+    plan = model.plan(parse_request("completions", _completion(longer)))
+    assert isinstance(plan, ViewPlan) and plan.num_chars < len(longer) - len(prompt) + 200  # the new text only
+    view = plan.finish(model.encode_many(plan.texts))
+    assert (view.num_tokens, view.block_hashes) == _expected(tok, longer)
+    assert len(model._prompts) == 1  # it extended a checkpoint: no whole-prompt key was made
+    short = "a short prompt\nof two lines"
+    first = model.view(parse_request("completions", _completion(short)))
+    again = model.plan(parse_request("completions", _completion(short)))
+    assert isinstance(again, PromptView) and (again.num_tokens, again.block_hashes) == (first.num_tokens,
+                                                                                        first.block_hashes)
+
+
+def test_a_lookup_from_a_thread_skips_a_checkpoint_the_loop_evicted_meanwhile():
+    """``find`` and ``PrefixStateCache.get`` run in a tokenizer thread for a huge prompt (``OFF_LOOP_PLAN_CHARS``)
+    while the loop may evict: an id still listed in its bucket but gone from the entries (the state between the
+    two steps of an eviction, as a thread can see it) is skipped, not a ``KeyError``."""
+    from router.prompt_state import EMPTY_STATE, PrefixStateCache
+    from router.text_prefix import TextCheckpoint, TextPrefixCache
+
+    cache = TextPrefixCache(anchor_chars=4)
+    prompt = "line one\nline two\nline three\n"
+    key = cache.anchor(prompt, seed=1)
+    assert key is not None
+    cache.put(key, TextCheckpoint("line one\n", EMPTY_STATE))
+    cache.put(key, TextCheckpoint("line one\nline two\n", EMPTY_STATE))
+    found = cache.find(key, prompt)
+    assert found is not None and found[1].prefix == "line one\nline two\n"
+    del cache._entries[found[0]]  # evicted by the loop; its bucket not yet updated
+    found = cache.find(key, prompt)
+    assert found is not None and found[1].prefix == "line one\n"
+    cache._entries.clear()
+    assert cache.find(key, prompt) is None
+
+    states = PrefixStateCache(4, 1 << 20)
+    states.put(7, EMPTY_STATE)
+    assert states.get(7) is EMPTY_STATE and states.get(8) is None

@@ -11,7 +11,8 @@ import pytest
 from router.sessions.config import SessionsConfig
 from router.sessions.factory import build_session_store
 from router.sessions.memory import REAP_SLICE, MemorySessionStore
-from router.sessions.redis_store import RedisSessionStore, _RefreshTable
+from router.sessions.redis_store import RedisSessionStore
+from router.sessions.refresh_table import RefreshTable
 from tests.ports import free_port
 from tests.sessions.fakes import FakeClock
 
@@ -78,7 +79,7 @@ async def test_memory_store_reap_with_a_bound_takes_the_oldest_first() -> None:
 
 def _evict_and_reap_s(num_entries: int) -> float:
     """Seconds to evict ``num_entries`` entries at the bound and reap as many, with the exact outcome asserted."""
-    table = _RefreshTable(num_entries)
+    table = RefreshTable(num_entries)
     for i in range(num_entries):
         table.refreshed(f"k{i}", "w0", 0.0)
     t0 = time.perf_counter()
@@ -126,7 +127,7 @@ async def test_redis_store_reap_yields_between_slices_without_touching_redis() -
 def test_refresh_table_counts_live_entries_from_the_oldest_on() -> None:
     """``stats()`` (each metrics scrape) counts live sessions: it reads only the expired entries at the front,
     never the whole table."""
-    table = _RefreshTable(100)
+    table = RefreshTable(100)
     for i in range(10):
         table.refreshed(f"k{i}", "w0", float(i))
     table.refreshed("k0", "w1", 20.0)  # refreshed again: moves to the end

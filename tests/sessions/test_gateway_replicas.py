@@ -165,6 +165,25 @@ async def test_one_sessions_turns_go_to_one_worker_across_replicas(workers, redi
         assert status == 200
         assert (await turn(b, "conv-1", "turn 9"))[1] == "sticky_new"
 
+        # Filtered listing and bulk drop: one replica drops a worker's race sessions, the other sees them gone.
+        status, listed = await b.admin("GET", "/admin/sessions?key_prefix=sid:race-&limit=100")
+        assert status == 200 and len(listed["sessions"]) == 8
+        assert all(set(e) == {"session_key", "worker_id", "last_used_s", "created_s", "idle_s", "age_s"}
+                   and e["age_s"] >= e["idle_s"] >= 0 for e in listed["sessions"])
+        victim = listed["sessions"][0]["worker_id"]
+        num_victim = sum(e["worker_id"] == victim for e in listed["sessions"])
+        status, dropped = await a.admin("DELETE", f"/admin/sessions?worker_id={victim}&key_prefix=sid:race-")
+        assert (status, dropped) == (200, {"num_dropped": num_victim})
+        status, listed = await b.admin("GET", "/admin/sessions?key_prefix=sid:race-")
+        assert len(listed["sessions"]) == 8 - num_victim
+        assert all(e["worker_id"] != victim for e in listed["sessions"])
+        status, refused = await a.admin("DELETE", "/admin/sessions")
+        assert status == 400 and refused["error"]["param"] == "all"
+        status, dropped = await a.admin("DELETE", "/admin/sessions?all=true")
+        assert status == 200 and dropped["num_dropped"] == 8 - num_victim + 1  # and sid:conv-1
+        status, listed = await b.admin("GET", "/admin/sessions")
+        assert (listed["num_sessions"], listed["sessions"]) == (0, [])
+
 
 async def test_replicas_keep_serving_while_redis_is_down(workers, restartable_redis, redis_key_prefix) -> None:
     config = replica_config(workers, restartable_redis.url, redis_key_prefix)

@@ -112,3 +112,29 @@ async def test_worker_metrics_and_debug_memory(start_worker):
     assert total(metrics, "process_open_fds") > 0
     assert total(metrics, "kvgate_process_asyncio_tasks") >= 2  # the engine loop and this request's handler
     assert memory["is_tracing"] is False and memory["sites"] == []
+
+
+async def test_worker_debug_memory_refuses_bad_params_by_name(start_worker):
+    """A bad ``limit``, ``group_by`` or ``trim`` is a 400 naming it (as the gateway's ``/admin/debug/memory``);
+    the accepted spellings still answer."""
+    w = await start_worker()
+    async with aiohttp.ClientSession() as s:
+        for query, param, message in (
+            ("group_by=0", "group_by", "group_by must be 'lineno' or 'traceback', got '0'"),
+            ("group_by=LINENO", "group_by", "group_by must be 'lineno' or 'traceback', got 'LINENO'"),
+            ("trim=maybe", "trim", "trim must be true or false, got 'maybe'"),
+            ("trim=", "trim", "trim must be true or false, got ''"),
+            ("limit=x", "limit", "limit must be an integer, got 'x'"),
+            ("limit=3&trim=yes", "trim", "trim must be true or false, got 'yes'"),
+        ):
+            async with s.get(f"{w.base_url}/debug/memory?{query}") as resp:
+                assert (resp.status, await resp.json()) == (400, {"error": {
+                    "message": message, "type": "invalid_request_error", "param": param, "code": None}}), query
+        for query in ("limit=0&group_by=traceback&trim=TRUE", "trim=0", "trim=1&group_by=lineno"):
+            async with s.get(f"{w.base_url}/debug/memory?{query}") as resp:
+                assert resp.status == 200, query
+                body = await resp.json()
+            assert body["sites"] == [] and isinstance(body["trimmed"], bool), query
+        async with s.get(w.base_url + "/metrics") as resp:
+            metrics = parse_metrics(await resp.text())
+    assert total(metrics, "kvgate_worker_bad_requests_total") == 6

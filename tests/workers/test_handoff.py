@@ -147,6 +147,12 @@ def test_leg_rules() -> None:
         classify_leg("decode", {**remote, "remote_port": None}, none)
     with pytest.raises(InvalidRequestError, match="invalid kv_transfer_params"):
         classify_leg("decode", {"remote_block_ids": "x"}, none)
+    # vLLM 0.32's shape (NIXL connector version 14): one list per KV cache group, and more fields
+    v032 = {**remote, "remote_block_ids": [[1, 2]], "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 40,
+            "remote_blocks_expiry_time": None, "transfer_mode": "pull"}
+    assert classify_leg("decode", v032, none) is Leg.VLLM_DECODE
+    with pytest.raises(InvalidRequestError, match="mixes block ids and per-group lists"):
+        classify_leg("decode", {**remote, "remote_block_ids": [1, [2]]}, none)
     room = BootstrapRequest("127.0.0.1", 8998, 7)
     assert classify_leg("prefill", None, room) is Leg.SGLANG_PREFILL
     assert classify_leg("decode", None, room) is Leg.SGLANG_DECODE

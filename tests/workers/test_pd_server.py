@@ -10,8 +10,10 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
 from common.pd_protocol import BootstrapFields, bootstrap_body, decode_leg_body, prefill_leg_body
+from tests.ports import free_port
 from tests.workers.conftest import make_config
 
 pytestmark = pytest.mark.integration
@@ -57,12 +59,18 @@ async def test_vllm_flow_prefill_parks_then_decode_pulls_and_streams(start_worke
         assert params == {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": [0, 1, 2, 3, 4, 5, 6, 7, 8],
+            "remote_block_ids": [[0, 1, 2, 3, 4, 5, 6, 7, 8]],  # one list per KV cache group, as vLLM 0.32
             "remote_engine_id": "p0",
             "remote_request_id": first.id,
             "remote_host": "127.0.0.1",
             "remote_port": port,
             "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": first.usage.prompt_tokens if first.usage else None,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": 0,
         }
         held = await load(pre.base_url)
         assert held["role"] == "prefill"
@@ -97,6 +105,27 @@ async def test_vllm_flow_prefill_parks_then_decode_pulls_and_streams(start_worke
         assert err.value.status_code == 502 and "no parked KV" in str(err.value.message)
         d = await load(dec.base_url)
         assert d["kv_transfer"]["num_reserved_transfer_blocks"] == 0 and d["num_free_blocks"]["GPU"] == 64
+        # the same prompt again, decoded on a fresh worker: like vLLM 0.32, the decode leg reports the prefill
+        # side's hits (8 blocks of 4: a hit never covers the last prompt token), not its own (none: it pulled all 9)
+        dec2 = await start_worker(pd_config("decode", "d1"))
+        c_dec2 = client(dec2.base_url)
+        again = await c_pre.completions.create(
+            model="sim-model", prompt=PROMPT, max_tokens=1, seed=3,
+            extra_body={"kv_transfer_params": leg1["kv_transfer_params"]},
+        )
+        params2 = (again.model_extra or {})["kv_transfer_params"]
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        assert again.usage.prompt_tokens_details.cached_tokens == params2["remote_prefill_cached_tokens"] == 32
+        try:
+            got = await c_dec2.completions.create(
+                model="sim-model", prompt=PROMPT, max_tokens=6, seed=3, extra_body={"kv_transfer_params": params2}
+            )
+        finally:
+            await c_dec2.close()
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage is not None and got.usage.prompt_tokens_details is not None
+        assert got.usage.prompt_tokens_details.cached_tokens == 32
+        assert (await load(dec2.base_url))["kv_transfer"]["num_pulled_blocks"] == 9
     finally:
         for c in (c_agg, c_pre, c_dec):
             await c.close()
@@ -151,8 +180,11 @@ async def test_decode_refuses_past_its_free_blocks_and_a_failed_pull_releases_th
         held = asyncio.create_task(
             c_dec.completions.create(model="sim-model", prompt=PROMPT, max_tokens=2, extra_body=extra)
         )
-        await asyncio.sleep(0.1)
-        d = await load(dec.base_url)
+        for _ in range(100):  # until the decode worker admitted the transfer (a busy host can take a while)
+            d = await load(dec.base_url)
+            if d["kv_transfer"]["num_receiving_requests"] == 1:
+                break
+            await asyncio.sleep(0.05)
         assert d["kv_transfer"]["num_reserved_transfer_blocks"] == 9 and d["num_free_blocks"]["GPU"] == 3
         async with aiohttp.ClientSession() as s:
             body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2, **extra, "bootstrap_room": 2}
@@ -196,6 +228,26 @@ async def test_an_unpulled_transfer_times_out_and_frees_the_prefill_blocks(start
         await c_dec.close()
 
 
+async def test_a_reset_between_runs_releases_transfers_nobody_pulled(start_worker):
+    pre = await start_worker(pd_config("prefill", "p0", **{"kv-cache": {"num-gpu-blocks": 64, "block-size": 4}}))
+    c_pre = client(pre.base_url)
+    try:
+        await c_pre.completions.create(model="sim-model", prompt=PROMPT, max_tokens=1, extra_body=prefill_leg_body({}))
+        assert (await load(pre.base_url))["kv_transfer"]["num_parked_blocks"] == 9
+        async with aiohttp.ClientSession() as s:
+            async with s.post(pre.base_url + "/reset_prefix_cache") as r:
+                assert r.status == 409  # the parked blocks are in use until the abort timeout (30 s here)
+            async with s.post(pre.base_url + "/reset_prefix_cache", params={"release_parked": "yes"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "release_parked"
+            async with s.post(pre.base_url + "/reset_prefix_cache", params={"release_parked": "true"}) as r:
+                assert r.status == 200
+        p = await load(pre.base_url)
+        assert p["kv_transfer"]["num_parked_blocks"] == 0 and p["kv_transfer"]["num_expired_transfers"] == 0
+        assert p["num_free_blocks"]["GPU"] == 64
+    finally:
+        await c_pre.close()
+
+
 async def test_roles_refuse_the_legs_they_do_not_serve(start_worker):
     dec = await start_worker(pd_config("decode", "d0"))
     both = await start_worker(pd_config("both", "b0"))
@@ -215,3 +267,55 @@ async def test_roles_refuse_the_legs_they_do_not_serve(start_worker):
         for w in (dec, both, pre):
             async with s.post(w.base_url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}) as r:
                 assert r.status == 200 and "kv_transfer_params" not in await r.json()
+
+
+@pytest.mark.parametrize(
+    "answer", [b"{not json", b"[1, 2]", b'{"block_ids": "x", "block_size": 4, "num_tokens": 36, "kv_bytes": 0}']
+)
+async def test_a_prefill_side_answering_the_pull_with_junk_is_a_502_with_the_blocks_released(start_worker, answer):
+    """A prefill side whose ``POST /kv/pull`` answers 200 with something that is not a transfer descriptor (not
+    JSON, another JSON type, a field of the wrong type): the decode leg is the OpenAI-style 502
+    ``kv_transfer_failed`` naming it, the pull counts as failed, and every reserved block is free again."""
+
+    async def junk_pull(request: web.Request) -> web.Response:
+        return web.Response(body=answer, content_type="application/json")
+
+    fake = web.Application()
+    fake.router.add_post("/kv/pull", junk_pull)
+    runner = web.AppRunner(fake, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    dec = await start_worker(pd_config("decode", "d0"))
+    params = {"do_remote_prefill": True, "remote_block_ids": [[0]], "remote_engine_id": "p0",
+              "remote_request_id": "r0", "remote_host": "127.0.0.1", "remote_port": port}
+    try:
+        async with aiohttp.ClientSession() as s:
+            for stream in (False, True):
+                body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2, "stream": stream,
+                        "kv_transfer_params": params}
+                async with s.post(dec.base_url + "/v1/completions", json=body) as r:
+                    assert r.status == 502 and r.content_type == "application/json"
+                    err = (await r.json())["error"]
+                assert err["code"] == "kv_transfer_failed" and err["param"] == "kv_transfer_params"
+                assert err["message"].startswith(
+                    f"prefill worker http://127.0.0.1:{port} answered the pull with an invalid descriptor: ")
+        d = await load(dec.base_url)
+        assert d["kv_transfer"]["num_failed_pulls"] == 2 and d["kv_transfer"]["num_pulled_transfers"] == 0
+        assert d["kv_transfer"]["num_receiving_requests"] == 0 and d["kv_transfer"]["num_reserved_transfer_blocks"] == 0
+        assert d["num_free_blocks"]["GPU"] == 64 and d["num_running_requests"] == 0
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_pull_for_a_room_no_leg_can_name_is_a_400_at_once(start_worker):
+    """Rooms are in ``[0, 2**63 - 1]`` (``mini_lb``'s draw; a leg's body refuses others): ``POST /kv/pull`` for a
+    room outside it is a 400 at once, not a wait of ``pull-timeout-s`` in one of the ``max-pending-rooms`` slots."""
+    pre = await start_worker(pd_config("prefill", "p0", **{"kv-transfer": {"pull-timeout-s": 30.0}}))
+    async with aiohttp.ClientSession() as s:
+        for room in (-1, 2**63):
+            async with s.post(pre.base_url + "/kv/pull", json={"engine_id": "d0", "bootstrap_room": room}) as r:
+                assert r.status == 400, await r.text()
+                err = (await r.json())["error"]
+            assert err["type"] == "invalid_request_error" and "$.bootstrap_room" in err["message"]
+    assert (await load(pre.base_url))["kv_transfer"]["num_waiting_pulls"] == 0

@@ -19,7 +19,8 @@ from router.index.config import IndexConfig
 from router.index.index import PrefixIndex
 from workers.config import KVCacheConfig, PoolConfig
 from workers.kv.manager import KVCacheManager, SequenceKV
-from workers.kv.pool_tier import SimPool, block_value, pool_key
+from workers.kv.pool_chunk import ChunkLayout
+from workers.kv.pool_tier import SimPool, pool_key
 
 pytestmark = pytest.mark.unit
 
@@ -131,7 +132,8 @@ def test_a_block_read_back_with_other_bytes_is_counted_and_computed_instead():
     (store,), _ = a.take_pool_copies()
     a.complete_store(store.job_id)
     keys = pool.keys()
-    assert len(keys) == 4 and pool._data[keys[0]][0] == block_value(SHARED[:BS], VALUE_BYTES)
+    chunk = ChunkLayout(BS, 1, VALUE_BYTES).build(seq.block_hashes[0], SHARED[:BS])
+    assert len(keys) == 4 and pool._data[keys[0]][0] == chunk
     value, owner = pool._data[keys[2]]
     pool._data[keys[2]] = (value[:-1] + b"\x01", owner)  # one flipped byte in block 2's padding
     seq_b = SequenceKV("b")
@@ -140,4 +142,5 @@ def test_a_block_read_back_with_other_bytes_is_counted_and_computed_instead():
     assert b.admit(seq_b, hit, len(tokens))
     assert seq_b.num_cached_blocks == 2  # blocks 0 and 1 restored; 2 (and so 3) computed
     assert b.pool is not None and (b.pool.num_fetch_mismatches, b.pool.num_blocks_fetched) == (1, 2)
+    assert b.num_short_reads == 1  # the read found 2 of the 4 blocks the lookup counted
     assert keys[2] == pool_key(seq_b.block_hashes[2])

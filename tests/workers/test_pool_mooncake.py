@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.ports import free_port
+from tests.mooncake_master import running_master
 
 pytest.importorskip("mooncake.store")
 
@@ -26,37 +20,10 @@ pytestmark = pytest.mark.integration
 BS = 4
 
 
-
-
 @pytest.fixture(scope="module")
 def master() -> Iterator[str]:
-    binary = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
-    if not Path(binary).exists():
-        pytest.skip("mooncake_master not installed")
-    rpc, metrics = free_port(), free_port()
-    proc = subprocess.Popen(
-        [binary, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--metrics_host=127.0.0.1",
-         f"--metrics_port={metrics}", "--default_kv_lease_ttl=2000"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", rpc), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            pytest.skip("mooncake_master did not start")
-        yield f"127.0.0.1:{rpc}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with running_master(lease_ttl_ms=2000) as m:
+        yield m.address
 
 
 def test_block_stored_by_a_is_restored_by_b_through_mooncake(master: str):
@@ -135,6 +102,41 @@ def test_checkpoint_stored_by_a_is_resumed_by_b_through_mooncake(master: str):
         assert turn2.num_cached_tokens == 16
         assert [(p.start_pos, len(p.token_ids)) for s in steps for p in s.prefills] == [(16, 6)]
         assert steps[0].num_state_pool_restores == 1 and b.groups.recurrent[0].num_resumes == 1
+    finally:
+        sb.close()
+        sa.close()
+
+
+def test_a_chunk_of_three_layer_groups_is_one_mooncake_object_read_whole_or_not_at_all(master: str):
+    from workers.config import PoolConfig
+    from workers.kv.pool_chunk import ChunkLayout
+    from workers.kv.pool_tier import pool_key
+
+    cfg = KVCacheConfig(num_gpu_blocks=8, block_size=BS, pool=PoolConfig(
+        backend="mooncake", value_bytes_per_block=64 << 10, num_layer_groups=3))  # fmt: skip
+    sa = MooncakePoolStore(master, global_segment_size=32 << 20, local_buffer_size=16 << 20)
+    sb = MooncakePoolStore(master, global_segment_size=0, local_buffer_size=16 << 20)
+    try:
+        a, b = KVCacheManager(cfg, pool_store=sa), KVCacheManager(cfg, pool_store=sb)
+        prompt = [5000 + i for i in range(8)]
+        seq = SequenceKV("a")
+        assert a.admit(seq, a.find_prefix(seq, prompt, 8), 8)
+        a.cache_computed(seq, prompt, 8, 8)
+        (store,), _ = a.take_pool_copies()
+        a.complete_store(store.job_id)
+        keys = [pool_key(h) for h in seq.block_hashes]
+        layout = ChunkLayout(BS, 3, 64 << 10)
+        assert sb._store.get_batch(keys) == [
+            layout.build(h, prompt[i * BS : (i + 1) * BS]) for i, h in enumerate(seq.block_hashes)
+        ]  # one object per block, all three groups in it
+        value = sb._store.get(keys[1])
+        assert sb._store.upsert(keys[1], value[: layout.header_bytes + 2 * layout.piece_bytes]) == 0  # group 2 gone
+        seq_b = SequenceKV("b")
+        hit = b.find_prefix(seq_b, prompt + [1], 9)
+        assert hit.num_pool_blocks == 2 and b.admit(seq_b, hit, 9)
+        assert seq_b.num_cached_blocks == 1  # block 0 restored; block 1 computed, none of its groups loaded
+        assert b.pool is not None and (b.pool.num_fetch_mismatches, b.pool.num_blocks_fetched) == (1, 1)
+        assert sb.exists(keys) == [True, False]  # the damaged chunk was removed from the pool
     finally:
         sb.close()
         sa.close()

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from events.types import BlockRemoved, BlockStored, Medium
 from workers.config import KVCacheConfig, SchedulerConfig, TimingProfile
 from workers.engines.base import SamplingParams
 from workers.engines.sim import SimEngine
+from workers.kv.block_pool import BlockMeta
 from workers.kv.hashing import extend_block_hashes, namespace_root, to_engine_hash
 from workers.kv.manager import KVCacheManager, SequenceKV
-from workers.kv.pool_tier import SimPool, pool_key
+from workers.kv.pool_chunk import HostBuffer
+from workers.kv.pool_tier import PoolTier, SimPool, SimPoolClient, pool_key
 from workers.scheduler import Request, Scheduler
 
 pytestmark = pytest.mark.unit
@@ -69,6 +73,7 @@ def test_block_stored_by_a_is_restored_by_b_and_counts_as_cached():
         BlockStored(block_hashes=(h[0], h[1]), parent_block_hash=None, token_ids=tuple(PROMPT), block_size=BS)
     ]
     assert b.pool is not None and b.pool.num_blocks_fetched == 2
+    assert b.pool.num_reads == 1 and b.pool.read_wall_s > 0.0  # the real read, timed for /metrics
     # the next turn on B hits on its GPU
     b.cache_computed(seq, PROMPT + [8], 9, 9)
     b.free(seq)
@@ -156,3 +161,51 @@ def test_scheduler_restores_from_pool_then_runs():
         sched.update(engine.execute(sched.schedule()))
     assert req.finish_reason == "length" and req.all_token_ids[16:] == [1, 7, 7]
     assert b.num_restored_blocks == 4 and sched.num_running == 0
+
+
+class RecordingClient(SimPoolClient):
+    """A sim pool client that records the keys of each ``get_into`` batch."""
+
+    def __init__(self, pool: SimPool) -> None:
+        super().__init__(pool, 0)
+        self.reads: list[list[str]] = []
+
+    def get_into(self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], size: int) -> list[int]:
+        self.reads.append(list(keys))
+        return super().get_into(keys, buffer, offsets, size)
+
+
+def stored_metas(tier: PoolTier, tokens: list[int]) -> list[BlockMeta]:
+    hashes = extend_block_hashes([], namespace_root(), tokens, BS)
+    metas = [BlockMeta(h, hashes[i - 1] if i else None, tuple(tokens[i * BS : (i + 1) * BS]), i)
+             for i, h in enumerate(hashes)]  # fmt: skip
+    assert tier.prepare_store(1, hashes, metas) == list(range(len(hashes)))
+    tier.complete_store(1)
+    return metas
+
+
+@pytest.mark.parametrize(("max_read_bytes", "batch_sizes"), [(64 << 20, [7]), (3 * 1000 + 999, [3, 3, 1])])
+def test_a_restore_reads_its_chunks_in_one_batch_up_to_max_read_bytes(max_read_bytes, batch_sizes):
+    client = RecordingClient(SimPool(16))
+    tier = PoolTier(client, BS, lambda event: None, value_bytes_per_block=1000, max_read_bytes=max_read_bytes)
+    metas = stored_metas(tier, list(range(7 * BS)))
+    assert tier.fetch(metas) == 7
+    keys = [pool_key(m.block_hash) for m in metas]
+    assert client.reads == [keys[sum(batch_sizes[:i]) : sum(batch_sizes[: i + 1])] for i in range(len(batch_sizes))]
+    assert [len(r) for r in client.reads] == batch_sizes
+    with pytest.raises(ValueError, match="max_read_bytes must be positive"):
+        PoolTier(client, BS, lambda event: None, max_read_bytes=0)
+
+
+def test_a_read_that_finds_a_chunk_gone_announces_it_removed():
+    pool = SimPool(16)
+    client = RecordingClient(pool)  # no eviction listener: the pool evicts silently, as Mooncake does
+    events: list[object] = []
+    tier = PoolTier(client, BS, events.append)
+    metas = stored_metas(tier, list(range(4 * BS)))
+    events.clear()
+    pool.evict([pool_key(metas[2].block_hash), pool_key(metas[3].block_hash)])
+    assert tier.fetch(metas) == 2
+    assert events == [BlockRemoved(block_hashes=(to_engine_hash(metas[2].block_hash),), medium=Medium.MOONCAKE)]
+    assert tier.num_fetch_lost == 1 and tier.num_fetch_mismatches == 0
+    assert [m.block_hash for m in tier.snapshot_metas()] == [m.block_hash for m in metas[:2]] + [metas[3].block_hash]

@@ -115,3 +115,81 @@ def test_timing_model_calibration():
     t = engine.timing
     assert t.profile.step_overhead_s + t.prefill_s(32768, 0) == pytest.approx(1.26, abs=0.005)
     assert t.copy_s(2048, 55e9) == pytest.approx(0.078, abs=0.001)
+
+
+def make_hold_sched(hold: bool, num_gpu: int, max_seqs: int = 8) -> tuple[Scheduler, SimEngine]:
+    kv = KVCacheManager(KVCacheConfig(num_gpu_blocks=num_gpu, num_cpu_blocks=0, block_size=BS))
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=64, hold_prefix_on_arrival=hold)
+    return Scheduler(config, kv, eos_token_id=None), SimEngine(TimingProfile(), BS, [7, 8, 9], None)
+
+
+@pytest.mark.parametrize(("hold", "expected_cached"), [(True, 12), (False, 4)])
+def test_a_held_prefix_is_evicted_after_every_other_free_block(hold, expected_cached):
+    # 8 blocks, one request at a time. "warm" (blocks 0, 1, 2) then "recent" (3, 4, 5) cache 12 prompt tokens each
+    # and free them tail first: the free queue is 6, 7, 2, 1, 0, 5, 4, 3 (LRU first). "big" (12 prompt tokens + 4
+    # outputs: 4 blocks) runs while "turn" (warm's 12 tokens + 4) waits. Without a hold big takes 6, 7, 2, 1 and turn
+    # finds block 0 alone; with turn holding 0, 1, 2 big takes 6, 7, 5, 4 and turn finds its 12 tokens.
+    sched, engine = make_hold_sched(hold, num_gpu=8, max_seqs=1)
+    for rid, base in (("warm", 0), ("recent", 100)):
+        sched.add_request(make_request(rid, list(range(base, base + 12)), max_tokens=1))
+        run(sched, engine)
+    big = make_request("big", list(range(500, 512)), max_tokens=4)
+    turn = make_request("turn", [*range(12), 90, 91, 92, 93], max_tokens=1)
+    sched.add_request(big)
+    sched.add_request(turn)
+    assert turn.held_block_ids == ((0, 1, 2) if hold else ())
+    run(sched, engine)
+    assert turn.num_cached_tokens == expected_cached
+    assert big.finish_reason == turn.finish_reason == "length" and big.num_preemptions == 0
+    assert turn.held_block_ids == () and sched.kv.gpu.num_free_blocks == 8  # every reference dropped
+
+
+def test_holds_yield_to_a_running_request_before_a_preemption():
+    # 4 blocks. "turn" holds warm's 2 full blocks; "big" (8 prompt tokens + 8 outputs: 4 blocks) needs them to grow.
+    sched, engine = make_hold_sched(True, num_gpu=4, max_seqs=1)
+    sched.add_request(make_request("warm", list(range(8)), max_tokens=1))
+    run(sched, engine)
+    big = make_request("big", list(range(500, 508)), max_tokens=8)
+    turn = make_request("turn", [*range(8), 90], max_tokens=1)
+    sched.add_request(big)
+    sched.add_request(turn)
+    assert len(turn.held_block_ids) == 2
+    run(sched, engine)
+    assert big.num_preemptions == 0 and sched.num_preemptions == 0
+    assert big.finish_reason == turn.finish_reason == "length" and turn.num_cached_tokens == 0
+    assert sched.kv.gpu.num_free_blocks == 4
+
+
+def test_holds_behind_the_head_yield_to_its_admission():
+    # 5 blocks. The head holds w1's 2 blocks, "other" w2's 2; one block is free. The head (20 tokens: 5 blocks)
+    # needs 3 new blocks besides its hit, which only other's held blocks can give: other's hold is dropped and the
+    # head admitted first (FCFS).
+    sched, engine = make_hold_sched(True, num_gpu=5)
+    sched.add_request(make_request("w1", list(range(9)), max_tokens=1))
+    run(sched, engine)
+    sched.add_request(make_request("w2", list(range(100, 109)), max_tokens=1))
+    run(sched, engine)
+    head = make_request("head", [*range(8), *range(200, 212)], max_tokens=1)
+    other = make_request("other", [*range(100, 108), 300, 301], max_tokens=1)
+    sched.add_request(head)
+    sched.add_request(other)
+    assert len(head.held_block_ids) == 2 and len(other.held_block_ids) == 2
+    step = sched.schedule()
+    assert [p.request_id for p in step.prefills] == ["head"] and other.held_block_ids == ()
+    sched.update(engine.execute(step))
+    run(sched, engine)
+    assert head.finish_reason == other.finish_reason == "length" and head.num_cached_tokens == 8
+    assert sched.kv.gpu.num_free_blocks == 5
+
+
+def test_an_abort_while_waiting_drops_the_hold():
+    sched, engine = make_hold_sched(True, num_gpu=8, max_seqs=1)
+    sched.add_request(make_request("warm", list(range(12)), max_tokens=1))
+    run(sched, engine)
+    sched.add_request(make_request("big", list(range(500, 520)), max_tokens=2))
+    turn = make_request("turn", [*range(12), 90], max_tokens=1)
+    sched.add_request(turn)
+    assert len(turn.held_block_ids) == 3
+    assert sched.finish_request("turn") and turn.held_block_ids == ()
+    run(sched, engine)
+    assert sched.kv.gpu.num_free_blocks == 8

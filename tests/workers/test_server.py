@@ -16,8 +16,10 @@ from common.tokenization import ByteTokenizer, DefaultChatTemplate, encode_chat,
 from events.counters import EventCounters
 from events.decode import EventDecoder
 from events.types import AllBlocksCleared, BlockRemoved, BlockStored
+from loadgen import client as loadgen_client
 from tests.workers.conftest import make_config
 from workers.kv.hashing import extend_block_hashes, namespace_root, to_engine_hash
+from workers.server import ENGINE_TTFT_KEY
 
 pytestmark = pytest.mark.integration
 
@@ -99,6 +101,10 @@ async def test_sse_framing_is_vllm_shaped(start_worker):
     assert [p["choices"][0]["finish_reason"] for p in payloads[:-1]] == [None, None, "length"]
     assert all(p["usage"] is None for p in payloads[:-1])
     assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 2
+    # the engine's part of the TTFT, beside usage (workers.server.ENGINE_TTFT_KEY; the load generator's key)
+    assert ENGINE_TTFT_KEY == loadgen_client.ENGINE_TTFT_KEY
+    assert 0.0 <= payloads[-1][ENGINE_TTFT_KEY] < 5.0
+    assert all(ENGINE_TTFT_KEY not in p for p in payloads[:-1])
 
 
 async def test_stop_string_and_ignore_eos(start_worker):

@@ -11,110 +11,46 @@ What the scheduler calls, per sequence (``SequenceKV``)::
     take_copies() / complete_store(job) / complete_restore(job)
     take_events()                                      KV events since the last call (swap)
 
-Cached tokens (what ``usage.prompt_tokens_details.cached_tokens`` reports), exactly as vLLM computes them: the
-last prompt token is always computed (its logits are needed), so a hit may cover at most
-``(num_prompt_tokens - 1) // block_size`` blocks::
-
-    cached_tokens = block_size * min(num_hit_blocks, (num_prompt_tokens - 1) // block_size)
-
-where ``num_hit_blocks`` counts consecutive full blocks from the first found on GPU, continued on CPU (a
-restore). E.g. block_size 16: a 32-token prompt fully cached reports 16; a 33-token one reports 32.
+Cached tokens follow vLLM's rule (``workers.kv.sequence``: the last prompt token is always computed); a hit
+covers consecutive full blocks from the first found on GPU, continued on CPU, then in the shared pool (a restore).
 
 Restores: the continuation found on CPU is copied into GPU blocks reserved by ``admit`` (counted against free
 blocks before anything is taken, so a restore is admitted only when its targets exist). When the copy lands,
 the blocks are registered in the GPU prefix index (``BlockStored`` GPU) so the next turn hits on GPU. A sequence
 freed while its restore is in flight keeps its blocks until the copy lands (the DMA still writes them).
+
+Pool reads off the step (``PoolTier`` with ``io_threads``): ``admit`` submits the read of the pool part and
+reserves its GPU blocks at once, counting the hit as found; the restore then has one more job, the read, that
+``take_finished_reads`` reports once its bytes are in host memory (the scheduler keeps the request restoring until
+every job landed). A read that comes back short (evicted or corrupt chunks) shortens the hit then: the blocks
+after the last intact one stay in the sequence's table, to be computed, and ``seq.num_cached_blocks`` drops to
+match (the scheduler reports the shorter hit as cached). Hybrid models read inline (their checkpoints decide how
+far a hit is usable at admission).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
-from events.types import AllBlocksCleared, BlockStored, EngineBlockHash, KVEvent, Medium, SpecKind
+from events.types import AllBlocksCleared, BlockStored, KVEvent, Medium, SpecKind
 from workers.config import KVCacheConfig
 from workers.engines.base import BlockCopy
 from workers.errors import KVCacheError
-from workers.kv.block_pool import BlockMeta, BlockPool, chain_order, engine_hash_of, stored_events
+from workers.kv.block_pool import BlockMeta, BlockPool
 from workers.kv.cpu_tier import CpuTier
-from workers.kv.hashing import BlockHash, extend_block_hashes, namespace_root, to_engine_hash
+from workers.kv.hashing import BlockHash, extend_block_hashes, to_engine_hash
 from workers.kv.hybrid import CheckpointCosts, HybridGroups
-from workers.kv.pool_tier import PoolStore, PoolTier, build_pool_store
+from workers.kv.pool_tier import PoolFetch, PoolStore, PoolTier, build_pool_store
+from workers.kv.sequence import PrefixHit, SequenceKV, max_cached_blocks
+from workers.kv.snapshot import snapshot_events
 
 logger = logging.getLogger(__name__)
 
-
-class SequenceKV:
-    """A sequence's KV state, owned by the manager's caller (one per request).
-
-    Attributes:
-        request_id: the request.
-        root: namespace root hash (LoRA name, cache salt).
-        block_hashes: hashes of the sequence's full blocks so far.
-        block_ids: the GPU block table.
-        num_cached_blocks: leading blocks of ``block_ids`` already registered (or being restored).
-        cpu_pinned: CPU blocks this sequence pinned for its restore.
-        restore_job_id: the restore in flight into this sequence's blocks (its first job), or ``None``.
-        restore_job_ids: every job of that restore (CPU part, pool part); the blocks register when all landed.
-        is_freed: ``free`` was called (blocks released, or to be released when the restore lands).
-    """
-
-    __slots__ = (
-        "request_id",
-        "lora_name",
-        "cache_salt",
-        "root",
-        "block_hashes",
-        "block_ids",
-        "num_cached_blocks",
-        "cpu_pinned",
-        "restore_job_id",
-        "restore_job_ids",
-        "is_freed",
-    )
-
-    def __init__(self, request_id: str, lora_name: str | None = None, cache_salt: str | None = None) -> None:
-        self.request_id = request_id
-        self.lora_name = lora_name
-        self.cache_salt = cache_salt
-        self.root = namespace_root(lora_name, cache_salt)
-        self.block_hashes: list[BlockHash] = []
-        self.block_ids: list[int] = []
-        self.num_cached_blocks = 0
-        self.cpu_pinned: list[BlockHash] = []
-        self.restore_job_id: int | None = None
-        self.restore_job_ids: tuple[int, ...] = ()
-        self.is_freed = False
-
-
-class PrefixHit(msgspec.Struct, frozen=True, gc=False):
-    """A sequence's usable prefix.
-
-    Attributes:
-        gpu_block_ids: GPU blocks of the leading hit, in order.
-        num_cpu_blocks: further blocks found on the CPU tier (to restore).
-        block_size: tokens per block.
-        num_pool_blocks: further blocks found in the shared pool after those (to restore).
-    """
-
-    gpu_block_ids: tuple[int, ...]
-    num_cpu_blocks: int
-    block_size: int
-    num_pool_blocks: int = 0
-    token_ids: Sequence[int] = ()
-    """The tokens looked up (a reference, not a copy): a restore builds its blocks' metas from them."""
-
-    @property
-    def num_blocks(self) -> int:
-        """GPU plus CPU plus pool hit blocks."""
-        return len(self.gpu_block_ids) + self.num_cpu_blocks + self.num_pool_blocks
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Tokens served from the cache (any tier)."""
-        return self.num_blocks * self.block_size
+__all__ = ["KVCacheManager", "PrefixHit", "SequenceKV", "max_cached_blocks"]
+"""The manager, and the sequence types it works on (``workers.kv.sequence``), importable from here."""
 
 
 class _RestoreJob:
@@ -129,24 +65,30 @@ class _RestoreJob:
         self.remaining = remaining
 
 
-def max_cached_blocks(num_prompt_tokens: int, block_size: int) -> int:
-    """Most prompt blocks a hit may cover: the last prompt token is always computed (vLLM's rule)."""
-    return max(0, (num_prompt_tokens - 1) // block_size)
-
-
 class KVCacheManager:
     """GPU pool + optional CPU tier + events (module docstring)."""
 
-    def __init__(self, config: KVCacheConfig, pool_store: PoolStore | None = None) -> None:
+    def __init__(
+        self, config: KVCacheConfig, pool_store: PoolStore | None = None, pool_io_threads: bool | None = None
+    ) -> None:
         """Build empty pools from ``config``.
 
         Args:
             config: sizes and policies.
             pool_store: the shared pool's store (default: built from ``config.pool``, if set).
+            pool_io_threads: pool reads and puts on background threads (module docstring); ``None``: for a
+                Mooncake store built here from ``config.pool`` (``PoolConfig.io``), not for one passed in.
         """
         self.config = config
         self.block_size = config.block_size
         self._events: list[KVEvent] = []
+        if pool_io_threads is None:
+            pool_io_threads = (
+                pool_store is None
+                and config.pool is not None
+                and config.pool.backend == "mooncake"
+                and config.pool.io == "threads"
+            )
         if pool_store is None and config.pool is not None:
             pool_store = build_pool_store(config.pool, self._on_pool_evict)
         self.groups = HybridGroups(
@@ -173,6 +115,10 @@ class KVCacheManager:
                 self._emit,
                 self.gpu.holds_all,
                 value_bytes_per_block=config.pool.value_bytes_per_block if config.pool is not None else 0,
+                num_layer_groups=config.pool.num_layer_groups if config.pool is not None else 1,
+                check_padding=config.pool is None or config.pool.verify == "all_bytes",
+                io_threads=pool_io_threads,
+                num_read_threads=config.pool.read_threads if config.pool is not None else 1,
             )
             if pool_store is not None
             else None
@@ -185,7 +131,12 @@ class KVCacheManager:
         self._pending_stores: list[BlockCopy] = []
         self._pending_restores: list[BlockCopy] = []
         self._restore_jobs: dict[int, _RestoreJob] = {}
+        self._reads: dict[int, PoolFetch] = {}
+        """Pool reads in flight (module docstring), by the restore job id standing for each."""
         self.num_restored_blocks = 0
+        self.num_short_reads = 0
+        """Pool reads that found fewer blocks than the lookup counted (evicted or corrupt in between): the hit was
+        shortened, at admission for an inline read, after it for one off the step."""
 
     # events and copies -------------------------------------------------------------------------------------
 
@@ -277,6 +228,19 @@ class KVCacheManager:
             token_ids=token_ids,
         )
 
+    def find_gpu_prefix(self, seq: SequenceKV, token_ids: Sequence[int], num_prompt_tokens: int) -> tuple[int, ...]:
+        """The GPU blocks of ``find_prefix``'s leading hit alone (no lower tier is asked), capped the same way."""
+        hashes = extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size)
+        limit = min(len(hashes), max_cached_blocks(num_prompt_tokens, self.block_size))
+        get = self.gpu.get_cached_block
+        out: list[int] = []
+        for h in hashes[:limit]:
+            b = get(h)
+            if b is None:
+                break
+            out.append(b)
+        return tuple(out)
+
     def admit(self, seq: SequenceKV, hit: PrefixHit, num_tokens: int) -> bool:
         """Give a new (or preempted) sequence its hit and blocks for its first ``num_tokens`` tokens.
 
@@ -305,10 +269,15 @@ class KVCacheManager:
         num_restore = num_cpu + hit.num_pool_blocks
         metas = self._metas(seq, hit.token_ids, first, first + num_restore) if num_restore else []
         num_pool = hit.num_pool_blocks
+        reading: PoolFetch | None = None
         if num_pool:
             assert self.pool is not None
-            num_pool = self.pool.fetch(metas[num_cpu:])  # into host memory now: evictions can't bite
+            reading = self.pool.start_fetch(metas[num_cpu:])  # into host memory now: evictions can't bite
+            if hybrid or reading.done():  # else read off the step: the hit counts whole until the read says less
+                num_pool = self.pool.finish_fetch(reading)
+                reading = None
             if num_pool < hit.num_pool_blocks:
+                self.num_short_reads += 1
                 del metas[num_cpu + num_pool :]
                 if hybrid:  # a shorter hit must still be one every group serves
                     usable = self.groups.usable_blocks(seq.block_hashes, first + num_cpu + num_pool)
@@ -340,7 +309,7 @@ class KVCacheManager:
             self.groups.admit(seq.request_id, seq.block_hashes, num_hit, num_tokens, last)
         if not metas:
             return True
-        jobs = (1 if num_cpu else 0) + (1 if num_pool else 0)
+        jobs = (1 if num_cpu else 0) + (1 if num_pool else 0) + (1 if reading is not None else 0)
         record = _RestoreJob(seq, seq.block_ids[first : first + len(metas)], metas, jobs)
         job_ids: list[int] = []
         if num_cpu:
@@ -356,6 +325,11 @@ class KVCacheManager:
             job_id = self._job_id()
             self._restore_jobs[job_id] = record
             self._pending_pool_restores.append(BlockCopy(job_id, (), tuple(record.block_ids[num_cpu:])))
+            job_ids.append(job_id)
+        if reading is not None:
+            job_id = self._job_id()
+            self._restore_jobs[job_id] = record
+            self._reads[job_id] = reading
             job_ids.append(job_id)
         seq.restore_job_id = job_ids[0]
         seq.restore_job_ids = tuple(job_ids)
@@ -513,6 +487,43 @@ class KVCacheManager:
             raise KVCacheError(f"store job {job_id} without a CPU tier")
         self.cpu.complete_store(job_id)
 
+    def take_finished_reads(self) -> list[int]:
+        """Pool reads in flight that have finished (module docstring): apply each (a short one shortens its
+        sequence's hit) and return their restore job ids, for ``complete_restore``. Also announces the pool puts
+        that have landed (``PoolTier.poll_stores``)."""
+        if self.pool is None:
+            return []
+        self.pool.poll_stores()
+        if not self._reads:
+            return []
+        done = [job_id for job_id, reading in self._reads.items() if reading.done()]
+        for job_id in done:
+            reading = self._reads.pop(job_id)
+            n = self.pool.finish_fetch(reading)
+            missing = len(reading.metas) - n
+            if missing:
+                self.num_short_reads += 1
+                job = self._restore_jobs[job_id]
+                keep = len(job.metas) - missing
+                del job.metas[keep:]
+                del job.block_ids[keep:]
+                job.seq.num_cached_blocks -= missing
+        return done
+
+    def has_io_in_flight(self) -> bool:
+        """Whether pool reads or puts run on the I/O threads (``take_finished_reads`` has results to apply)."""
+        return bool(self._reads) or (self.pool is not None and self.pool.num_io_in_flight > 0)
+
+    def set_io_waker(self, wake: Callable[[], None] | None) -> None:
+        """``wake`` is called from an I/O thread when a pool read or put finishes (the engine loop's wake-up)."""
+        if self.pool is not None:
+            self.pool.wake = wake
+
+    def close(self) -> None:
+        """Let the pool's I/O threads finish and stop them."""
+        if self.pool is not None:
+            self.pool.close()
+
     def complete_restore(self, job_id: int) -> SequenceKV | None:
         """A restore job landed; once all jobs of the sequence's restore did, register its blocks on GPU
         (``BlockStored`` GPU) and unpin the CPU sources.
@@ -562,55 +573,8 @@ class KVCacheManager:
         return True
 
     def snapshot_events(self) -> list[KVEvent]:
-        """The current cache as KV events, in an order an empty gateway index resolves::
-
-            AllBlocksCleared
-            BlockStored GPU   runs of the GPU prefix index, parents before children, with tokens
-            BlockStored CPU   one token-less event: engine hashes of the CPU blocks also on GPU (resolved through
-                              the GPU stores above), least recently used first, as live store events are
-            BlockStored CPU   runs of the CPU-only blocks (evicted from GPU), parents before children, with parent
-                              and tokens from the blocks' metas, so they resolve without a GPU store
-            BlockStored MOONCAKE  the same two shapes for the shared pool's blocks this worker stored or read
-                              (``PoolTier.snapshot_metas``); a CPU run whose parent is only in the pool is parked
-                              by the gateway until the pool run that maps its parent
-
-        Applying them to an empty index reproduces every tier's state. A CPU-only run whose parent is on no tier
-        stays unresolved (parked by the gateway), as no lookup of the worker can reach it either.
-        """
-        events: list[KVEvent] = [AllBlocksCleared()]
-        events.extend(stored_events(self.gpu.cached_metas(), self.block_size, Medium.GPU))
-        if self.cpu is not None and self.cpu.num_stored_blocks:
-            events.extend(self._tier_snapshot(self.cpu.stored_metas(), Medium.CPU))
-        if self.pool is not None:
-            events.extend(self._tier_snapshot(self.pool.snapshot_metas(), Medium.MOONCAKE))
-        if self.groups.is_hybrid:
-            for i, event in enumerate(events):
-                if isinstance(event, BlockStored) and event.medium is Medium.GPU:
-                    events[i] = msgspec.structs.replace(event, kv_cache_spec_kind=SpecKind.FULL_ATTENTION)
-            events.extend(self.groups.snapshot_events())
-        return events
-
-    def _tier_snapshot(self, metas: Sequence[BlockMeta], medium: Medium) -> list[KVEvent]:
-        """A lower tier's blocks as stores: one token-less event for those also on GPU (in ``metas``' order),
-        then runs of the others with parent and tokens, parents first (``snapshot_events``)."""
-        on_gpu = self.gpu.get_cached_block
-        resident: list[EngineBlockHash] = []
-        lower_only: list[BlockMeta] = []
-        for meta in metas:
-            if on_gpu(meta.block_hash) is None:
-                lower_only.append(meta)
-            else:
-                resident.append(engine_hash_of(meta))
-        events: list[KVEvent] = []
-        if resident:
-            events.append(
-                BlockStored(
-                    block_hashes=tuple(resident), parent_block_hash=None, token_ids=(), block_size=self.block_size,
-                    medium=medium,
-                )
-            )  # fmt: skip
-        events.extend(stored_events(chain_order(lower_only), self.block_size, medium))
-        return events
+        """The current cache as KV events, in an order an empty gateway index resolves (``workers.kv.snapshot``)."""
+        return snapshot_events(self.gpu, self.cpu, self.pool, self.groups, self.block_size)
 
     def free_blocks_by_medium(self) -> dict[str, int]:
         """Free blocks per tier (GPU: ref_cnt 0, cached or not; CPU: empty slots plus stored entries, which are

@@ -1,0 +1,132 @@
+"""A block's pieces (one per layer group) go into the pool as one chunk: one object, kept or evicted whole, and a
+read that finds any piece missing or altered restores none of the block (never a partial load)."""
+
+from __future__ import annotations
+
+import pytest
+
+from events.types import BlockRemoved, Medium
+from workers.config import KVCacheConfig, PoolConfig
+from workers.kv.hashing import extend_block_hashes, namespace_root, to_engine_hash
+from workers.kv.manager import KVCacheManager, SequenceKV
+from workers.kv.pool_chunk import HEAD_BYTES, ChunkLayout, HostBuffer
+from workers.kv.pool_tier import SimPool, pool_key
+
+pytestmark = pytest.mark.unit
+
+BS = 4
+GROUPS = 4
+VALUE_BYTES = 1024
+TOKENS = [300 + i for i in range(4 * BS)]
+
+
+def test_layout_sizes_and_a_built_chunk_checks_out():
+    layout = ChunkLayout(BS, GROUPS, VALUE_BYTES)
+    assert layout.header_bytes == HEAD_BYTES + 8 * GROUPS == 80
+    assert layout.chunk_bytes == VALUE_BYTES and layout.piece_bytes == (VALUE_BYTES - 80) // GROUPS == 236
+    (h,) = extend_block_hashes([], namespace_root(), TOKENS[:BS], BS)
+    chunk = bytearray(layout.build(h, TOKENS[:BS]))
+    assert len(chunk) == VALUE_BYTES and chunk[:4] == b"KVGC" and chunk[16:48] == h
+    for g in range(GROUPS):  # every layer group's piece carries the block's tokens (the sim payload)
+        at = 80 + g * 236
+        assert chunk[at : at + 16] == b"".join(t.to_bytes(4, "little") for t in TOKENS[:BS])
+    assert layout.check(chunk, 0, len(chunk), h, TOKENS[:BS])
+    assert not layout.check(chunk, 0, len(chunk), h, TOKENS[1 : BS + 1])  # another block's tokens
+    assert not layout.check(chunk, 0, len(chunk) - 236, h, TOKENS[:BS])  # a read short of the last piece
+    assert ChunkLayout(BS, 1, 0).chunk_bytes == HEAD_BYTES + 8 + 4 * BS  # no padding: manifest + tokens
+
+
+@pytest.mark.parametrize("position", [0, 5, 20, 50, 80, 95, 200, 316, 552, 800, 1000, 1023])
+def test_one_altered_byte_anywhere_makes_the_chunk_a_miss(position: int):
+    layout = ChunkLayout(BS, GROUPS, VALUE_BYTES)
+    (h,) = extend_block_hashes([], namespace_root(), TOKENS[:BS], BS)
+    chunk = bytearray(layout.build(h, TOKENS[:BS]))
+    chunk[position] ^= 0x40
+    assert not layout.check(chunk, 0, len(chunk), h, TOKENS[:BS])
+    assert layout.check(chunk, 0, len(chunk), h, TOKENS[:BS], check_padding=False) == (
+        position >= 80 and (position - 80) % 236 >= 16
+    )  # without the padding check: the manifest and every payload are still checked
+
+
+def test_a_chunk_written_in_a_reused_slot_is_identical():
+    layout = ChunkLayout(BS, GROUPS, VALUE_BYTES)
+    hashes = extend_block_hashes([], namespace_root(), TOKENS, BS)
+    buffer = HostBuffer(2 * VALUE_BYTES)
+    layout.write(buffer.view, VALUE_BYTES, hashes[0], TOKENS[:BS])
+    layout.write(buffer.view, VALUE_BYTES, hashes[1], TOKENS[BS : 2 * BS])  # the slot's next job
+    assert bytes(buffer.data[VALUE_BYTES:]) == layout.build(hashes[1], TOKENS[BS : 2 * BS])
+    assert bytes(buffer.data[:VALUE_BYTES]) == bytes(VALUE_BYTES)
+
+
+def make_worker(pool: SimPool) -> KVCacheManager:
+    holder: list[KVCacheManager] = []
+    client = pool.attach(lambda keys: holder[0]._on_pool_evict(keys))
+    config = KVCacheConfig(num_gpu_blocks=16, block_size=BS, pool=PoolConfig(
+        backend="sim", value_bytes_per_block=VALUE_BYTES, num_layer_groups=GROUPS))  # fmt: skip
+    holder.append(KVCacheManager(config, pool_store=client))
+    return holder[0]
+
+
+def store_prompt(kv: KVCacheManager, tokens: list[int]) -> SequenceKV:
+    seq = SequenceKV("a")
+    assert kv.admit(seq, kv.find_prefix(seq, tokens, len(tokens)), len(tokens))
+    kv.cache_computed(seq, tokens, len(tokens), len(tokens))
+    (store,), _ = kv.take_pool_copies()
+    kv.complete_store(store.job_id)
+    kv.take_events()
+    return seq
+
+
+def restore(kv: KVCacheManager, tokens: list[int]) -> tuple[int, int]:
+    """(blocks the lookup found in the pool, blocks restored)."""
+    seq = SequenceKV("b")
+    hit = kv.find_prefix(seq, tokens, len(tokens))
+    assert kv.admit(seq, hit, len(tokens))
+    return hit.num_pool_blocks, seq.num_cached_blocks
+
+
+def test_every_layer_group_of_a_block_is_one_pool_object():
+    pool = SimPool(64)
+    a, b = make_worker(pool), make_worker(pool)
+    seq = store_prompt(a, TOKENS + [1])
+    assert pool.keys() == [pool_key(h) for h in seq.block_hashes]  # 4 blocks x 4 groups: 4 objects, not 16
+    layout = ChunkLayout(BS, GROUPS, VALUE_BYTES)
+    assert [pool._data[pool_key(h)][0] for h in seq.block_hashes] == [
+        layout.build(h, TOKENS[i * BS : (i + 1) * BS]) for i, h in enumerate(seq.block_hashes)
+    ]
+    assert restore(b, TOKENS + [1]) == (4, 4)
+
+
+def test_a_block_evicted_by_the_pool_goes_with_all_its_layer_groups():
+    pool = SimPool(64)
+    a, b = make_worker(pool), make_worker(pool)
+    seq = store_prompt(a, TOKENS + [1])
+    pool.evict([pool_key(seq.block_hashes[2])])
+    assert len(pool) == 3
+    (removed,) = a.take_events()
+    assert removed == BlockRemoved(block_hashes=(to_engine_hash(seq.block_hashes[2]),), medium=Medium.MOONCAKE)
+    assert restore(b, TOKENS + [1]) == (2, 2)  # blocks 0 and 1; block 2 (and so 3) is computed, all of it
+    assert b.pool is not None and b.pool.num_fetch_mismatches == 0
+
+
+@pytest.mark.parametrize("damage", ["last_piece_missing", "one_piece_zeroed", "manifest_names_3_groups"])
+def test_a_chunk_lacking_one_layer_group_is_a_miss_never_a_partial_load(damage: str):
+    pool = SimPool(64)
+    a, b = make_worker(pool), make_worker(pool)
+    seq = store_prompt(a, TOKENS + [1])
+    key = pool_key(seq.block_hashes[1])
+    value, owner = pool._data[key]
+    layout = ChunkLayout(BS, GROUPS, VALUE_BYTES)
+    piece = layout.header_bytes + (GROUPS - 1) * layout.piece_bytes
+    if damage == "last_piece_missing":  # what a writer that lost one group's piece would leave
+        bad = value[:piece]
+    elif damage == "one_piece_zeroed":
+        bad = value[:piece] + bytes(len(value) - piece)
+    else:
+        bad = value[:5] + bytes([GROUPS - 1]) + value[6:]
+    pool._data[key] = (bad, owner)
+    assert restore(b, TOKENS + [1]) == (4, 1)  # the lookup sees 4 objects; only block 0 is restored
+    assert b.pool is not None and (b.pool.num_fetch_mismatches, b.pool.num_blocks_fetched) == (1, 1)
+    assert key not in pool._data  # the damaged chunk is dropped from the pool: nobody reads it again
+    (removed,) = a.take_events()  # and its writer tells the gateway
+    assert removed == BlockRemoved(block_hashes=(to_engine_hash(seq.block_hashes[1]),), medium=Medium.MOONCAKE)
