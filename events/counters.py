@@ -58,6 +58,9 @@ class DropKind(StrEnum):
     """A batch whose seq was already applied."""
     NON_MONOTONIC_SEQ = "non_monotonic_seq"
     """A batch whose seq went back while replay proved the publisher had not restarted."""
+    STALE_BATCH = "stale_batch"
+    """A batch held while the worker's snapshot was fetched, that arrived before the fetch began and yet lies past
+    the snapshot's last seq: its publisher's earlier run sent it (``router.index.recovery``)."""
 
 
 class EventCounters:

@@ -40,7 +40,7 @@ import time
 from collections.abc import Mapping
 from contextlib import suppress
 
-from events.counters import EventCounters
+from events.counters import DropKind, EventCounters
 from events.decode import EventDecoder
 from events.publisher import offset_endpoint
 from events.subscriber import KVEventSubscriber, WorkerSpec
@@ -255,7 +255,12 @@ class EventPath:
                 last_seq = await self.warm_from_snapshot(worker, tracked.index)
                 if last_seq is None:
                     break
+                num_stale_before = tracked.splice.num_stale_dropped
                 spliced = tracked.splice.on_snapshot(last_seq)
+                num_stale = tracked.splice.num_stale_dropped - num_stale_before
+                if num_stale and self.subscriber is not None:
+                    self.subscriber.counters.drop(worker.worker_id, DropKind.STALE_BATCH,
+                                                  f"{num_stale} batches past snapshot seq {last_seq}", num_stale)
                 for batch in spliced.batches:
                     tracked.index.apply(batch)
                 if spliced.is_complete:

@@ -16,7 +16,12 @@ States (one ``SnapshotSplice`` per worker)::
                                 live
 
     holding     live batches are kept in arrival order, none applied (the snapshot may already contain them)
-    filtering   the snapshot up to ``last_seq`` is applied: a batch with ``seq <= last_seq`` is in it (dropped);
+    filtering   the snapshot up to ``last_seq`` is applied. A batch held from before its fetch began was published
+                before the snapshot was taken, so the snapshot contains it: it is dropped; one whose seq is past
+                ``last_seq`` comes from an earlier run of the publisher (it restarted, with seq from 0, and the
+                batch reached us late): dropped too, counted in ``num_stale_dropped``, where splicing it would
+                index blocks the new process never held. A batch that came after the fetch began:
+                ``seq <= last_seq`` is in it (dropped);
                 the next one must be ``last_seq + 1``, else batches between were missed (the subscriber joined
                 the stream late): the snapshot is fetched again. A batch the subscriber does not deliver (all its
                 events refused) also looks like a hole; the refetches in a row are bounded, then it is applied.
@@ -93,10 +98,14 @@ class SnapshotSplice:
             ``last_seq + 1``.
         is_warm_on_first_batch: no snapshot is awaited: the next batch makes the worker warm.
         num_refetches: snapshots fetched again in a row because of a hole after the previous one.
+        num_held_before_fetch: the first this many of ``held`` arrived before the current fetch began (the
+            snapshot it brings contains them, or they are stale).
+        num_stale_dropped: held batches dropped because the snapshot taken after them does not reach their seq
+            (the publisher restarted).
     """
 
     __slots__ = ("worker_id", "splices", "held", "last_seq", "is_warm_on_first_batch", "num_refetches",
-                 "_max_held_batches", "_max_refetches")
+                 "num_held_before_fetch", "num_stale_dropped", "_max_held_batches", "_max_refetches")
 
     def __init__(
         self, worker_id: str, *, splices: bool, max_held_batches: int = MAX_HELD_BATCHES,
@@ -120,20 +129,24 @@ class SnapshotSplice:
         self.last_seq: int | None = None
         self.is_warm_on_first_batch = False
         self.num_refetches = 0
+        self.num_held_before_fetch = 0
+        self.num_stale_dropped = 0
         self._max_held_batches = max_held_batches
         self._max_refetches = max_refetches
 
     def begin(self) -> None:
         """A snapshot fetch starts (worker added, resync, admin clear, hole after a snapshot).
 
-        A splicing worker holds its live batches from now on (batches already held stay held: they are spliced
-        with the new snapshot); another one applies them at once and is warm on the first.
+        A splicing worker holds its live batches from now on; another one applies them at once and is warm on the
+        first. Batches already held stay held, marked as older than this fetch: its snapshot contains them, or
+        shows them stale (``on_snapshot``); they are applied only if no snapshot comes (``on_no_snapshot``).
         """
         self.last_seq = None
         self.is_warm_on_first_batch = False
         if self.splices:
             if self.held is None:
                 self.held = []
+            self.num_held_before_fetch = len(self.held)
         else:
             self.is_warm_on_first_batch = True
 
@@ -157,6 +170,7 @@ class SnapshotSplice:
                 self.begin()
                 assert self.held is not None  # begin holds for a splicing worker, and only those filter
                 self.held.append(batch)
+                self.num_held_before_fetch = len(self.held)  # it came before the fetch the caller restarts
                 return Admitted((), False, "restart")
         return Admitted((batch,), self.is_warm_on_first_batch, "none")
 
@@ -165,11 +179,20 @@ class SnapshotSplice:
 
         Returns:
             The held batches after it to apply; ``is_complete`` False when one lies past a hole (it and the rest
-            stay held; fetch again). A worker that does not splice is complete at once.
+            stay held; fetch again). A worker that does not splice is complete at once. Batches held from before
+            the fetch began are never applied (module docstring: in the snapshot, or stale).
         """
         if not self.splices:
             return Spliced((), True)
         held, self.held = self.held or [], None
+        num_before, self.num_held_before_fetch = self.num_held_before_fetch, 0
+        stale = [b.seq for b in held[:num_before] if b.seq > last_seq]
+        if stale:
+            self.num_stale_dropped += len(stale)
+            logger.warning("worker %s: %d held batches (seq %d..%d) are past its snapshot's last seq %d, taken after "
+                           "them: its publisher restarted; dropped", self.worker_id, len(stale), min(stale),
+                           max(stale), last_seq)
+        held = held[num_before:]
         self.last_seq = last_seq
         applied: list[EventBatch] = []
         for i, batch in enumerate(held):
@@ -180,6 +203,7 @@ class SnapshotSplice:
                 if verdict == "refetch":
                     self.last_seq = None
                     self.held = held[i:]
+                    self.num_held_before_fetch = len(self.held)  # the caller fetches again after this
                     return Spliced(tuple(applied), False)
             applied.append(batch)
         return Spliced(tuple(applied), True)
@@ -193,6 +217,7 @@ class SnapshotSplice:
         """
         held, self.held = self.held or [], None
         self.last_seq = None
+        self.num_held_before_fetch = 0
         self.is_warm_on_first_batch = True
         return Admitted(tuple(held), bool(held), "none")
 

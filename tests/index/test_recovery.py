@@ -69,9 +69,9 @@ def test_a_held_batch_past_a_hole_stays_held_with_the_rest_and_the_snapshot_is_f
     assert splice.held is not None and seqs(tuple(splice.held)) == [6, 7]
     assert splice.num_refetches == 1 and splice.last_seq is None
     assert splice.admit(batch(8)) == Admitted((), False, "none")  # still holding
-    again = splice.on_snapshot(6)
-    assert seqs(again.batches) == [7, 8] and again.is_complete
-    assert splice.num_refetches == 0
+    again = splice.on_snapshot(7)  # taken after 6 and 7 arrived: it holds them; 8 came after the fetch began
+    assert seqs(again.batches) == [8] and again.is_complete
+    assert splice.num_refetches == 0 and splice.num_stale_dropped == 0
 
 
 def test_only_the_first_batch_after_the_snapshot_is_checked_for_a_hole():
@@ -95,11 +95,13 @@ def test_a_live_batch_past_a_hole_after_the_snapshot_restarts_the_fetch_and_is_h
 def test_refetches_in_a_row_are_bounded_then_the_batch_is_applied():
     splice = holding(max_refetches=2)
     splice.on_snapshot(4)
-    assert splice.admit(batch(6)).fetch == "restart"
-    assert splice.on_snapshot(4).is_complete is False  # held 6 is past the hole again: refetch number 2
+    assert splice.admit(batch(6)).fetch == "restart"  # refetch number 1; 6 came before it
+    splice.admit(batch(9))  # came after the refetch began
+    assert splice.on_snapshot(6).is_complete is False  # 6 is in it; 9 is past a hole again: refetch number 2
     assert splice.num_refetches == 2
-    spliced = splice.on_snapshot(4)
-    assert seqs(spliced.batches) == [6] and spliced.is_complete and splice.num_refetches == 0
+    splice.admit(batch(12))
+    spliced = splice.on_snapshot(10)  # 9 is in it; 12 is past a hole once more, but the refetches are spent
+    assert seqs(spliced.batches) == [12] and spliced.is_complete and splice.num_refetches == 0
 
 
 def test_too_many_held_batches_give_the_snapshot_up_and_apply_them_all():
@@ -137,8 +139,36 @@ def test_beginning_again_while_holding_keeps_the_held_batches_for_the_next_snaps
     splice.admit(batch(1))
     splice.admit(batch(2))
     splice.begin()  # a resync while the snapshot is fetched
+    assert splice.num_held_before_fetch == 2
     splice.admit(batch(3))
-    assert seqs(splice.on_snapshot(1).batches) == [2, 3]
+    assert seqs(splice.on_snapshot(2).batches) == [3]  # 1 and 2 are in the snapshot taken after them
+    no_snapshot = holding()
+    no_snapshot.admit(batch(1))
+    no_snapshot.begin()
+    no_snapshot.admit(batch(2))
+    assert seqs(no_snapshot.on_no_snapshot().batches) == [1, 2]  # without a snapshot every held batch is applied
+
+
+def test_a_batch_of_the_publisher_before_its_restart_is_dropped_not_spliced():
+    # The restarted worker's old process published seq 5 (10 stored blocks); it reached the gateway after the
+    # socket's disconnect, so it was held. A resync (the new start id) begins a fetch: the new process's snapshot
+    # says nothing was published before it (-1). Seq 5 came before that fetch, so the snapshot would hold it if
+    # the same process had published it: it is stale.
+    splice = holding()
+    splice.admit(batch(5))
+    splice.begin()
+    spliced = splice.on_snapshot(-1)
+    assert spliced == Spliced((), True) and splice.num_stale_dropped == 1 and splice.num_refetches == 0
+    assert splice.held is None and splice.last_seq == -1
+    assert seqs(splice.admit(batch(0)).batches) == [0]  # the new process's first batch follows the snapshot
+
+
+def test_a_late_batch_of_the_old_publisher_after_the_snapshot_is_fetched_again_then_dropped():
+    splice = holding()
+    assert splice.on_snapshot(-1) == Spliced((), True)  # the new process: nothing published yet
+    assert splice.admit(batch(5)) == Admitted((), False, "restart")  # the old process's seq 5, late
+    spliced = splice.on_snapshot(-1)  # the next snapshot, taken after 5 arrived, still does not reach it
+    assert spliced == Spliced((), True) and splice.num_stale_dropped == 1 and splice.num_refetches == 1
 
 
 def test_negative_limits_are_refused():
