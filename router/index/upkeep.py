@@ -29,7 +29,7 @@ from router.index.approximate import REQUEST_PATH_EXPIRY_BLOCKS, Approximate, Ap
 from router.index.errors import UnknownWorkerError
 from router.index.holdings import Holdings
 from router.index.match import iter_bits
-from router.index.slots import LaneKey, Slot
+from router.index.slots import LaneKey, Slot, journal
 from router.index.state import GPU0, NULL_ID, POOL_MEDIA, ROOTED, UNSTAMPED, UNSTAMPED_BYTES, IndexState
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,10 @@ class Upkeep:
     def clear_slot(self, slot: Slot, medium: Medium | None, *, include_pool: bool) -> None:
         """Drop a slot's holdings on one medium, or on all its own media (and the pool ones if asked).
 
-        Visits ``slot.engine.values()``, ``slot.span_held`` and ``slot.approx`` only: O(the slot's blocks).
+        Visits ``slot.engine.values()``, ``slot.span_held`` and ``slot.approx`` only: O(the slot's blocks). A pool
+        lane's blocks of a pool member (a watcher's clear: the master restarted, or went unconfirmed past its TTL)
+        are journaled as lost to the pool (``IndexState.pool_evicted``), so a decision that priced them reads its
+        miss as ``evicted``, as after a pool ``BlockRemoved``.
         """
         self.state.counters["num_worker_clears"] += 1
         lane_keys = [
@@ -79,15 +82,26 @@ class Upkeep:
             lane = self.state.lanes[lane_key]
             num_emptied = 0
             num_cleared = 0
+            lost: list[int] | None = None
+            if lane_key[0] == 0 and slot.worker_id in self.state.pool_members.get(lane_key[1], ()):
+                lost = []
             for entry_id in candidate_ids:
                 holders = lane[entry_id]
                 if holders & mask:
                     holders &= keep
                     lane[entry_id] = holders
                     num_cleared += 1
+                    if lost is not None:
+                        lost.append(entry_id)
                     if not holders:
                         freed.append(entry_id)
                         num_emptied += 1
+            if lost:
+                self.state.journal_seq += 1
+                lost_journal = self.state.pool_evicted.setdefault(lane_key[1], {})
+                hash_of = self.state.hash_of
+                for entry_id in lost:
+                    journal(lost_journal, hash_of[entry_id], self.state.journal_seq)
             if num_cleared < slot.num_held[lane_key]:
                 # A held block no engine hash names (a broken ``Slot`` invariant): a clear must still be complete.
                 logger.error(

@@ -124,6 +124,29 @@ def test_a_pool_block_lost_after_the_decision_is_an_evicted_miss_for_every_pool_
     assert later.mismatch_cause("w1", 20, 12) == "index"
 
 
+def test_a_pool_clear_after_the_decision_is_an_evicted_miss_for_every_pool_member():
+    # The pool watcher clears the pool's entries when the master restarts or stays unconfirmed past its TTL.
+    index = PrefixIndex(IndexConfig(block_size=BS), pool_members={Medium.MOONCAKE: ["w0", "w1"]})
+    pooled = stored(0, 6)
+    index.apply(batch("w0", BlockStored(block_hashes=pooled.block_hashes, parent_block_hash=None,
+                                        token_ids=pooled.token_ids, block_size=BS, medium=Medium.MOONCAKE)))
+    index.apply(batch("w1", stored(0, 2)))  # w1's own GPU blocks stay through the pool's clear
+    t = ticket(index)
+    match = t.match()
+    assert match is not None and match.workers["w1"].num_pool_blocks == 4  # blocks 2..5 from the pool
+    assert t.mismatch_cause("w1", 24, 8) == "index"
+    index.clear_worker("w0", Medium.MOONCAKE)
+    assert index.journal_seq == 1
+    after = ticket(index).match()
+    assert after is not None and after.workers["w1"].num_pool_blocks == 0 and "w0" not in after.workers
+    assert t.mismatch_cause("w1", 24, 8) == "evicted" and t.mismatch_cause("w0", 24, 0) == "evicted"
+    index.clear_worker("w1", Medium.MOONCAKE)  # nothing of w1's on the pool: nothing journaled
+    assert index.journal_seq == 1
+    later = ticket(index)
+    assert later.match() is not None
+    assert later.mismatch_cause("w1", 24, 8) == "index"  # a decision after the clear: it is no excuse
+
+
 def test_a_member_reporting_a_pool_block_gone_that_another_member_stored_drops_it_as_the_holders():
     index = PrefixIndex(IndexConfig(block_size=BS), pool_members={Medium.MOONCAKE: ["w0", "w1"]})
     pooled = stored(0, 6)
