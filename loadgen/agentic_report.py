@@ -31,6 +31,9 @@ from loadgen.agentic import (  # noqa: E402
 )
 from loadgen.errors import LoadgenError  # noqa: E402
 
+SHORT_RUN_FLAGS = "--configs split,shared --levels 16 --max-turns 3"
+"""The agentic flags of a run of about a minute (the README's smoke test of this scenario)."""
+
 HEADER = (
     "| config | level | ok | failed | errors | reuse | ÷ ceiling | GPU | CPU | pool | computed | prompt tok/s "
     "| output tok/s | TTFT p50 s | TTFT p99 s | restores | restore tokens | restore s | pool read wall s | mismatch "
@@ -185,8 +188,23 @@ def config_from_args(args: argparse.Namespace) -> AgenticConfig:
     """The agentic settings of ``kvgate demo --scenario agentic``.
 
     Raises:
-        LoadgenError: bad values.
+        LoadgenError: bad values, or a flag of the conversation scenario only (``--quick``, ``--pd``,
+            ``--max-requests``), which this scenario would otherwise ignore.
     """
+    conversation_only = [
+        flag
+        for flag, is_given in (
+            ("--quick", getattr(args, "quick", False)),
+            ("--pd", getattr(args, "pd", False)),
+            ("--max-requests", getattr(args, "max_requests", None) is not None),
+        )
+        if is_given
+    ]
+    if conversation_only:
+        raise LoadgenError(
+            f"{', '.join(conversation_only)} apply to the conversation scenario only; a short agentic run is "
+            f"{SHORT_RUN_FLAGS}"
+        )
     levels = tuple(int(x) for x in str(args.levels).split(",") if x.strip())
     configs = tuple(x.strip() for x in str(args.configs).split(",") if x.strip())
     if not levels or min(levels) < 1:

@@ -231,3 +231,19 @@ def test_pd_fleets_wait_for_decode_room_as_long_as_the_client_waits():
     config = AgenticConfig(trace_dir="x", levels=(16, 64), request_timeout_s=90.0)
     assert pd_section(config) == {"protocol": "vllm", "queue_timeout_s": 90.0, "max_waiting": 64}
     PDConfig(**pd_section(config))  # the gateway's own section accepts it
+
+
+@pytest.mark.parametrize(
+    ("extra", "flags"),
+    [(["--quick"], "--quick"), (["--pd"], "--pd"), (["--quick", "--max-requests", "50"], "--quick, --max-requests")],
+)
+def test_conversation_only_flags_are_refused_not_ignored(tmp_path, capsys, extra, flags):
+    # without the refusal, `--scenario agentic --quick` silently ran the whole 40-minute default
+    out = tmp_path / "out"
+    rc = kvgate(["demo", "--scenario", "agentic", "--out", str(out), "--no-progress", *extra])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert rc == 2 and not out.exists()
+    assert printed == (
+        f"error: {flags} apply to the conversation scenario only; a short agentic run is "
+        "--configs split,shared --levels 16 --max-turns 3"
+    )
