@@ -96,7 +96,8 @@ class PDRecord(msgspec.Struct, frozen=True, gc=False):
         reported_cached_tokens: cached tokens the prefill worker reported (the honesty check), or ``None``.
         prefill_served_by: the worker that answered the prefill leg (after retries), or ``None``.
         decode_served_by: the worker whose answer was relayed, or ``None``.
-        outcome: ``ok``, ``client_gone``, or the error's class name.
+        outcome: ``ok``, ``client_gone``, the error's class name, or ``status_<N>``: a worker's error answer
+            (status N >= 400, e.g. a decode worker's 503 ``kv_transfer_refused``) relayed to the client.
         kind: ``pd`` (aggregated entries are ``DecisionRecord``).
     """
 

@@ -274,17 +274,12 @@ class PDFlight:
                 if ok and key is not None and outcome is not None and outcome.served_by is not None:
                     lc.remember_decode_owner(key, outcome.served_by.worker_id)
             if record:
-                error = outcome.error if outcome is not None else None
                 record.pop("prefill_served_by_worker", None)
                 lc.router.recent.append(
                     PDRecord(
                         **record,
                         decode_served_by=outcome.served_by.worker_id if outcome and outcome.served_by else None,
-                        outcome="ok"
-                        if outcome is not None and error is None and not outcome.is_client_gone
-                        else type(error).__name__
-                        if error is not None
-                        else "client_gone",
+                        outcome=_outcome_name(outcome),
                     )
                 )
 
@@ -591,6 +586,20 @@ class PDFlight:
         if isinstance(got, GatewayError) and outcome.response is None:
             return ProxyOutcome(None, None, None, got)
         return outcome
+
+
+def _outcome_name(outcome: ProxyOutcome | None) -> str:
+    """The ``PDRecord.outcome`` of a finished request: ``client_gone`` (it left, or nothing was decided), the
+    error's class name, ``status_<N>`` for a worker's error answer (N >= 400) relayed as it was, else ``ok``."""
+    if outcome is None:
+        return "client_gone"
+    if outcome.error is not None:
+        return type(outcome.error).__name__
+    if outcome.is_client_gone:
+        return "client_gone"
+    if outcome.status is not None and outcome.status >= 400:
+        return f"status_{outcome.status}"
+    return "ok"
 
 
 def _ranking(decision: Decision) -> tuple[str, ...]:
