@@ -182,6 +182,12 @@ class TransportConnectError(TransportError):
     """Connection refused, reset or closed before the response headers."""
 
 
+class TransportUnreachedError(TransportConnectError):
+    """No connection could be made (refused, no route, DNS): the worker never saw the request (aiohttp's
+    ``ClientConnectorError``), so whatever the request would have consumed on it (a disaggregated request's parked
+    KV) is still there."""
+
+
 class TransportTimeoutError(TransportError):
     """Connect, first-byte or total timeout."""
 

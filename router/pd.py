@@ -24,7 +24,8 @@ path of one request (``PDLifecycle.run``), after the same parse, tokenization an
     decode leg   ``router.proxy.Proxy.forward`` with a plan of the decode workers (the chosen one first, then the
                  fitting rest of the ranking): relayed to the client byte for byte; a refusing decode worker (503
                  ``kv_transfer_refused``), a failed pull (502/504) or a dead worker retries the next decode worker
-                 before any byte reached the client, the reservation moving with it (``pre_request``).
+                 before any byte reached the client, the reservation moving with it (``pre_request``); vLLM: after
+                 one that may have pulled the KV, with a fresh prefill leg first (``router.pd_retry``).
     finish       the reservation released, the prefill leg's pending index entries settled, the capacity waiters
                  woken, the decision recorded with both legs (``/admin/decisions``).
 """
@@ -50,9 +51,8 @@ from common.pd_protocol import (
     new_bootstrap_room,
     prefill_leg_body,
     remote_prefill_cached_tokens,
-    unusable_prefill_params,
 )
-from policies.base import Decision, RequestView, Snapshot
+from policies.base import RequestView, Snapshot
 from policies.cache_aware import CacheAwarePolicy
 from policies.config import CacheAwareConfig, SessionStickyConfig
 from policies.cost_model import TTFTCostModel
@@ -72,10 +72,11 @@ from router.errors import (
 from router.fleet import WorkerRuntime
 from router.lease import WorkerLease
 from router.metrics import GatewayMetrics
-from router.pd_candidates import decode_candidates, split_roles
+from router.pd_candidates import decode_candidates, ranking, split_roles
 from router.pd_errors import prefill_refusal, too_large_error
 from router.pd_ledger import DecodeLedger
-from router.proxy import REQUEST_ID_HEADER, ClientHeaders, Proxy, ProxyOutcome
+from router.pd_retry import DecodeRetry, answer_params, outcome_name, unusable_answer
+from router.proxy import REQUEST_ID_HEADER, ClientHeaders, Proxy, ProxyOutcome, RetryBody
 from router.request_view import ParsedRequest, PromptView
 from router.routing import IndexTicket, RoutePlan, Router
 from router.sse import SSE_TAIL_BYTES, usage_from_body, usage_from_sse_tail
@@ -279,7 +280,7 @@ class PDFlight:
                     PDRecord(
                         **record,
                         decode_served_by=outcome.served_by.worker_id if outcome and outcome.served_by else None,
-                        outcome=_outcome_name(outcome),
+                        outcome=outcome_name(outcome),
                     )
                 )
 
@@ -367,8 +368,8 @@ class PDFlight:
         # routed right behind this one predicts its local hit (settled, like the prefill's, after the answer)
         self._decode_ticket = router.ticket(model, view)
         self._decode_ticket.insert_for(by_id[pair.decode.worker_id], match, now_s)
-        prefill_rank = [by_id[w] for w in _ranking(pair.prefill) if w in by_id and w in predicted]
-        decode_rank = [by_id[w] for w in _ranking(pair.decode) if w in by_id and pair.fits.get(w)]
+        prefill_rank = [by_id[w] for w in ranking(pair.prefill) if w in by_id and w in predicted]
+        decode_rank = [by_id[w] for w in ranking(pair.decode) if w in by_id and pair.fits.get(w)]
         record: dict[str, Any] = {
             "request_id": self.request_id,
             "model": model.name,
@@ -407,11 +408,14 @@ class PDFlight:
         *,
         retry: bool,
         check: Callable[[dict[str, Any]], str | None] | None = None,
+        is_again: bool = False,
     ) -> tuple[WorkerRuntime, dict[str, Any]] | GatewayError:
         """Send the prefill leg along the ranking (retrying before its answer); the worker and its JSON answer.
 
         ``check``: why a 200 answer (its JSON object, ``{}`` when it is none) is unusable, or ``None``; an unusable
-        one is the worker's failure, like a 5xx."""
+        one is the worker's failure, like a 5xx. ``is_again``: the leg is sent a second time for a decode retry
+        (``_run_vllm``): its cached tokens come from the first leg, so it is not the honesty check and the record
+        keeps the first leg's report."""
         lc = self.lc
         data = msgspec.json.encode(body)
         predicted: dict[str, int] = record["predicted_cached_tokens"]
@@ -471,12 +475,14 @@ class PDFlight:
                 lease.record_success()
                 if resp.status != 200:
                     return prefill_refusal(worker.worker_id, resp.status, answer)
-                usage = usage_from_sse_tail(answer[-SSE_TAIL_BYTES:]) if is_sse else usage_from_body(answer)
-                guess = predicted.get(worker.worker_id, 0)
-                reported = lc.proxy.check_honesty(worker, lease.metrics, guess, usage)
-                if reported is not None and reported != guess and self._ticket is not None:  # before settle
-                    lease.metrics.num_mismatches[self._ticket.mismatch_cause(worker.worker_id, guess, reported)] += 1
-                record["reported_cached_tokens"] = reported
+                if not is_again:
+                    usage = usage_from_sse_tail(answer[-SSE_TAIL_BYTES:]) if is_sse else usage_from_body(answer)
+                    guess = predicted.get(worker.worker_id, 0)
+                    reported = lc.proxy.check_honesty(worker, lease.metrics, guess, usage)
+                    if reported is not None and reported != guess and self._ticket is not None:  # before settle
+                        cause = self._ticket.mismatch_cause(worker.worker_id, guess, reported)
+                        lease.metrics.num_mismatches[cause] += 1
+                    record["reported_cached_tokens"] = reported
                 record["prefill_served_by"] = worker.worker_id
                 record["prefill_served_by_worker"] = worker
                 return worker, decoded
@@ -520,6 +526,7 @@ class PDFlight:
         parsed: ParsedRequest,
         received_at: float,
         client_headers: ClientHeaders,
+        retry_body: RetryBody | None = None,
     ) -> ProxyOutcome:
         """The decode leg through the proxy (it answers the client), with the decode hooks."""
         return await self.lc.proxy.forward(
@@ -532,6 +539,7 @@ class PDFlight:
             policy_name="pd",
             received_at=received_at,
             client_headers=client_headers,
+            retry_body=retry_body,
         )
 
     async def _run_vllm(
@@ -545,18 +553,22 @@ class PDFlight:
         record: dict[str, Any],
         received_at: float,
     ) -> ProxyOutcome:
-        got = await self._prefill(
-            request, prefill_ws, prefill_leg_body(client_body), client_headers, record, retry=True,
-            check=lambda answer: unusable_prefill_params(answer.get("kv_transfer_params")),
-        )
+        leg, check = prefill_leg_body(client_body), unusable_answer
+        got = await self._prefill(request, prefill_ws, leg, client_headers, record, retry=True, check=check)
         if isinstance(got, GatewayError):
             return ProxyOutcome(None, None, None, got)
-        _, answer = got
-        params = answer.get("kv_transfer_params")
-        params = params if isinstance(params, dict) else None
+        params = answer_params(got[1])
         body = msgspec.json.encode(decode_leg_body(client_body, params))
         plan = self._decode_plan(decode_ws, remote_prefill_cached_tokens(params))
-        return await self._forward_decode(request, body, plan, parsed, received_at, client_headers)
+
+        async def fresh_prefill() -> dict[str, Any] | None | GatewayError:
+            again = await self._prefill(request, prefill_ws, leg, client_headers, record, retry=True, check=check,
+                                        is_again=True)
+            return again if isinstance(again, GatewayError) else answer_params(again[1])
+
+        retry = DecodeRetry(self.request_id, body, plan, fresh_prefill,
+                            lambda fresh: msgspec.json.encode(decode_leg_body(client_body, fresh)))
+        return await self._forward_decode(request, body, plan, parsed, received_at, client_headers, retry)
 
     async def _run_sglang(
         self,
@@ -586,23 +598,3 @@ class PDFlight:
         if isinstance(got, GatewayError) and outcome.response is None:
             return ProxyOutcome(None, None, None, got)
         return outcome
-
-
-def _outcome_name(outcome: ProxyOutcome | None) -> str:
-    """The ``PDRecord.outcome`` of a finished request: ``client_gone`` (it left, or nothing was decided), the
-    error's class name, ``status_<N>`` for a worker's error answer (N >= 400) relayed as it was, else ``ok``."""
-    if outcome is None:
-        return "client_gone"
-    if outcome.error is not None:
-        return type(outcome.error).__name__
-    if outcome.is_client_gone:
-        return "client_gone"
-    if outcome.status is not None and outcome.status >= 400:
-        return f"status_{outcome.status}"
-    return "ok"
-
-
-def _ranking(decision: Decision) -> tuple[str, ...]:
-    if decision.ranking:
-        return decision.ranking
-    return (decision.worker_id,) if decision.worker_id is not None else ()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from policies.base import Decision
 from policies.pd import DecodeCandidate
 from router.fleet import WorkerRuntime
 from router.pd_ledger import DecodeLedger
@@ -60,3 +61,10 @@ def decode_candidates(
             )
         )
     return tuple(out)
+
+
+def ranking(decision: Decision) -> tuple[str, ...]:
+    """The worker ids of ``decision``, best first: its ranking, else its one worker, else none."""
+    if decision.ranking:
+        return decision.ranking
+    return (decision.worker_id,) if decision.worker_id is not None else ()

@@ -35,7 +35,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol
 
 import msgspec
@@ -284,6 +284,10 @@ class AttemptHooks(Protocol):
         ...
 
 
+RetryBody = Callable[[WorkerRuntime, Exception | None, int | None], Awaitable[bytes | None]]
+"""``Proxy.forward``'s ``retry_body``: (the next worker, the last error, its status) -> the body, or ``None``."""
+
+
 def _after_headers_error(exc: TransportError) -> UpstreamError:
     error = (UpstreamTimeoutError if isinstance(exc, TransportTimeoutError) else UpstreamError)(
         f"the worker's answer broke after its headers: {exc.message}", worker_id=exc.worker_id,
@@ -321,13 +325,16 @@ class Proxy:
     async def forward(
         self, request: web.Request, body: bytes, plan: RoutePlan, hooks: AttemptHooks, *, is_stream: bool,
         request_id: str, policy_name: str, received_at: float | None = None,
-        client_headers: ClientHeaders | None = None,
+        client_headers: ClientHeaders | None = None, retry_body: RetryBody | None = None,
     ) -> ProxyOutcome:
         """Send ``body`` to the plan's workers (best first, retrying before the first byte) and relay the answer.
 
         ``client_headers`` is ``client_headers_of(request.headers)`` when the caller has it (else it is read here);
         ``x-request-id: request_id`` is added to the headers forwarded unless the client sent its own. Each attempt
         holds the ``WorkerLease`` that ``hooks.pre_request`` gives, released when the attempt ends, however.
+        ``retry_body``, when given, is awaited before each retry with the worker about to be tried, the previous
+        attempt's error and its status (``None`` when it got no answer): the body to send instead (the
+        disaggregated path's fresh prefill leg), or ``None`` to skip that worker.
 
         The served request is counted for the worker that answered (``requests_total``, and
         ``request_duration_seconds`` from ``received_at``, a ``time.perf_counter()`` reading, else from now).
@@ -351,12 +358,18 @@ class Proxy:
         attempts = [plan.chosen]
         max_retries = self._retry.max_retries
         last_exc: Exception | None = None
+        last_status: int | None = None
         for attempt, worker in enumerate(attempts):
             if attempt:
                 self._metrics.retries_total.labels(attempts[attempt - 1].worker_id, type(last_exc).__name__).inc()
                 await asyncio.sleep(self._retry.backoff_s(attempt))
                 if worker.is_draining or not worker.breaker.allows(self._clock()):
                     continue
+                if retry_body is not None:
+                    new_body = await retry_body(worker, last_exc, last_status)
+                    if new_body is None:
+                        continue
+                    body = new_body
             upstream_req = UpstreamRequest(
                 worker.worker_id, worker.config.url, request.method, request.raw_path, forward_headers, body,
                 skip_auto_headers,
@@ -372,6 +385,7 @@ class Proxy:
                 except TransportError as exc:
                     lease.record_failure(self._clock())
                     last_exc = exc
+                    last_status = None
                     if attempt == 0:
                         attempts += plan.fallbacks(max_retries)
                     logger.warning("request %s: worker %s failed before the first byte: %s",
@@ -384,6 +398,7 @@ class Proxy:
                     if status < 200 or attempt + 1 < len(attempts):  # a 1xx final answer is never relayed
                         lease.record_failure(self._clock())
                         last_exc = UpstreamError(f"worker answered {status}", worker_id=worker.worker_id)
+                        last_status = status
                         logger.warning("request %s: worker %s answered %d before the first byte%s", request_id,
                                        worker.worker_id, status, "; retrying" if attempt + 1 < len(attempts) else "")
                         continue

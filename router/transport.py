@@ -34,7 +34,7 @@ from aiohttp.streams import EofStream
 from yarl import URL
 
 from router.config import TimeoutsConfig
-from router.errors import TransportConnectError, TransportError, TransportTimeoutError
+from router.errors import TransportConnectError, TransportError, TransportTimeoutError, TransportUnreachedError
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +143,9 @@ def map_aiohttp_error(exc: BaseException, stage: Stage, worker_id: str, url: str
         stage     TimeoutError (incl. aiohttp.ServerTimeoutError)   other aiohttp.ClientError
         headers   TransportTimeoutError, before the first byte       TransportConnectError, before the first byte
         get       TransportTimeoutError, before the first byte       TransportConnectError, before the first byte
+
+    (a ``ClientConnectorError``, no connection made, is the ``TransportUnreachedError`` kind of
+    ``TransportConnectError``).
         body      TransportError, after the first byte               TransportError, after the first byte
 
     Args:
@@ -165,7 +168,8 @@ def map_aiohttp_error(exc: BaseException, stage: Stage, worker_id: str, url: str
         return TransportTimeoutError(message, worker_id=worker_id, endpoint=url, is_before_first_byte=True)
     name = exc.__class__.__name__
     message = f"worker {worker_id} unreachable: {name}" if stage == "headers" else f"GET {url} failed: {name}"
-    return TransportConnectError(message, worker_id=worker_id, endpoint=url, is_before_first_byte=True)
+    kind = TransportUnreachedError if isinstance(exc, aiohttp.ClientConnectorError) else TransportConnectError
+    return kind(message, worker_id=worker_id, endpoint=url, is_before_first_byte=True)
 
 
 def _json_or_none(body: bytes) -> object:
