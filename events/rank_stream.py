@@ -96,7 +96,7 @@ class StreamSequencer:
                 if isinstance(item, StreamMarker):
                     if item.kind == "suspect":
                         stream.is_suspect = stream.last_seq is not None
-                    elif stream.last_seq is not None:
+                    else:
                         await self._verify_start_id(stream)
                 else:
                     await self._on_item(stream, item)
@@ -107,8 +107,10 @@ class StreamSequencer:
                 self._resync(stream, "internal_error")
 
     async def _verify_start_id(self, stream: RankStream) -> None:
-        assert stream.last_seq is not None
-        if stream.replay_endpoint is not None:
+        """A new start id: resync unless replay shows the stream already follows the new publisher. With no
+        batch applied yet (``last_seq`` is ``None``: none since the start or the last resync) there is nothing to
+        check the new publisher against, but the index may still hold the old one's snapshot: resync too."""
+        if stream.last_seq is not None and stream.replay_endpoint is not None:
             replies, _ = await self._replay(stream, stream.last_seq)
             got = replies.get(stream.last_seq)
             if got is not None and got[0] == stream.last_digest:

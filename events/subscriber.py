@@ -271,18 +271,21 @@ class KVEventSubscriber:
     def notify_start_id(self, worker_id: str, start_id: object) -> None:
         """Report the worker's current start id / epoch (from its load endpoint).
 
-        The first report is recorded. A different one means the worker restarted: each of its streams verifies
-        through replay that it already follows the new publisher, else emits ``Resync(worker_id,
-        "start_id_changed")`` before any later batch.
+        The first report is recorded. A different one means the worker restarted: each of its streams (one per
+        added dp rank, also a rank that sent no batch yet) verifies through replay that it already follows the new
+        publisher, else emits ``Resync(worker_id, "start_id_changed")`` before any later batch.
         """
         previous = self._start_ids.get(worker_id)
         self._start_ids[worker_id] = start_id
         if previous is None or previous == start_id:
             return
         logger.info("kv events: worker %s start id changed (%r -> %r)", worker_id, previous, start_id)
-        for stream in self._streams.values():
-            if stream.worker_id == worker_id:
-                stream.queue.put_nowait(StreamMarker("verify"))
+        streams = {key: s for key, s in self._streams.items() if s.worker_id == worker_id}
+        for dp_rank in self._specs.get(worker_id, {}):  # a rank with no batch yet: its index may hold a snapshot
+            if (worker_id, dp_rank) not in streams:
+                streams[(worker_id, dp_rank)] = self._stream_for(worker_id, dp_rank)
+        for stream in streams.values():
+            stream.queue.put_nowait(StreamMarker("verify"))
 
     def last_seq(self, worker_id: str, dp_rank: int = 0) -> int | None:
         """The last seq applied for a stream, or ``None`` (no baseline yet, or just resynced)."""
