@@ -51,10 +51,15 @@ class CircuitState(IntEnum):
 class CircuitBreaker:
     """Consecutive-failure circuit breaker (see module docstring). Times are monotonic seconds."""
 
-    __slots__ = ("_config", "state", "num_consecutive_failures", "opened_at_s", "is_trial_in_flight")
+    __slots__ = ("_config", "worker_id", "state", "num_consecutive_failures", "opened_at_s", "is_trial_in_flight")
 
-    def __init__(self, config: CircuitBreakerConfig) -> None:
+    def __init__(self, config: CircuitBreakerConfig, worker_id: str = "?") -> None:
+        """Args:
+            config: thresholds and the open time.
+            worker_id: the worker it guards (named in its log lines).
+        """
         self._config = config
+        self.worker_id = worker_id
         self.state = CircuitState.CLOSED
         self.num_consecutive_failures = 0
         self.opened_at_s = 0.0
@@ -93,7 +98,8 @@ class CircuitBreaker:
             return
         if self.state == CircuitState.HALF_OPEN or self.num_consecutive_failures >= self._config.failure_threshold:
             if self.state != CircuitState.OPEN:
-                logger.warning("circuit opened after %d consecutive failures", self.num_consecutive_failures)
+                logger.warning("worker %s: circuit opened after %d consecutive failures", self.worker_id,
+                               self.num_consecutive_failures)
             self.state = CircuitState.OPEN
             self.opened_at_s = now_s
 
@@ -167,7 +173,7 @@ class WorkerRuntime:
         self.is_draining = False
         self.is_warm = not config.has_events
         self.is_approximate = not config.has_events
-        self.breaker = CircuitBreaker(breaker)
+        self.breaker = CircuitBreaker(breaker, config.id)
         self.num_inflight_requests = 0
         self.num_inflight_prompt_tokens = 0
         self.num_pending_prefill_tokens = 0

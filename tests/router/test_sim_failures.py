@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tests.router.sim_fleet import (
@@ -44,7 +46,7 @@ async def test_health_check_failure_and_success_thresholds():
             assert fleet.workers["w1"].is_healthy
 
 
-async def test_circuit_breaker_opens_half_opens_and_closes():
+async def test_circuit_breaker_opens_half_opens_and_closes(caplog: pytest.LogCaptureFixture):
     clock = Clock()
     async with running(SimWorker("w0"), SimWorker("w1")) as ws:
         config = make_config(ws, circuit_breaker={"failure_threshold": 2, "open_s": 30})
@@ -62,8 +64,10 @@ async def test_circuit_breaker_opens_half_opens_and_closes():
                 return headers["x-kvgate-worker"], headers["x-kvgate-decision"]
 
             # ties go to w0 (configuration order); it refuses connections: each request is retried on w1
-            assert [await fresh() for _ in range(2)] == [("w1", "retry"), ("w1", "retry")]
+            with caplog.at_level(logging.WARNING, logger="router.fleet"):
+                assert [await fresh() for _ in range(2)] == [("w1", "retry"), ("w1", "retry")]
             assert breaker.state.name == "OPEN"
+            assert "worker w0: circuit opened after 2 consecutive failures" in caplog.messages
             assert (await fresh()) == ("w1", "min_ttft")  # open: w0 is not a candidate at all
             clock.offset_s += 31  # half-open: one trial request, which fails: open again
             assert (await fresh()) == ("w1", "retry")
