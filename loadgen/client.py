@@ -29,6 +29,9 @@ ENGINE_TTFT_KEY = "engine_ttft_wall_s"
 
 DEFAULT_WORKER_HEADER = "x-kvgate-worker"
 DEFAULT_PREDICTED_CACHED_HEADER = "x-kvgate-predicted-cached-tokens"
+REQUEST_ID_HEADER = "x-request-id"
+"""The response header with the gateway's id of the request (kvgate's ``router.proxy.REQUEST_ID_HEADER``): the key of
+its entry in ``/admin/decisions``."""
 
 
 class RequestRecord(msgspec.Struct):
@@ -52,6 +55,7 @@ class RequestRecord(msgspec.Struct):
         error_kind: ``None`` on success, else ``"connect"``, ``"timeout"``, ``"http_<status>"``, ``"stream"``
             (malformed or truncated stream) or ``"no_usage"`` (stream ended without a usage chunk).
         error_message: a short description of the failure.
+        request_id: the response's ``x-request-id`` (the gateway's id of the request), or ``None``.
     """
 
     index: int
@@ -69,6 +73,7 @@ class RequestRecord(msgspec.Struct):
     itl_s: list[float] = msgspec.field(default_factory=list)
     error_kind: str | None = None
     error_message: str = ""
+    request_id: str | None = None
 
     @property
     def is_ok(self) -> bool:
@@ -141,6 +146,7 @@ async def send_completion(
         async with asyncio.timeout(timeout_s):
             async with session.post(request.url, json=body, headers=dict(request.headers)) as resp:
                 record.worker = resp.headers.get(worker_header)
+                record.request_id = resp.headers.get(REQUEST_ID_HEADER)
                 record.num_predicted_cached_tokens = _parse_int(resp.headers.get(predicted_cached_header))
                 if resp.status != 200:
                     detail = (await resp.text())[:200]

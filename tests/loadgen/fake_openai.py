@@ -4,7 +4,9 @@ It streams ``max_tokens`` one-token chunks, reports ``usage`` with ``prompt_toke
 and ``cached_tokens`` = the longest common prefix with any earlier prompt, rounded down to 16-token blocks (a
 byte-level prefix cache), and names itself in the gateway's headers. Prompts starting with ``FAIL`` get a 503;
 prompts longer than ``max_prompt_tokens`` get a 400, as a worker refuses a prompt its KV cache cannot hold. A
-refused prompt is not cached. ``response_delay_s`` holds every answer back that long before its headers.
+refused prompt is not cached. ``response_delay_s`` holds every answer back that long before its headers. Each
+answer carries ``x-request-id: <worker_id>-req-<i>`` (``i``: the answered prompts before it), as the gateway sends
+its id of the request.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class FakeOpenAI:
                 "content-type": "text/event-stream",
                 "x-kvgate-worker": self.worker_id,
                 "x-kvgate-predicted-cached-tokens": str(cached + self.predicted_offset),
+                "x-request-id": f"{self.worker_id}-req-{len(self.prompts) - 1}",
             }
         )
         await resp.prepare(request)

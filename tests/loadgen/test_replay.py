@@ -54,6 +54,8 @@ async def test_closed_loop_runs_sessions_in_order():
         result = await Replayer(chain_requests(), config, PromptBuilder()).run()
     assert fake.session_ids == ["a", "a", "b", "b"]
     assert [r.index for r in result.records] == [0, 1, 2, 3]
+    # the server's ids, in the order it answered (a's turns, then b's): each record keeps the id of its own answer
+    assert [r.request_id for r in result.records] == ["fake-0-req-0", "fake-0-req-2", "fake-0-req-1", "fake-0-req-3"]
     assert result.records[2].start_s > result.records[0].start_s + result.records[0].e2e_s
 
 
