@@ -25,6 +25,14 @@ Method:
    evicted after the decision / the block was still pending at the decision / it held more than the index knew),
    each as the mean over repetitions with the spread (min–max) beside it. ``results.json`` and ``records.jsonl``
    go to ``--out``.
+5. For each kvgate router, a table of observed ÷ predicted TTFT by band of the queue its cost model predicted on
+   the chosen worker, over every repetition (``loadgen.queue_bands``: each request's record joined with its entry
+   of ``/admin/decisions`` by the gateway's request id), in ``queue_bands.md`` too.
+
+A kvgate label ending in ``@unscaled`` (``kvgate:cache_aware@unscaled``) runs that policy with the workers listed
+in the gateway config without their ``time_scale`` (``loadgen.fleet.Fleet.enable_gateway_time_scale`` off), as
+this benchmark did before: the cost model then drains each worker's queue per wall second, ``--time-scale`` times
+slower than the sim workers serve it. Beside the label without the suffix it compares the two in one run.
 
 Peers, their session headers and how they start: ``loadgen.peers``.
 """
@@ -35,6 +43,7 @@ import argparse
 import asyncio
 import copy
 import dataclasses
+import json
 import statistics
 import sys
 from collections.abc import Sequence
@@ -51,6 +60,7 @@ from loadgen.errors import FleetError, LoadgenError
 from loadgen.fleet import Fleet, WorkerSpec
 from loadgen.peers import PEER_ENV, SIM_WORKER_HEADER, PeerRouter, peer_argv, peer_labels, resolve_peer
 from loadgen.prompts import PromptBuilder
+from loadgen.queue_bands import PredictionPair, markdown_bands, pair_predictions, queue_bands
 from loadgen.replay import ReplayConfig, new_session_prefix, request_max_tokens
 from loadgen.report import RunSummary
 from loadgen.runner import RunOutcome, replay_with_progress, write_results
@@ -64,6 +74,8 @@ __all__ = ["ContextCut", "cut_to_context", "main", "summarize_router"]
 
 KVGATE_ROUTERS: tuple[str, ...] = ("kvgate:cache_aware", "kvgate:session_sticky+cache_aware")
 """kvgate's runs, ``kvgate:<loadgen.demo.POLICIES label>`` (or a label of ``EXTRA_POLICIES``)."""
+UNSCALED_SUFFIX = "@unscaled"
+"""Label suffix of a kvgate run whose gateway is not told the workers' time scale (module docstring)."""
 EXTRA_POLICIES: dict[str, dict[str, Any]] = {
     "session_sticky_margins+cache_aware": {"name": "session_sticky", "price_moves": False, "max_extra_ttft_s": 0.5,
                                            "max_ttft_ratio": 2.0, "inner": {"name": "cache_aware"}},
@@ -181,8 +193,11 @@ def markdown(rows: Sequence[Sequence[str]], skipped: Sequence[PeerRouter]) -> st
     return "\n".join(lines) + "\n"
 
 
-async def run(args: argparse.Namespace, console: Console) -> tuple[dict[str, list[RunOutcome]], list[PeerRouter]]:
-    """Steps 2–3 of the module docstring: outcomes by router label, and the skipped routers."""
+async def run(
+    args: argparse.Namespace, console: Console,
+) -> tuple[dict[str, list[RunOutcome]], list[PeerRouter], dict[str, list[PredictionPair]]]:
+    """Steps 2–3 of the module docstring: outcomes by router label, the skipped routers, and each kvgate router's
+    predictions paired with what was observed (step 5), over its repetitions."""
     demo = DemoConfig(trace="", num_workers=args.num_workers, time_scale=args.time_scale,
                       max_output_tokens=args.max_output_tokens, num_cpu_blocks=args.num_cpu_blocks)
     profile = worker_profile(demo)
@@ -211,6 +226,7 @@ async def run(args: argparse.Namespace, console: Console) -> tuple[dict[str, lis
     out = Path(args.out)
     fleet = Fleet(out / "logs", startup_timeout_s=90.0)
     outcomes: dict[str, list[RunOutcome]] = {s.label: [] for s in running}
+    predictions: dict[str, list[PredictionPair]] = {s.label: [] for s in running if s.label.startswith("kvgate:")}
     failed_to_start: dict[str, str] = {}
     prompts = PromptBuilder()
     worker_specs = [WorkerSpec(f"worker-{i}", num_gpu_blocks, num_cpu_blocks, demo.block_size, 1.0 / args.time_scale)
@@ -226,6 +242,8 @@ async def run(args: argparse.Namespace, console: Console) -> tuple[dict[str, lis
                 await fleet.reset_caches()
                 kind, _, policy = spec.label.partition(":")
                 if kind == "kvgate":
+                    fleet.enable_gateway_time_scale = not policy.endswith(UNSCALED_SUFFIX)
+                    policy = policy.removesuffix(UNSCALED_SUFFIX)
                     fleet.start_gateway(_kvgate_policy(policy, demo), demo.block_size)
                     session_header, worker_header = "x-session-id", "x-kvgate-worker"
                 else:
@@ -258,8 +276,11 @@ async def run(args: argparse.Namespace, console: Console) -> tuple[dict[str, lis
                                                      show_progress=False)
                 outcomes[spec.label].append(outcome)
                 if kind == "kvgate":  # the latest decisions, every candidate's cost terms (for diagnosis)
-                    await _save_decisions(fleet.gateway.url, out / f"decisions-{policy}-{repetition + 1}.json")
-                    behind = await _gateway_share(fleet.gateway.url, outcome)
+                    decisions = await _save_decisions(
+                        fleet.gateway.url, out / f"decisions-{spec.label.partition(':')[2]}-{repetition + 1}.json")
+                    predictions[spec.label].extend(pair_predictions(outcome.records, decisions, args.time_scale))
+                    behind = await _gateway_share(fleet.gateway.url, outcome,
+                                                  1.0 / args.time_scale if fleet.enable_gateway_time_scale else 1.0)
                     if behind is not None:
                         console.print(f"  {spec.label}: mean TTFT {behind[0] * 1e3:.1f} ms at the client, "
                                       f"{behind[1] * 1e3:.1f} ms from the gateway's send to the first token (wall)",
@@ -272,7 +293,7 @@ async def run(args: argparse.Namespace, console: Console) -> tuple[dict[str, lis
         fleet.stop()
     skipped = [s for s in specs if s.skip_reason is not None]
     skipped.extend(PeerRouter(label, None, f"did not start: {why}") for label, why in failed_to_start.items())
-    return outcomes, skipped
+    return outcomes, skipped, predictions
 
 
 def _kvgate_policy(label: str, demo: DemoConfig) -> dict[str, Any]:
@@ -285,15 +306,20 @@ def _kvgate_policy(label: str, demo: DemoConfig) -> dict[str, Any]:
     return policy
 
 
-async def _save_decisions(url: str, path: Path) -> None:
-    """``/admin/decisions`` of a kvgate gateway (its ring of recent decisions) into ``path``."""
+async def _save_decisions(url: str, path: Path) -> list[dict[str, Any]]:
+    """``/admin/decisions`` of a kvgate gateway (its ring of recent decisions) into ``path``; returns its entries."""
     async with aiohttp.ClientSession() as session, session.get(url + "/admin/decisions?limit=100000") as resp:
-        path.write_bytes(await resp.read())
+        body = await resp.read()
+    path.write_bytes(body)
+    decisions: list[dict[str, Any]] = json.loads(body).get("decisions", [])
+    return decisions
 
 
-async def _gateway_share(url: str, outcome: RunOutcome) -> tuple[float, float] | None:
+async def _gateway_share(url: str, outcome: RunOutcome, wall_s_per_worker_s: float) -> tuple[float, float] | None:
     """``(mean TTFT at the client, mean TTFT from the gateway's send)`` in wall seconds: what the gateway's own
-    time (tokenizing, routing, its event loop) adds is the difference. ``None`` without the series."""
+    time (tokenizing, routing, its event loop) adds is the difference. The gateway's ``kvgate_ttft_seconds`` is in
+    the worker's seconds (its wall time over the worker's ``time_scale``): ``wall_s_per_worker_s`` is that time
+    scale as the gateway was told it (1.0 when it was not). ``None`` without the series."""
     async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
         text = await resp.text()
     total = count = 0.0
@@ -305,7 +331,7 @@ async def _gateway_share(url: str, outcome: RunOutcome) -> tuple[float, float] |
     ttfts = [r.ttft_s for r in outcome.records if r.is_ok and r.ttft_s is not None]
     if not count or not ttfts:
         return None
-    return sum(ttfts) / len(ttfts), total / count
+    return sum(ttfts) / len(ttfts), total * wall_s_per_worker_s / count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -342,14 +368,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     console = Console()
-    outcomes, skipped = asyncio.run(run(args, console))
+    outcomes, skipped, predictions = asyncio.run(run(args, console))
     rows = [summarize_router(label, [o.summary for o in runs]) for label, runs in outcomes.items() if runs]
     table = markdown(rows, skipped)
     console.print(table, markup=False, highlight=False, soft_wrap=True)
+    bands = {label: queue_bands(pairs) for label, pairs in predictions.items() if pairs}
+    band_tables = "\n".join(markdown_bands(f"{label}: observed ÷ predicted TTFT by the chosen worker's predicted "
+                                            f"queue ({len(predictions[label])} requests)", b)
+                            for label, b in bands.items())
+    console.print(band_tables, markup=False, highlight=False, soft_wrap=True)
     out = Path(args.out)
     write_results(out, [o for runs in outcomes.values() for o in runs],
-                  extra={"workload": args.workload, "start_s": args.start_s, "table": rows}, plots=False)
+                  extra={"workload": args.workload, "start_s": args.start_s, "table": rows, "queue_bands": bands},
+                  plots=False)
     (out / "table.md").write_text(table, encoding="utf-8")
+    (out / "queue_bands.md").write_text(band_tables, encoding="utf-8")
     failed = sum(o.summary.requests_failed for runs in outcomes.values() for o in runs)
     return 0 if failed == 0 else 1
 

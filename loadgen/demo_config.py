@@ -108,8 +108,9 @@ def worker_profile(config: DemoConfig) -> dict[str, Any]:
 
 def gateway_policy(label: str, config: DemoConfig) -> dict[str, Any]:
     """The gateway ``policy`` section of a run: ``POLICIES[label]`` with ``cache_aware``'s cost model set to the
-    workers' prefill rates. Calibration is off: the rates are exact, and the TTFT the gateway observes is in wall
-    seconds of time-scaled workers, not in the workers' seconds."""
+    workers' prefill rates. Calibration is off: the rates are the workers' own profile. (The fleet lists each sim
+    worker with its ``time_scale``, ``loadgen.fleet.Fleet.gateway_config``, so the gateway's clock for the worker's
+    queue and the TTFT it observes are in the worker's seconds.)"""
     policy = copy.deepcopy(POLICIES[label])
     defaults = CacheAwareConfig()
     knobs = {

@@ -104,6 +104,13 @@ class Fleet:
         self.gateway: ManagedProcess | None = None
         self.replicas: list[ManagedProcess] = []
         self.roles: dict[str, str] = {}
+        self.time_scales: dict[str, float] = {}
+        """Each started worker's ``--time-scale`` (wall seconds per simulated second), by worker id."""
+        self.enable_gateway_time_scale = True
+        """List each paced worker (time scale above 0) in the gateway config with its ``time_scale``, so that the
+        gateway's cost model drains queued prefill in the worker's seconds and calibrates on them; False lists every
+        worker at the default 1.0, which drains a worker's queue per wall second (``time_scale`` times too slowly for
+        a sim worker run faster than real time)."""
 
     def _spawn(self, name: str, argv: list[str], url: str, env: dict[str, str] | None = None) -> ManagedProcess:
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -155,6 +162,7 @@ class Fleet:
                 *extra_args,
             )
             self.roles[spec.worker_id] = spec.role
+            self.time_scales[spec.worker_id] = spec.time_scale
             proc = self._spawn(spec.worker_id, argv, f"http://{HOST}:{port}")
             proc.events_endpoint = f"tcp://{HOST}:{events_port}"
             proc.replay_endpoint = f"tcp://{HOST}:{replay_port}"
@@ -164,10 +172,12 @@ class Fleet:
         self, policy: dict[str, Any], port: int, block_size: int, pd: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """The gateway YAML (as builtins) for the running workers and ``policy``; ``pd``: the model's ``pd``
-        section (served disaggregated over the workers' roles)."""
+        section (served disaggregated over the workers' roles). A paced worker's entry carries its ``time_scale``
+        unless ``enable_gateway_time_scale`` is off (an unpaced one, time scale 0, has no clock to give)."""
         model: dict[str, Any] = {"name": self._model, "block_size": block_size}
         if pd is not None:
             model["pd"] = pd
+        time_scales = self.time_scales if self.enable_gateway_time_scale else {}
         return {
             "listen": {"host": HOST, "port": port},
             "models": [model],
@@ -179,6 +189,7 @@ class Fleet:
                     "events_endpoint": w.events_endpoint,
                     "replay_endpoint": w.replay_endpoint,
                     "role": self.roles.get(w.name, "both"),
+                    **({"time_scale": time_scales[w.name]} if time_scales.get(w.name, 0.0) > 0.0 else {}),
                     **self.worker_extra,
                 }
                 for w in self.workers
