@@ -7,11 +7,14 @@ Three layers, exact values throughout:
 * ``PrefixIndex.insert_approximate`` with a per-call TTL: expiry order with two TTLs in one index;
 * the gateway in front of a fake worker whose KV events are held back: the second of two back-to-back requests
   with a shared prefix predicts the shared blocks and equals what the worker reports; events confirm the pending
-  blocks (they stop expiring); unconfirmed ones expire; the switch turns it off.
+  blocks (they stop expiring); unconfirmed ones expire; the switch turns it off; and since the lease prices a
+  request's queued prefill as its prompt minus its predicted cached tokens, a request queued behind a pending one
+  that shares its prefix adds only its own blocks to the worker's queue (the shared prefix is counted once).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -149,6 +152,46 @@ async def test_back_to_back_shared_prefix_predicts_pending_blocks(worker):
         held = HeldEvents(worker)
         assert await _complete(h, SHARED + "aaaaaac") == (44, 44)
         assert h.gw.proxy.num_honesty_mismatches == 0
+
+
+@pytest.mark.integration
+async def test_a_request_queued_behind_a_pending_shared_prefix_is_priced_for_its_own_blocks_only(worker):
+    """A (46 tokens) and B (its first 40 tokens, then 6 of its own) wait at the worker before its first byte, with
+    every KV event held back: B's prediction covers A's pending blocks, so the queue lists B's 6 uncached tokens,
+    not 46, and a third request's queue term counts the shared prefix once (the cost model's rates are powers of
+    two: every value is exact). The worker reports what was predicted."""
+    policy = {"name": "cache_aware", "prefill_linear_tokens_per_s": 1024.0,
+              "prefill_quadratic_tokens_sq_per_s": float(2**20), "per_running_request_s": 0.0,
+              "per_waiting_request_s": 0.0, "enable_calibration": False}
+    config = make_config([worker], policy=policy,
+                         models=[{"name": "m", "block_size": BLOCK_SIZE, "pending_blocks_ttl_s": TTL_S}])
+    async with GatewayHarness(config, clock=Clock(), workers=[worker]) as h:
+        HeldEvents(worker)
+        worker.answer_release = asyncio.Event()
+        stream = {"model": "m", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+        held = []
+        for i, prompt in enumerate((SHARED + "aaaaaa", SHARED + "bbbbbb", "unrelated prompt")):
+            held.append(asyncio.create_task(h.post("/v1/completions", {**stream, "prompt": prompt})))
+            await wait_until(lambda i=i: worker.num_active == i + 1)
+        runtime = h.gw.fleet.workers["w0"]
+        # (admitted_at_s, uncached tokens, n**2 - k**2): A from scratch, B past the 40 tokens A computes
+        assert list(runtime.pending_prefills.values())[:2] == [(1000.0, 46, 46 * 46), (1000.0, 6, 46 * 46 - 40 * 40)]
+        third = h.gw.router.recent[-1]
+        assert third.cost_terms()["w0"]["queue_s"] == (46 + 6) / 1024 + (46 * 46 + (46 * 46 - 40 * 40)) / 2**20
+        worker.answer_release.set()
+        answers = [await task for task in held]
+        assert [a[0] for a in answers] == [200, 200, 200]
+        assert [a[1]["x-kvgate-predicted-cached-tokens"] for a in answers[:2]] == ["0", "40"]
+        assert [_reported_cached_tokens(a[2]) for a in answers[:2]] == [0, 40]
+        assert h.gw.proxy.num_honesty_mismatches == 0
+
+
+def _reported_cached_tokens(stream: bytes) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` of an SSE answer."""
+    for line in stream.decode().splitlines():
+        if line.startswith("data: {") and '"usage"' in line:
+            return int(json.loads(line[6:])["usage"]["prompt_tokens_details"]["cached_tokens"])
+    raise AssertionError("no usage in the stream")
 
 
 @pytest.mark.integration
