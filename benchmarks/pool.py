@@ -42,7 +42,8 @@ from workers.engines.sim import SimEngine
 from workers.kv.block_pool import BlockMeta
 from workers.kv.hashing import extend_block_hashes, namespace_root
 from workers.kv.manager import KVCacheManager
-from workers.kv.pool_tier import MooncakePoolStore, PoolTier, SimPool, pool_key
+from workers.kv.pool_spans import store_objects
+from workers.kv.pool_tier import MooncakePoolStore, PoolTier, SimPool
 from workers.scheduler import Request, Scheduler
 
 
@@ -78,6 +79,9 @@ def one_round(tier: PoolTier, store: MooncakePoolStore, rep: int, args: argparse
     layout, n = tier.layout, len(metas)
     step = layout.chunk_bytes
     values = [layout.build(m.block_hash, m.token_ids) for m in metas]  # the worker's exact chunks
+    objects = store_objects(metas, tier.span_len, 0)  # the worker's objects: spans, then the tail's singles
+    span_offsets = [lo * step for _, lo, _ in objects]
+    span_sizes = [(hi - lo) * step for _, lo, hi in objects]
     staged = store.new_buffer(n * step)
     for i, v in enumerate(values):
         staged.view[i * step : (i + 1) * step] = v
@@ -85,12 +89,13 @@ def one_round(tier: PoolTier, store: MooncakePoolStore, rep: int, args: argparse
     offsets = range(0, n * step, step)
     raw = store._store
     keys = {who: [f"{who}/{rep}/{i}" for i in range(n)] for who in ("put_batch", "batch_put_from")}
+    keys["spans"] = [f"spans/{rep}/{i}" for i in range(len(objects))]
     packed_key = f"packed/{rep}"
     nbytes = n * step
     timed: dict[str, float] = {}
     contenders = {
-        "store": ["worker", "put_batch", "batch_put_from", "packed_put"],
-        "restore": ["worker", "get_batch", "batch_get_into", "packed_get"],
+        "store": ["worker", "put_batch", "batch_put_from", "spans_put_from", "packed_put"],
+        "restore": ["worker", "get_batch", "batch_get_into", "spans_get_into", "packed_get"],
     }
     for phase, names in contenders.items():
         order = names if rep % 2 == 0 else names[::-1]
@@ -106,6 +111,12 @@ def one_round(tier: PoolTier, store: MooncakePoolStore, rep: int, args: argparse
             elif who == "batch_put_from":
                 codes = raw.batch_put_from(keys["batch_put_from"], [staged.address + o for o in offsets], [step] * n)
                 assert codes == [0] * n
+            elif who == "spans_put_from":
+                ptrs = [staged.address + o for o in span_offsets]
+                assert raw.batch_put_from(keys["spans"], ptrs, span_sizes) == [0] * len(objects)
+            elif who == "spans_get_into":
+                ptrs = [landing.address + o for o in span_offsets]
+                assert raw.batch_get_into(keys["spans"], ptrs, span_sizes) == span_sizes
             elif who == "packed_put":
                 assert raw.batch_put_from([packed_key], [staged.address], [nbytes]) == [0]
             elif who == "packed_get":
@@ -115,9 +126,11 @@ def one_round(tier: PoolTier, store: MooncakePoolStore, rep: int, args: argparse
             else:
                 got = raw.batch_get_into(keys["batch_put_from"], [landing.address + o for o in offsets], [step] * n)
                 assert got == [step] * n
-            timed[f"{who}_{phase}" if not who.startswith("packed") else who] = nbytes / (time.perf_counter() - t) / 1e9
+            name = who if who.startswith(("packed", "spans")) else f"{who}_{phase}"
+            timed[name] = nbytes / (time.perf_counter() - t) / 1e9
     assert landing.data == staged.data
-    raw.batch_remove([pool_key(h) for h in hashes] + keys["put_batch"] + keys["batch_put_from"] + [packed_key], True)
+    raw.batch_remove([k for k, _, _ in objects] + keys["put_batch"] + keys["batch_put_from"] + keys["spans"]
+                     + [packed_key], True)  # fmt: skip
     store.release_buffer(staged)
     store.release_buffer(landing)
     return timed
@@ -128,21 +141,31 @@ def throughput(args: argparse.Namespace) -> None:
     try:
         store = MooncakePoolStore(address, global_segment_size=1 << 30, local_buffer_size=256 << 20)
         tier = PoolTier(store, args.block_size, lambda event: None, value_bytes_per_block=args.value_bytes,
-                        num_layer_groups=args.layer_groups, check_padding=args.verify == "all_bytes")  # fmt: skip
+                        num_layer_groups=args.layer_groups, check_padding=args.verify == "all_bytes",
+                        blocks_per_span=args.blocks_per_span)  # fmt: skip
         best: dict[str, float] = {}
         for rep in range(args.warmup + args.repeats):  # warm-up rounds touch the segment's pages first
             for name, gbps in one_round(tier, store, rep, args).items():
                 if rep >= args.warmup:
                     best[name] = max(best.get(name, 0.0), gbps)
         nbytes_per_batch = args.num_blocks * tier.layout.chunk_bytes
+        num_spans = args.num_blocks // args.blocks_per_span
+        num_objects = num_spans + args.num_blocks - num_spans * args.blocks_per_span
         print(f"pool throughput, {args.num_blocks} blocks × {tier.layout.chunk_bytes} B chunks "
-              f"({args.layer_groups} layer groups, verify {args.verify}) per batch, "
-              f"best of {args.repeats}:")  # fmt: skip
-        for phase, raws in (("store", ("put_batch", "batch_put_from")), ("restore", ("get_batch", "batch_get_into"))):
+              f"({args.layer_groups} layer groups, verify {args.verify}) per batch, {num_objects} objects "
+              f"({args.blocks_per_span} blocks per span), best of {args.repeats}:")  # fmt: skip
+
+        def us_per_block(gbps: float) -> float:
+            return float(nbytes_per_batch / (gbps * 1e9) / args.num_blocks * 1e6)
+
+        for phase, raws in (("store", ("put_batch", "batch_put_from", "spans_put_from")),
+                            ("restore", ("get_batch", "batch_get_into", "spans_get_into"))):  # fmt: skip
             w = best[f"worker_{phase}"]
-            ratios = ", ".join(f"raw {r} {best[f'{r}_{phase}']:.3f} GB/s (ratio {w / best[f'{r}_{phase}']:.3f})"
+            ratios = ", ".join(f"raw {r} {best[r if r.startswith('spans') else f'{r}_{phase}']:.3f} GB/s "
+                               f"(ratio {w / best[r if r.startswith('spans') else f'{r}_{phase}']:.3f})"
                                for r in raws)  # fmt: skip
-            print(f"  {phase:7}: worker {w:.3f} GB/s; {ratios}")
+            print(f"  {phase:7}: worker {w:.3f} GB/s ({us_per_block(w):.2f} us/block); {ratios}")
+        print("  (raw spans_*: the raw batch call on the worker's own objects, same keys count and sizes)")
         per_object_s = {
             phase: max(0.0, nbytes_per_batch / 1e9 * (1 / best[f"batch_{op}_{phase}"] - 1 / best[packed]))
             / args.num_blocks for phase, op, packed in (("store", "put_from", "packed_put"),
@@ -193,6 +216,12 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
     parser.add_argument("--value-bytes", type=int, default=256 << 10, help="bytes per block value")
     parser.add_argument("--layer-groups", type=int, default=1, help="pieces per chunk (workers.kv.pool_chunk)")
+    parser.add_argument(
+        "--blocks-per-span",
+        type=int,
+        default=16,
+        help="blocks per pool object along a chain (PoolConfig.blocks_per_span; 1: one per block)",
+    )
     parser.add_argument(
         "--verify",
         choices=("all_bytes", "manifest"),

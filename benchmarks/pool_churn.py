@@ -34,7 +34,7 @@ from loadgen.mooncake_master import MooncakeMaster
 from router.block_hash import hash_token_blocks
 from router.index import PrefixIndex
 from router.index.config import IndexConfig
-from router.pool_watch import PoolWatcher, parse_pool_key
+from router.pool_watch import PoolWatcher, pool_key_blocks
 from router.pool_watch_config import PoolWatchConfig
 from workers.config import KVCacheConfig, PoolConfig
 from workers.kv.manager import KVCacheManager, SequenceKV
@@ -125,7 +125,7 @@ class Fleet:
     def pool_holdings_not_in_master(self) -> int:
         """Pool holdings of the index whose key the master does not list (0 right after a sweep, but for stores
         since)."""
-        present = {parse_pool_key(k) for k in self.master.keys()}
+        present = {b for k in self.master.keys() for b in pool_key_blocks(k) or ()}
         return sum((g, eh) not in present for _, _, g, eh, _ in self.index.pool_holdings(Medium.MOONCAKE))
 
     def close(self) -> None:

@@ -24,8 +24,12 @@ Keys name a block by its full SHA-256 digest (64 hex digits at the end of the ke
 ``kvgate/v1/<hex>`` (group 0) and ``kvgate/v1/ckpt/<group>/<hex>``; vLLM
 ``<model>@tp_rank:T@pcp0@dcp0@pp_rank:P@group:G@<hex>`` (``mooncake/store/worker.py``). Both engines publish the
 last 8 digest bytes, big-endian, as the event's block hash (``events.types.fold_engine_hash``), so the key's last
-16 hex digits are the index's engine hash. A block is present while ``pieces_per_block`` of its objects are
-(vLLM: one per TP rank and PP stage). Other keys are ignored (``num_foreign_keys``).
+16 hex digits are the index's engine hash. A kvgate span object (several blocks of a chain in one object,
+``common.pool_keys``) is ``kvgate/v1/span/<16 hex digits per member but the last>/<hex of the last>``: its
+key lists every member's engine hash, so the listing alone says which blocks it holds (``pool_key_blocks``), and
+the events stay per block. A block is present while ``pieces_per_block`` of the objects holding it are (vLLM: one
+per TP rank and PP stage; kvgate: 1, its single object or any span holding it). Other keys are ignored
+(``num_foreign_keys``).
 
 Costs: a sweep is one listing of every key plus one pass over the index's pool holdings, in slices of
 ``max_entries_per_slice`` between which the event loop serves requests; ``last_sweep_s`` and the
@@ -49,13 +53,14 @@ import aiohttp
 import msgspec
 import yarl
 
+from common.pool_keys import SPAN_PREFIX, member_engine_hashes
 from events.types import BlockRemoved, EngineBlockHash, EventBatch, Medium
 from router.index import PrefixIndex
 from router.index.errors import UnknownWorkerError
 from router.index.query import PoolHolding
 from router.pool_watch_config import PoolWatchConfig
 
-__all__ = ["PoolWatcher", "parse_counters", "parse_pool_key"]
+__all__ = ["PoolWatcher", "parse_counters", "parse_pool_key", "pool_key_blocks"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +84,8 @@ def parse_pool_key(key: str) -> _PoolKey | None:
     group = 0
     if head == "kvgate/v1/":
         pass
+    elif head.startswith(SPAN_PREFIX):
+        return None  # several blocks: pool_key_blocks
     elif head.startswith("kvgate/v1/ckpt/"):
         num = head[len("kvgate/v1/ckpt/") : -1]
         if not (num.isascii() and num.isdigit()) or not head.endswith("/") or len(num) > MAX_GROUP_DIGITS:
@@ -94,6 +101,16 @@ def parse_pool_key(key: str) -> _PoolKey | None:
     else:
         return None
     return group, value & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def pool_key_blocks(key: str) -> tuple[_PoolKey, ...] | None:
+    """Every ``(group_idx, engine_hash)`` an object's key names: a kvgate span key's members in chain order, else
+    ``parse_pool_key``'s one block; ``None`` for another key."""
+    if key.startswith(SPAN_PREFIX):
+        members = member_engine_hashes(key)
+        return None if members is None else tuple((0, h) for h in members)
+    parsed = parse_pool_key(key)
+    return None if parsed is None else (parsed,)
 
 
 def parse_counters(text: str) -> dict[str, float]:
@@ -157,8 +174,8 @@ class PoolWatcher:
         """When the last successful sweep asked for the listing (entries confirmed then)."""
         self._is_cleared = False
         self._known: dict[str, dict[int, tuple[list[str], list[PoolHolding]]]] = {}
-        """Model -> our block hash -> (its pool keys, its holdings): group 0 blocks present at the last sweep,
-        what a decision check asks about and drops."""
+        """Model -> our block hash -> (the keys of the objects holding it, its holdings): group 0 blocks present
+        at the last sweep, what a decision check asks about and drops."""
         self.is_master_up = False
         self.master_evicted_key_count = 0
         self.master_key_count = 0
@@ -241,12 +258,13 @@ class PoolWatcher:
             if not key:
                 continue
             num_keys += 1
-            parsed = parse_pool_key(key)
-            if parsed is None:
+            blocks = pool_key_blocks(key)
+            if blocks is None:
                 self.num_foreign_keys += 1
                 continue
-            present[parsed] += 1
-            key_of.setdefault(parsed, []).append(key)
+            for parsed in blocks:
+                present[parsed] += 1
+                key_of.setdefault(parsed, []).append(key)
         self.master_key_count = num_keys
         need = self.config.pieces_per_block
         for name, held in holdings.items():
@@ -315,7 +333,7 @@ class PoolWatcher:
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(budget):
-                keys = ",".join(quote(k, safe="") for _, ks in wanted for k in ks)
+                keys = ",".join(quote(k, safe="") for k in dict.fromkeys(k for _, ks in wanted for k in ks))
                 answer = _decode_batch_query(await self._get(f"/batch_query_keys?keys={keys}"))
         except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, RuntimeError):
             self.num_checks_unanswered += 1
@@ -323,7 +341,8 @@ class PoolWatcher:
         finally:
             self.last_check_s = time.perf_counter() - t0
         data = answer.data
-        gone = {h for h, ks in wanted if not all(k in data and data[k].ok for k in ks)}
+        need = self.config.pieces_per_block
+        gone = {h for h, ks in wanted if sum(k in data and data[k].ok for k in ks) < need}
         if not gone:
             return 0
         drops = [holding for h in gone for holding in known.pop(h)[1]]

@@ -48,8 +48,9 @@ class PoolWatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     max_keys_per_check: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
     """Most pool blocks one decision check asks about (the first ones of the run, where a miss costs most)."""
     pieces_per_block: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
-    """Pool objects one block is stored as: kvgate workers put one (every layer group in one chunk); vLLM's
-    connector puts one per TP rank and PP stage, and a block is loadable only while all of them are there."""
+    """Pool objects one block is stored as: kvgate workers put one (every layer group in one chunk: the block's
+    single object, or a span holding it, any one of them enough); vLLM's connector puts one per TP rank and PP
+    stage, and a block is loadable only while all of them are there."""
     max_entries_per_slice: Annotated[int, msgspec.Meta(ge=1)] = 20_000
     """Index holdings compared per event-loop slice of a sweep (the loop runs requests between slices)."""
 

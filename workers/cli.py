@@ -64,6 +64,7 @@ FLAGS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
     ("--pool-value-bytes-per-block", ("kv-cache", "pool", "value-bytes-per-block"), int),
     ("--pool-num-layer-groups", ("kv-cache", "pool", "num-layer-groups"), int),
     ("--pool-verify", ("kv-cache", "pool", "verify"), str),
+    ("--pool-blocks-per-span", ("kv-cache", "pool", "blocks-per-span"), int),
     ("--max-num-seqs", ("scheduler", "max-num-seqs"), int),
     ("--max-num-batched-tokens", ("scheduler", "max-num-batched-tokens"), int),
     ("--max-model-len", ("scheduler", "max-model-len"), int),

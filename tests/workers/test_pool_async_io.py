@@ -47,15 +47,19 @@ class GatedStore(SimPoolClient):
         self.arrivals.release()
         assert self.gate.wait(WAIT_S), "the test never opened the gate"
 
-    def get_into(self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], size: int) -> list[int]:
+    def get_into(
+        self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
         if self.gate_reads:
             self._wait()
-        return super().get_into(keys, buffer, offsets, size)
+        return super().get_into(keys, buffer, offsets, sizes)
 
-    def put_from(self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], size: int) -> list[bool]:
+    def put_from(
+        self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[bool]:
         if self.gate_puts:
             self._wait()
-        return super().put_from(keys, buffer, offsets, size)
+        return super().put_from(keys, buffer, offsets, sizes)
 
 
 def gated_worker(

@@ -170,9 +170,11 @@ class RecordingClient(SimPoolClient):
         super().__init__(pool, 0)
         self.reads: list[list[str]] = []
 
-    def get_into(self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], size: int) -> list[int]:
+    def get_into(
+        self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
         self.reads.append(list(keys))
-        return super().get_into(keys, buffer, offsets, size)
+        return super().get_into(keys, buffer, offsets, sizes)
 
 
 def stored_metas(tier: PoolTier, tokens: list[int]) -> list[BlockMeta]:

@@ -43,7 +43,7 @@ from workers.kv.block_pool import BlockMeta, BlockPool
 from workers.kv.cpu_tier import CpuTier
 from workers.kv.hashing import BlockHash, extend_block_hashes, to_engine_hash
 from workers.kv.hybrid import CheckpointCosts, HybridGroups
-from workers.kv.pool_tier import PoolFetch, PoolStore, PoolTier, build_pool_store
+from workers.kv.pool_tier import PoolFetch, PoolObject, PoolStore, PoolTier, build_pool_store
 from workers.kv.sequence import PrefixHit, SequenceKV, max_cached_blocks
 from workers.kv.snapshot import snapshot_events
 
@@ -117,6 +117,7 @@ class KVCacheManager:
                 value_bytes_per_block=config.pool.value_bytes_per_block if config.pool is not None else 0,
                 num_layer_groups=config.pool.num_layer_groups if config.pool is not None else 1,
                 check_padding=config.pool is None or config.pool.verify == "all_bytes",
+                blocks_per_span=config.pool.blocks_per_span if config.pool is not None else 16,
                 io_threads=pool_io_threads,
                 num_read_threads=config.pool.read_threads if config.pool is not None else 1,
             )
@@ -213,8 +214,9 @@ class KVCacheManager:
         if self.cpu is not None and len(gpu_ids) < limit:
             num_cpu = self.cpu.lookup(hashes[len(gpu_ids) : limit])
         num_pool = 0
+        pool_objects: tuple[PoolObject, ...] = ()
         if self.pool is not None and len(gpu_ids) + num_cpu < limit:
-            num_pool = self.pool.lookup(hashes[len(gpu_ids) + num_cpu : limit])
+            num_pool, pool_objects = self.pool.lookup(hashes, len(gpu_ids) + num_cpu, limit)
         if self.groups.is_hybrid:
             usable = self.groups.usable_blocks(hashes, len(gpu_ids) + num_cpu + num_pool)
             del gpu_ids[usable:]
@@ -226,6 +228,7 @@ class KVCacheManager:
             block_size=self.block_size,
             num_pool_blocks=num_pool,
             token_ids=token_ids,
+            pool_objects=pool_objects,
         )
 
     def find_gpu_prefix(self, seq: SequenceKV, token_ids: Sequence[int], num_prompt_tokens: int) -> tuple[int, ...]:
@@ -272,7 +275,7 @@ class KVCacheManager:
         reading: PoolFetch | None = None
         if num_pool:
             assert self.pool is not None
-            reading = self.pool.start_fetch(metas[num_cpu:])  # into host memory now: evictions can't bite
+            reading = self.pool.start_fetch(metas[num_cpu:], hit.pool_objects)  # into host memory now
             if hybrid or reading.done():  # else read off the step: the hit counts whole until the read says less
                 num_pool = self.pool.finish_fetch(reading)
                 reading = None
@@ -412,22 +415,27 @@ class KVCacheManager:
             if self._pool_policy == "prompt_only":
                 metas = metas[: max(0, num_prompt_tokens // bs - start)]
             if metas:
-                job_id = self._pool_store(seq.block_ids, start, seq.block_hashes[start : start + len(metas)], metas)
+                job_id = self._pool_store(seq, token_ids, start, metas)
                 if job_id is not None:
                     job_ids.append(job_id)
         return tuple(job_ids)
 
-    def _pool_store(
-        self, block_ids: list[int], start: int, hashes: list[BlockHash], metas: list[BlockMeta]
-    ) -> int | None:
-        """One write-through job to the shared pool (``PoolTier``); its id, or ``None`` when nothing to write."""
+    def _pool_store(self, seq: SequenceKV, token_ids: Sequence[int], start: int, metas: list[BlockMeta]) -> int | None:
+        """One write-through job to the shared pool (``PoolTier``) for ``metas`` (``seq``'s blocks from ``start``),
+        widened back to the start of their span (``PoolTier.span_start``: a span this job completes is written
+        whole, its earlier members copied again); its id, or ``None`` when nothing to write."""
         assert self.pool is not None
+        first = self.pool.span_start(start)
+        if first < start:
+            metas = [*self._metas(seq, token_ids, first, start), *metas]
         job_id = self._job_id()
-        chosen = self.pool.prepare_store(job_id, hashes, metas)
+        hashes = seq.block_hashes[first : first + len(metas)]
+        chosen = self.pool.prepare_store(job_id, hashes, metas, start - first)
         if not chosen:
             return None
         self._pool_store_jobs.add(job_id)
-        self._pending_pool_stores.append(BlockCopy(job_id, tuple(block_ids[start + i] for i in chosen), ()))
+        block_ids = seq.block_ids
+        self._pending_pool_stores.append(BlockCopy(job_id, tuple(block_ids[first + i] for i in chosen), ()))
         return job_id
 
     def _store(

@@ -1,7 +1,8 @@
 """The shared pool's store seam (``PoolStore``) and its two implementations.
 
 * ``SimPoolClient`` over a ``SimPool``: an in-process dict shared by every worker of the process that names the
-  same pool (``sim_pool(name)``), with a block capacity and LRU eviction of whole objects, as Mooncake evicts. It
+  same pool (``sim_pool(name)``), with a block capacity (a span object counts its members,
+  ``common.pool_keys.key_num_blocks``) and LRU eviction of whole objects, as Mooncake evicts. It
   reports its evictions to every attached worker, which publishes ``BlockRemoved`` (MOONCAKE) for the keys it
   announced. Tests and single-process fleets use it: no sockets, no shared memory.
 * ``MooncakePoolStore``: a Mooncake Store client (``mooncake.store.MooncakeDistributedStore``, optional extra
@@ -29,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from common.pool_keys import key_num_blocks
 from workers.config import PoolConfig
 from workers.errors import ConfigError
 from workers.kv.pool_chunk import HostBuffer
@@ -62,12 +64,16 @@ class PoolStore(Protocol):
         """Give back a buffer from ``new_buffer`` (never used again)."""
         ...
 
-    def put_from(self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], size: int) -> list[bool]:
-        """Store ``buffer.view[offsets[i] : offsets[i] + size]`` under ``keys[i]`` (best effort, as ``put``)."""
+    def put_from(
+        self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[bool]:
+        """Store ``buffer.view[offsets[i] : offsets[i] + sizes[i]]`` under ``keys[i]`` (best effort, as ``put``)."""
         ...
 
-    def get_into(self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], size: int) -> list[int]:
-        """Read each key's value into ``buffer.view[offsets[i]:]`` (at most ``size`` bytes each); the bytes read
+    def get_into(
+        self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        """Read each key's value into ``buffer.view[offsets[i]:]`` (at most ``sizes[i]`` bytes); the bytes read
         per key, negative when missing or unreadable."""
         ...
 
@@ -93,6 +99,8 @@ class SimPool:
             raise ValueError("capacity_blocks must be positive")
         self.capacity_blocks = capacity_blocks
         self._data: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
+        self.num_used_blocks = 0
+        """Blocks the stored objects hold (``key_num_blocks`` each), at most ``capacity_blocks``."""
         self._listeners: dict[int, Callable[[list[str]], None]] = {}
         """Every attached client's eviction callback: each gets every evicted key (a worker forgets what it knew)."""
         self._next_client = 0
@@ -119,6 +127,7 @@ class SimPool:
     def drop(self, keys: Sequence[str]) -> list[str]:
         """Remove ``keys`` and tell every attached worker (as an eviction); the keys that were stored."""
         gone = [k for k in keys if self._data.pop(k, None) is not None]
+        self.num_used_blocks -= sum(map(key_num_blocks, gone))
         if gone:
             for listener in list(self._listeners.values()):
                 listener(gone)
@@ -140,18 +149,25 @@ class SimPoolClient:
         pool = self.pool
         data = pool._data
         gone: list[str] = []
-        for k, v in zip(keys, values, strict=True):
+        ok = [True] * len(keys)
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
             if k in data:
                 continue
-            while len(data) >= pool.capacity_blocks:
+            weight = key_num_blocks(k)
+            if weight > pool.capacity_blocks:  # larger than the whole pool: refused, as a full Mooncake refuses
+                ok[i] = False
+                continue
+            while pool.num_used_blocks + weight > pool.capacity_blocks:
                 old, _ = data.popitem(last=False)
                 gone.append(old)
+                pool.num_used_blocks -= key_num_blocks(old)
                 pool.num_evicted += 1
             data[k] = (bytes(v), self.client_id)
+            pool.num_used_blocks += weight
         if gone:
             for listener in list(pool._listeners.values()):
                 listener(gone)
-        return [True] * len(keys)
+        return ok
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         data = self.pool._data
@@ -169,14 +185,18 @@ class SimPoolClient:
     def release_buffer(self, buffer: HostBuffer) -> None:
         pass
 
-    def put_from(self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], size: int) -> list[bool]:
+    def put_from(
+        self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[bool]:
         view = buffer.view
-        return self.put(keys, [view[o : o + size] for o in offsets])  # put copies each value
+        return self.put(keys, [view[o : o + n] for o, n in zip(offsets, sizes, strict=True)])  # put copies each
 
-    def get_into(self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], size: int) -> list[int]:
+    def get_into(
+        self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
         view = buffer.view
         out: list[int] = []
-        for value, o in zip(self.get(keys), offsets, strict=True):
+        for value, o, size in zip(self.get(keys), offsets, sizes, strict=True):
             if value is None or len(value) > size:
                 out.append(OBJECT_NOT_FOUND if value is None else -1)
                 continue
@@ -191,7 +211,7 @@ class SimPoolClient:
         self.pool._listeners.pop(self.client_id, None)
 
     def num_blocks(self) -> tuple[int, int] | None:
-        return len(self.pool._data), self.pool.capacity_blocks
+        return self.pool.num_used_blocks, self.pool.capacity_blocks
 
 
 _SIM_POOLS: dict[str, SimPool] = {}
@@ -333,14 +353,16 @@ class MooncakePoolStore:
     def release_buffer(self, buffer: HostBuffer) -> None:
         self._store.unregister_buffer(buffer.address)
 
-    def put_from(self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], size: int) -> list[bool]:
+    def put_from(
+        self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[bool]:
         if not keys:
             return []
         if not self.is_usable():
             return [False] * len(keys)
         base = buffer.address
         try:
-            codes = self._store.batch_put_from(list(keys), [base + o for o in offsets], [size] * len(keys))
+            codes = self._store.batch_put_from(list(keys), [base + o for o in offsets], list(sizes))
         except Exception as exc:  # noqa: BLE001
             self._failed("batch_put_from", exc)
             return [False] * len(keys)
@@ -348,20 +370,22 @@ class MooncakePoolStore:
             self._failed("batch_put_from")  # a full pool too (-200): the probe tells them apart
         return [c == 0 for c in codes]
 
-    def get_into(self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], size: int) -> list[int]:
+    def get_into(
+        self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
         if not keys:
             return []
         if not self.is_usable():
             return [-1] * len(keys)
         base = buffer.address
         try:
-            sizes = list(self._store.batch_get_into(list(keys), [base + o for o in offsets], [size] * len(keys)))
+            got = list(self._store.batch_get_into(list(keys), [base + o for o in offsets], list(sizes)))
         except Exception as exc:  # noqa: BLE001
             self._failed("batch_get_into", exc)
             return [-1] * len(keys)
-        if any(n < 0 and n != OBJECT_NOT_FOUND for n in sizes):
+        if any(n < 0 and n != OBJECT_NOT_FOUND for n in got):
             self._failed("batch_get_into")
-        return sizes
+        return got
 
     def remove(self, keys: Sequence[str]) -> None:
         if keys and self.is_usable():

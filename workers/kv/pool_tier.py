@@ -2,33 +2,58 @@
 
 Blocks are written through from the GPU (like the CPU tier, under ``pool-store-policy``) and restored from the
 pool into GPU blocks reserved for them. The pool is keyed by the worker's collision-resistant block hash
-(SHA-256 chain rooted in the namespace, ``workers.kv.hashing``)::
+(SHA-256 chain rooted in the namespace, ``workers.kv.hashing``), so a block stored by one worker is found and
+restored by any other worker attached to the same pool. The store behind it (``workers.kv.pool_store``): an
+in-process ``SimPool`` or a Mooncake Store client.
 
+Objects (``common.pool_keys``): one object per span of ``blocks_per_span`` (``L``) aligned blocks of a chain,
+keyed by its last block's hash, and one per block of a chain's unfinished tail::
+
+    key(span)  = "kvgate/v1/span/" + engine hashes of members 0 .. L-2 + "/" + hex(last member's hash)
     key(block) = "kvgate/v1/" + hex(block_hash)
 
-so a block stored by one worker is found and restored by any other worker attached to the same pool. The store
-behind it (``workers.kv.pool_store``): an in-process ``SimPool`` or a Mooncake Store client.
+so a 558-block restore reads 35 spans and 14 singles instead of 558 objects (Mooncake's cost per object, a
+master lookup and a transfer per key inside ``batch_get_into`` / ``batch_put_from`` / ``batch_is_exist``,
+dominated the per-block layout: about 5 µs per object per read, 10 µs per put, against 0.2 and 0.4 µs per block
+of the same bytes as one object). ``L = 1`` is the per-block layout exactly.
 
-Values: one chunk per block (``workers.kv.pool_chunk``): a manifest header and every layer group's piece in one
-object, so the pool keeps or evicts the whole block, and a read accepts it only when every byte checks out
-(else the block and the rest of the hit are computed; ``num_fetch_mismatches`` counts it, and the corrupt object
-is removed from the pool so no worker reads it again).
+Values: one chunk per block (``workers.kv.pool_chunk``): a manifest header and every layer group's piece; a span's
+value is its members' chunks back to back. The pool keeps or evicts an object whole, so a span is written and
+evicted as one unit and a read accepts a block only when its whole chunk checks out (else the block and the rest of
+the hit are computed; ``num_fetch_mismatches`` counts it, and the corrupt object is removed from the pool so no
+worker reads it again).
 
-Store rules (as the CPU tier): a block whose store is in flight from this worker is skipped (rule 1); a block
+Lookups (``lookup``): a block is in the pool iff its span object or its single object exists: one batched
+existence check of the spans the chain covers and its tail's singles, then, when a span is missing, one more of
+that span's singles (the hit ends inside it: a span's last position is never a tail's); the hit's objects go with
+it to the read (``PoolObject``, ``PrefixHit.pool_objects``).
+
+Store rules (as the CPU tier), per object: one whose store is in flight from this worker is skipped (rule 1); one
 already in the pool, stored by any worker, is skipped (rule 2: one batched existence check per job); a store once
 scheduled completes even if the GPU copy is evicted meanwhile: its chunks are built in a staging buffer when the
-job is prepared (rule 3). A completed store puts the job's chunks in one batch straight from that buffer and
-emits one ``BlockStored`` (MOONCAKE) per job, token-less when all its blocks are still in the GPU prefix index
+job is prepared (rule 3). A job covers the blocks a sequence just cached, widened back to the start of the span
+they are in (``span_start``: the earlier members are written only inside a span, their singles were the previous
+job's); spans it completes are written whole, the blocks after the last one as singles. A completed store puts the
+job's objects in one batch straight from that buffer and emits one ``BlockStored`` (MOONCAKE) per job for the
+blocks put that this worker had not announced yet, token-less when all of them are still in the GPU prefix index
 (else with parent and tokens). Puts are best effort (a full pool refuses them): only blocks put are announced.
 
+Announcements are per block and exact per worker: a block stays announced while some object this worker stored
+holds it (a refcount over its single and its spans), and ``BlockRemoved`` (MOONCAKE) goes out when the last one
+is gone (evicted, lost or corrupt), so the gateway's index keeps its per-block semantics (one copy per block and
+worker).
+
 Snapshot (``snapshot_metas``): the blocks this worker stored and announced, plus the pool blocks it read for a
-restore (at most ``max_known_fetched`` of them, least recently read dropped first), so that a cold gateway index
-fed the worker's snapshot resolves every announced block's parent chain (a block another worker stored is
+restore (at most ``max_known_fetched`` of them, least recently read objects dropped first), so that a cold gateway
+index fed the worker's snapshot resolves every announced block's parent chain (a block another worker stored is
 reachable through the pool by every member, so announcing it here predicts the same hits).
 
-Restores: ``fetch`` reads the chunks into host memory when the request is admitted (its GPU targets are reserved
+Restores: ``fetch`` reads the objects into host memory when the request is admitted (its GPU targets are reserved
 then), so a pool eviction after admission cannot break the restore; blocks it cannot read shorten the hit (they
-are computed instead).
+are computed instead). A restore that needs only part of a span (its first members are already on GPU or CPU, or
+the hit ends inside it) reads the whole object and checks and uses the members it needs: it moves up to
+``L - 1`` chunks it does not use (``(L - 1) × chunk_bytes``: 13.0 KiB at the agentic scenario's 889-byte chunks),
+a fraction of one object's fixed cost on Mooncake.
 
 I/O off the engine step (``io_threads``): with a real store (Mooncake), the reads and the puts are the slow part
 of a restore or a store (wall time on this host, which a paced sim worker counts ``time_scale`` times over), so
@@ -57,18 +82,20 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
-from events.types import BlockRemoved, EngineBlockHash, KVEvent, Medium
+from common.pool_keys import KEY_PREFIX, MAX_BLOCKS_PER_SPAN, PoolObject, pool_key, span_key
+from events.types import BlockRemoved, KVEvent, Medium
 from workers.errors import KVCacheError
 from workers.kv.block_pool import BlockMeta, emit_tier_stored, engine_hash_of
-from workers.kv.hashing import BlockHash
+from workers.kv.hashing import BlockHash, to_engine_hash
 from workers.kv.pool_chunk import ChunkLayout, HostBuffer
+from workers.kv.pool_known import KnownObjects
+from workers.kv.pool_read import PoolFetch, ReadResult, done_future, max_batch_chunks, read_objects
+from workers.kv.pool_spans import PoolHit, hit_of, lookup_objects, objects_of, singles_inside, store_objects
 from workers.kv.pool_store import (
-    OBJECT_NOT_FOUND,
     MooncakePoolStore,
     PoolStore,
     SimPool,
@@ -81,6 +108,8 @@ __all__ = [
     "KEY_PREFIX",
     "MooncakePoolStore",
     "PoolFetch",
+    "PoolHit",
+    "PoolObject",
     "PoolStore",
     "PoolTier",
     "SimPool",
@@ -88,58 +117,22 @@ __all__ = [
     "build_pool_store",
     "pool_key",
     "sim_pool",
+    "span_key",
 ]
 
 logger = logging.getLogger(__name__)
-
-KEY_PREFIX = "kvgate/v1/"
-
-
-def pool_key(block_hash: BlockHash) -> str:
-    """The pool key of a block (module docstring)."""
-    return KEY_PREFIX + block_hash.hex()
-
-
-class _ReadResult:
-    """What one restore read found (computed on the read thread, applied by ``PoolTier.finish_fetch``)."""
-
-    __slots__ = ("num_intact", "bad_at", "bad_num_read", "wall_s", "is_lost")
-
-    def __init__(
-        self, num_intact: int, bad_at: int | None, bad_num_read: int, wall_s: float, is_lost: bool = False
-    ) -> None:
-        self.num_intact = num_intact
-        self.is_lost = is_lost
-        """The chunk after the intact ones was not found (the pool evicted it since the lookup)."""
-        self.bad_at = bad_at
-        """Position (in the fetch's metas) of a chunk read back with other bytes, or ``None``."""
-        self.bad_num_read = bad_num_read
-        self.wall_s = wall_s
-
-
-class PoolFetch:
-    """A restore read submitted by ``PoolTier.start_fetch``: its blocks' metas and the read's future."""
-
-    __slots__ = ("metas", "future")
-
-    def __init__(self, metas: Sequence[BlockMeta], future: Future[_ReadResult]) -> None:
-        self.metas = metas
-        self.future = future
-
-    def done(self) -> bool:
-        """Whether the read has finished (``PoolTier.finish_fetch`` then returns at once)."""
-        return self.future.done()
-
-
-def _done_future(value: _ReadResult) -> Future[_ReadResult]:
-    future: Future[_ReadResult] = Future()
-    future.set_result(value)
-    return future
 
 
 def _capacity(num_chunks: int) -> int:
     """Chunks a new buffer holds: the next power of two, at least 8 (so buffers are reused across job sizes)."""
     return max(8, 1 << (num_chunks - 1).bit_length())
+
+
+class _StoreJob(NamedTuple):
+    """A prepared store: its objects (key, member metas, offset in the buffer), in chain order."""
+
+    objects: list[tuple[str, tuple[BlockMeta, ...], int]]
+    buffer: HostBuffer
 
 
 class PoolTier:
@@ -161,23 +154,34 @@ class PoolTier:
         check_padding: bool = True,
         io_threads: bool = False,
         num_read_threads: int = 1,
+        blocks_per_span: int = 16,
     ) -> None:
         """Wrap ``store``; events go to ``emit``; ``on_gpu`` picks the store event's shape; ``max_known_fetched``
         bounds the fetched blocks kept for snapshots; chunks hold ``num_layer_groups`` pieces and are padded to
         ``value_bytes_per_block`` (module docstring, ``workers.kv.pool_chunk``); ``check_padding``: a read
         checks the padding is zero too (``PoolConfig.verify``); ``io_threads``: reads and puts run on background
-        threads (module docstring), ``num_read_threads`` reads at a time."""
+        threads (module docstring), ``num_read_threads`` reads at a time; ``blocks_per_span``: blocks per object
+        along a chain (``common.pool_keys``; 1: one object per block).
+
+        Raises:
+            ValueError: ``max_read_bytes`` or ``num_read_threads`` not positive, ``blocks_per_span`` not in
+                ``[1, MAX_BLOCKS_PER_SPAN]``.
+        """
         if max_read_bytes <= 0:
             raise ValueError("max_read_bytes must be positive")
         if num_read_threads <= 0:
             raise ValueError("num_read_threads must be positive")
+        if not 1 <= blocks_per_span <= MAX_BLOCKS_PER_SPAN:
+            raise ValueError(f"blocks_per_span must be in [1, {MAX_BLOCKS_PER_SPAN}], not {blocks_per_span}")
         self.store = store
         self.block_size = block_size
+        self.span_len = blocks_per_span
         self.layout = ChunkLayout(block_size, num_layer_groups, value_bytes_per_block)
         self._emit = emit
         self._on_gpu = on_gpu
-        self._in_flight: set[BlockHash] = set()
-        self._jobs: dict[int, tuple[list[BlockHash], list[BlockMeta], HostBuffer]] = {}
+        self._in_flight: set[str] = set()
+        """Keys of the objects whose put is in flight from this worker (rule 1)."""
+        self._jobs: dict[int, _StoreJob] = {}
         self._free_buffers: list[HostBuffer] = []
         self._max_free_staging_bytes = max_free_staging_bytes
         self._read_buffers: list[HostBuffer] = []
@@ -185,19 +189,23 @@ class PoolTier:
         self._read_lock = threading.Lock()
         self._num_read_threads = num_read_threads if io_threads else 1
         self._max_chunks_per_read = max(1, max_read_bytes // self.layout.chunk_bytes)
-        """Chunks one ``get_into`` batch reads at most (``max_read_bytes`` of them, at least one)."""
+        """Chunks one ``get_into`` batch reads at most (``max_read_bytes`` of them; a larger span alone)."""
         self._check_padding = check_padding
-        self._stored_here: dict[str, BlockMeta] = {}
-        self._fetched: OrderedDict[str, BlockMeta] = OrderedDict()
+        self._stored = KnownObjects()
+        """Objects this worker put (and announced its blocks of)."""
+        self._fetched = KnownObjects()
+        """Objects this worker read for a restore (their members read intact), for snapshots."""
         self._max_known_fetched = max_known_fetched
         self.num_stores_skipped_in_flight = 0
         self.num_stores_skipped_stored = 0
         self.num_stores_failed = 0
+        """Blocks of the objects a put refused."""
         self.num_blocks_stored = 0
+        """Blocks written into the pool (the members of every object put)."""
         self.num_blocks_fetched = 0
         self.num_fetch_mismatches = 0
         self.num_fetch_lost = 0
-        """Reads that found a chunk gone which the lookup had found (announced as removed, ``finish_fetch``)."""
+        """Reads that found an object gone which the lookup had found (its blocks announced removed)."""
         self.num_reads = 0
         """Restore reads made (``fetch`` calls that read anything)."""
         self.read_wall_s = 0.0
@@ -207,28 +215,74 @@ class PoolTier:
         self._reader = ThreadPoolExecutor(num_read_threads, "pool-read") if io_threads else None
         self._writer = ThreadPoolExecutor(1, "pool-write") if io_threads else None
         self._puts: list[tuple[int, Future[list[bool]]]] = []
-        """Puts in flight on the write thread, oldest first: (job id, future of the per-key results)."""
+        """Puts in flight on the write thread, oldest first: (job id, future of the per-object results)."""
+
+    # ------------------------------------------------------------------ announcements
+
+    def _announce_removed(self, metas: Sequence[BlockMeta]) -> None:
+        if metas:
+            self._emit(BlockRemoved(block_hashes=tuple(map(engine_hash_of, metas)), medium=self.medium))
+
+    def _forget(self, key: str) -> list[BlockMeta]:
+        """Forget object ``key`` in both maps; the blocks this worker knew of and knows no object for now."""
+        stored, fetched = self._stored, self._fetched
+        gone = [m for m in stored.forget(key) if not fetched.holds(m.block_hash)]
+        gone += [m for m in fetched.forget(key) if not stored.holds(m.block_hash)]
+        return gone
 
     def on_evict(self, keys: list[str]) -> None:
-        """The pool evicted ``keys``: ``BlockRemoved`` (MOONCAKE) for those this worker stored or fetched."""
-        hashes: list[EngineBlockHash] = []
+        """The pool evicted ``keys``: ``BlockRemoved`` (MOONCAKE) for the blocks this worker stored or fetched
+        that no other object it knows of holds."""
+        gone: dict[BlockHash, BlockMeta] = {}
         for k in keys:
-            stored = self._stored_here.pop(k, None)
-            fetched = self._fetched.pop(k, None)
-            meta = stored if stored is not None else fetched
-            if meta is not None:
-                hashes.append(engine_hash_of(meta))
-        if hashes:
-            self._emit(BlockRemoved(block_hashes=tuple(hashes), medium=self.medium))
+            for m in self._forget(k):
+                gone.setdefault(m.block_hash, m)
+        self._announce_removed(list(gone.values()))
 
-    def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many of ``block_hashes``, from the first, are in the pool (one batched existence check)."""
-        n = 0
-        for ok in self.store.exists([pool_key(h) for h in block_hashes]):
-            if not ok:
-                break
-            n += 1
-        return n
+    def _object_gone(self, obj: PoolObject, metas: Sequence[BlockMeta]) -> None:
+        """A read found ``obj`` gone or corrupt: ``BlockRemoved`` for every member no other object this worker
+        knows of holds (members another worker stored included: the index applies those as the holder's);
+        ``metas``: the restore's blocks (the members' metas where known)."""
+        self._forget(obj.key)
+        by_hash = {m.block_hash: m for m in metas}
+        stored, fetched = self._stored, self._fetched
+        hashes = tuple(
+            engine_hash_of(by_hash[h]) if h in by_hash else to_engine_hash(h)
+            for h in map(BlockHash, obj.member_hashes)
+            if not stored.holds(h) and not fetched.holds(h)
+        )
+        if hashes:
+            self._emit(BlockRemoved(block_hashes=hashes, medium=self.medium))
+
+    # ------------------------------------------------------------------ lookups
+
+    def span_start(self, depth: int) -> int:
+        """The chain position of the first block of the span holding position ``depth``."""
+        return depth - depth % self.span_len
+
+    def lookup(self, hashes: Sequence[BlockHash], first: int = 0, limit: int | None = None) -> PoolHit:
+        """How many blocks of the chain ``hashes`` (position ``i`` is ``hashes[i]``), from position ``first`` up
+        to ``limit`` (exclusive; default: all), are in the pool, and the objects holding them.
+
+        A span is checked when the chain reaches its last position, even past ``limit`` (a hit may end inside a
+        span: the restore reads it whole and uses the members it needs); the blocks after the chain's last full
+        span are checked as singles. One batched existence check (``batch_is_exist``) of those keys; when a span
+        is missing, one more of its singles (module docstring).
+        """
+        end = len(hashes) if limit is None else min(limit, len(hashes))
+        if first >= end:
+            return PoolHit(0, ())
+        spans, singles = lookup_objects(hashes, first, end, self.span_len)
+        present = self.store.exists([o.key for o in spans] + [o.key for o in singles])
+        found: list[PoolObject] = []
+        for obj, ok in zip(spans, present, strict=False):
+            if not ok:  # the hit goes on through this span's singles, and ends inside it
+                inner = singles_inside(hashes, obj, first, end)
+                return hit_of(first, end, found, inner, self.store.exists([o.key for o in inner]) if inner else [])
+            found.append(obj)
+        return hit_of(first, end, found, singles, present[len(spans) :])
+
+    # ------------------------------------------------------------------ stores
 
     def _take_buffer(self, num_chunks: int) -> HostBuffer:
         size = num_chunks * self.layout.chunk_bytes
@@ -245,35 +299,60 @@ class PoolTier:
         while sum(b.num_bytes for b in free) > self._max_free_staging_bytes:
             self.store.release_buffer(free.pop())
 
-    def prepare_store(self, job_id: int, hashes: list[BlockHash], metas: Sequence[BlockMeta]) -> list[int]:
-        """Choose the blocks to store (rules 1 and 2) and build their chunks in a staging buffer (rule 3).
+    def prepare_store(
+        self, job_id: int, hashes: list[BlockHash], metas: Sequence[BlockMeta], num_context_blocks: int = 0
+    ) -> list[int]:
+        """Choose the objects to store (rules 1 and 2) and build their chunks in a staging buffer (rule 3).
+
+        Args:
+            job_id: the job's id (``complete_store``).
+            hashes: the blocks' hashes (``metas[i].block_hash``).
+            metas: one run of consecutive chain positions: ``num_context_blocks`` earlier members of the first
+                span (``span_start``), then the blocks just cached.
+            num_context_blocks: leading blocks written only as members of a span this job completes.
 
         Returns:
-            Positions in ``hashes`` of the blocks to copy (empty: no job).
+            Positions in ``metas`` of the blocks to copy (empty: no job).
+
+        Raises:
+            ValueError: ``metas`` is not one run of consecutive chain positions.
         """
+        objects = store_objects(metas, self.span_len, num_context_blocks)
+
+        def num_new(lo: int, hi: int) -> int:
+            return hi - max(lo, min(hi, num_context_blocks))
+
         in_flight = self._in_flight
-        candidates = [i for i, h in enumerate(hashes) if h not in in_flight]
-        self.num_stores_skipped_in_flight += len(hashes) - len(candidates)
+        candidates = [o for o in objects if o[0] not in in_flight]
+        self.num_stores_skipped_in_flight += sum(num_new(lo, hi) for k, lo, hi in objects if k in in_flight)
         if not candidates:
             return []
-        present = self.store.exists([pool_key(hashes[i]) for i in candidates])
-        chosen = [i for i, p in zip(candidates, present, strict=True) if not p]
-        self.num_stores_skipped_stored += len(candidates) - len(chosen)
-        if chosen:
-            job_hashes = [hashes[i] for i in chosen]
-            job_metas = [metas[i] for i in chosen]
-            in_flight.update(job_hashes)
-            layout = self.layout
-            buffer = self._take_buffer(len(chosen))
-            view, step = buffer.view, layout.chunk_bytes
-            for j, meta in enumerate(job_metas):
-                layout.write(view, j * step, meta.block_hash, meta.token_ids)
-            self._jobs[job_id] = (job_hashes, job_metas, buffer)
-        return chosen
+        present = self.store.exists([o[0] for o in candidates])
+        chosen = [o for o, p in zip(candidates, present, strict=True) if not p]
+        self.num_stores_skipped_stored += sum(
+            num_new(lo, hi) for (_, lo, hi), p in zip(candidates, present, strict=True) if p
+        )
+        if not chosen:
+            return []
+        positions = [i for _, lo, hi in chosen for i in range(lo, hi)]
+        layout = self.layout
+        buffer = self._take_buffer(len(positions))
+        view, step = buffer.view, layout.chunk_bytes
+        for j, i in enumerate(positions):
+            layout.write(view, j * step, metas[i].block_hash, metas[i].token_ids)
+        job_objects: list[tuple[str, tuple[BlockMeta, ...], int]] = []
+        offset = 0
+        for key, lo, hi in chosen:
+            job_objects.append((key, tuple(metas[lo:hi]), offset))
+            offset += (hi - lo) * step
+            in_flight.add(key)
+        self._jobs[job_id] = _StoreJob(job_objects, buffer)
+        return positions
 
     def complete_store(self, job_id: int) -> None:
-        """The copy of ``job_id`` landed: put its chunks, announce those stored (``BlockStored`` MOONCAKE); with
-        ``io_threads`` the put is submitted and ``poll_stores`` announces it once it has landed.
+        """The copy of ``job_id`` landed: put its objects (one ``batch_put_from`` from the staging buffer), announce
+        the blocks stored (``BlockStored`` MOONCAKE); with ``io_threads`` the put is submitted and ``poll_stores``
+        announces it once it has landed.
 
         Raises:
             KVCacheError: an unknown job.
@@ -281,19 +360,19 @@ class PoolTier:
         job = self._jobs.get(job_id)
         if job is None:
             raise KVCacheError(f"unknown pool store job {job_id}")
-        hashes, _, buffer = job
-        keys = [pool_key(h) for h in hashes]
         step = self.layout.chunk_bytes
-        offsets = range(0, len(keys) * step, step)
+        keys = [key for key, _, _ in job.objects]
+        offsets = [offset for _, _, offset in job.objects]
+        sizes = [len(members) * step for _, members, _ in job.objects]
         if self._writer is None:
             try:
-                ok = self.store.put_from(keys, buffer, offsets, step)
+                ok = self.store.put_from(keys, job.buffer, offsets, sizes)
             except BaseException:
                 self._finish_store(job_id, [False] * len(keys))
                 raise
             self._finish_store(job_id, ok)
             return
-        future = self._writer.submit(self.store.put_from, keys, buffer, offsets, step)
+        future = self._writer.submit(self.store.put_from, keys, job.buffer, offsets, sizes)
         self._puts.append((job_id, future))
         if self.wake is not None:
             future.add_done_callback(lambda _: self._wake())
@@ -313,7 +392,7 @@ class PoolTier:
                 ok = future.result()
             except Exception:  # noqa: BLE001 - a store call that raised past its own handling: nothing was put
                 logger.exception("pool put of job %d failed", job_id)
-                ok = [False] * len(self._jobs[job_id][0])
+                ok = [False] * len(self._jobs[job_id].objects)
             self._finish_store(job_id, ok)
             n += 1
         return n
@@ -325,42 +404,51 @@ class PoolTier:
         return len(self._puts)
 
     def _finish_store(self, job_id: int, ok: list[bool]) -> None:
-        hashes, metas, buffer = self._jobs.pop(job_id)
-        self._in_flight.difference_update(hashes)
-        self._give_back(buffer)
-        keys = [pool_key(h) for h in hashes]
-        if not all(ok):
-            self.num_stores_failed += ok.count(False)
-            hashes = [h for h, good in zip(hashes, ok, strict=True) if good]
-            metas = [m for m, good in zip(metas, ok, strict=True) if good]
-            keys = [k for k, good in zip(keys, ok, strict=True) if good]
-        if not hashes:
+        job = self._jobs.pop(job_id)
+        self._give_back(job.buffer)
+        announce: list[BlockMeta] = []
+        for (key, members, _), good in zip(job.objects, ok, strict=True):
+            self._in_flight.discard(key)
+            if not good:
+                self.num_stores_failed += len(members)
+                continue
+            self.num_blocks_stored += len(members)
+            announce += self._stored.add(key, members)
+        if not announce:
             return
-        self.num_blocks_stored += len(hashes)
-        engine_hashes = tuple(map(engine_hash_of, metas))
-        self._stored_here.update(zip(keys, metas, strict=True))
         emit_tier_stored(
             self._emit,
-            metas,
-            engine_hashes,
+            announce,
+            tuple(map(engine_hash_of, announce)),
             self.block_size,
             self.medium,
-            self._on_gpu is not None and self._on_gpu(hashes),
+            self._on_gpu is not None and self._on_gpu([m.block_hash for m in announce]),
         )
 
-    def fetch(self, metas: Sequence[BlockMeta]) -> int:
+    # ------------------------------------------------------------------ restores
+
+    def fetch(self, metas: Sequence[BlockMeta], objects: Sequence[PoolObject] = ()) -> int:
         """Read blocks for a restore (into host memory) and wait for them; returns how many, from the first, were
         read intact (``start_fetch`` then ``finish_fetch``)."""
-        return self.finish_fetch(self.start_fetch(metas))
+        return self.finish_fetch(self.start_fetch(metas, objects))
 
-    def start_fetch(self, metas: Sequence[BlockMeta]) -> PoolFetch:
-        """Submit the read of ``metas``' chunks (on the read thread with ``io_threads``, else done at once)."""
+    def start_fetch(self, metas: Sequence[BlockMeta], objects: Sequence[PoolObject] = ()) -> PoolFetch:
+        """Submit the read of ``metas`` (consecutive chain positions) from ``objects`` (``PoolHit.objects``; the
+        ones not holding any of ``metas`` are skipped; empty: the spans ``metas`` covers whole and singles), on
+        the read thread with ``io_threads``, else done at once."""
+        if metas:
+            lo, hi = metas[0].depth, metas[-1].depth
+            objects = (
+                [o for o in objects if o.first_depth <= hi and o.first_depth + o.num_blocks > lo]
+                if objects
+                else objects_of(metas, self.span_len)
+            )
         if not metas or self._reader is None:
-            return PoolFetch(metas, _done_future(self._read(metas)))
-        future = self._reader.submit(self._read, metas)
+            return PoolFetch(metas, objects, done_future(self._read(metas, objects)))
+        future = self._reader.submit(self._read, metas, objects)
         if self.wake is not None:
             future.add_done_callback(lambda _: self._wake())
-        return PoolFetch(metas, future)
+        return PoolFetch(metas, objects, future)
 
     def _take_read_buffer(self, num_bytes: int) -> HostBuffer:
         with self._read_lock:
@@ -379,31 +467,16 @@ class PoolTier:
         if extra is not None:
             self.store.release_buffer(extra)
 
-    def _read(self, metas: Sequence[BlockMeta]) -> _ReadResult:
-        """The read itself: store calls and chunk checks into a restore buffer of its own, no other state (the
-        read threads run several at once)."""
+    def _read(self, metas: Sequence[BlockMeta], objects: Sequence[PoolObject]) -> ReadResult:
+        """The read itself (``read_objects``) into a restore buffer of its own, no other state (the read threads
+        run several at once)."""
         if not metas:
-            return _ReadResult(0, None, 0, 0.0)
-        t0 = time.perf_counter()
-        layout = self.layout
-        step = layout.chunk_bytes
-        n = 0
+            return ReadResult(0, 0.0)
         per_read = self._max_chunks_per_read
-        buffer = self._take_read_buffer(min(_capacity(min(len(metas), per_read)), per_read) * step)
+        most = max_batch_chunks(objects, per_read)
+        buffer = self._take_read_buffer(max(most, min(_capacity(most), per_read)) * self.layout.chunk_bytes)
         try:
-            for start in range(0, len(metas), per_read):
-                batch = metas[start : start + per_read]
-                keys = [pool_key(m.block_hash) for m in batch]
-                sizes = self.store.get_into(keys, buffer, range(0, len(batch) * step, step), step)
-                data = buffer.data
-                for j, (meta, num_read) in enumerate(zip(batch, sizes, strict=True)):
-                    if num_read < 0:
-                        return _ReadResult(n, None, 0, time.perf_counter() - t0, num_read == OBJECT_NOT_FOUND)
-                    if not layout.check(data, j * step, num_read, meta.block_hash, meta.token_ids,
-                                        self._check_padding):  # fmt: skip
-                        return _ReadResult(n, n, num_read, time.perf_counter() - t0)
-                    n += 1
-            return _ReadResult(n, None, 0, time.perf_counter() - t0)
+            return read_objects(self.store, self.layout, buffer, metas, objects, per_read, self._check_padding)
         finally:
             self._give_read_buffer(buffer)
 
@@ -411,12 +484,13 @@ class PoolTier:
         """Apply a read's result (waiting for it if it is still running); how many blocks, from the first, were
         read intact.
 
-        A chunk that is missing ends the hit there; one the pool reports not found (evicted since the lookup)
-        is announced as ``BlockRemoved`` (MOONCAKE) and counted (``num_fetch_lost``): a Mooncake master tells no
-        one what it evicts, and this is how the gateway learns it before the answer that reports the shorter hit,
-        so the honesty check reads it as a forecast miss, not a wrong index. One read back with other bytes (any
-        layer group's piece, the manifest or the padding) is counted, logged and removed from the pool, and ends
-        the hit there too.
+        An object that is missing ends the hit there; one the pool reports not found (evicted since the lookup)
+        is announced as ``BlockRemoved`` (MOONCAKE), every member of it that no other object this worker knows of
+        holds, and counted (``num_fetch_lost``): a Mooncake master tells no one what it evicts, and this is how
+        the gateway learns it before the answer that reports the shorter hit, so the honesty check reads it as a
+        forecast miss, not a wrong index. One read back with other bytes (any member's manifest, layer group's
+        piece or padding, or the object's size) is counted, logged, announced the same way and removed from the
+        pool, and ends the hit there too.
         """
         metas = fetch.metas
         if not metas:
@@ -425,35 +499,43 @@ class PoolTier:
             result = fetch.future.result()
         except Exception:  # noqa: BLE001 - a read that raised past the store's own handling: nothing read
             logger.exception("pool read of %d blocks failed", len(metas))
-            result = _ReadResult(0, None, 0, 0.0)
+            result = ReadResult(0, 0.0)
         n = result.num_intact
-        if result.bad_at is not None:
-            meta = metas[result.bad_at]
-            key = pool_key(meta.block_hash)
+        gone = result.bad or result.lost
+        if result.bad is not None:
+            bad = result.bad
             self.num_fetch_mismatches += 1  # bytes that are not the block's: never restored
-            logger.warning("pool block %s read back with other bytes (%d of %d read); computed instead and "
-                           "removed from the pool", meta.block_hash.hex(), result.bad_num_read,
-                           self.layout.chunk_bytes)  # fmt: skip
-            self.store.remove([key])
-            self.on_evict([key])
-        elif result.is_lost and n < len(metas):
-            lost = metas[n]
+            logger.warning("pool object %s (block %s) read back with other bytes (%d of %d read); computed instead "
+                           "and removed from the pool", bad.key, metas[n].block_hash.hex(), result.bad_num_read,
+                           bad.num_blocks * self.layout.chunk_bytes)  # fmt: skip
+            self._object_gone(bad, metas)  # before the removal: a sim pool's listener then finds nothing to say
+            self.store.remove([bad.key])
+        elif result.lost is not None and n < len(metas):
             self.num_fetch_lost += 1
-            self._stored_here.pop(pool_key(lost.block_hash), None)
-            self._fetched.pop(pool_key(lost.block_hash), None)
-            self._emit(BlockRemoved(block_hashes=(engine_hash_of(lost),), medium=self.medium))
+            self._object_gone(result.lost, metas)
         self.num_reads += 1
         self.read_wall_s += result.wall_s
         self.num_blocks_fetched += n
-        known = self._fetched
-        for meta in metas[:n]:
-            key = pool_key(meta.block_hash)
-            if key not in self._stored_here:
-                known[key] = meta
-                known.move_to_end(key)
-        while len(known) > self._max_known_fetched:
-            known.popitem(last=False)
+        if n:
+            self._note_fetched(fetch.objects, metas[:n], None if gone is None else gone.key)
         return n
+
+    def _note_fetched(self, objects: Sequence[PoolObject], metas: Sequence[BlockMeta], gone: str | None) -> None:
+        """Remember the objects read (those another worker stored, but ``gone``) with their members read intact."""
+        known, stored = self._fetched, self._stored.objects
+        i = 0
+        for obj in objects:
+            stop = obj.first_depth + obj.num_blocks
+            j = i
+            while j < len(metas) and metas[j].depth < stop:
+                j += 1
+            if j > i and obj.key not in stored and obj.key != gone:
+                known.add(obj.key, metas[i:j])
+            i = j
+            if i == len(metas):
+                break
+        while known.num_blocks > self._max_known_fetched and known.objects:
+            known.pop_oldest()
 
     def close(self) -> None:
         """Stop the I/O threads (``io_threads``) without waiting: work not started is dropped, a call running
@@ -463,13 +545,14 @@ class PoolTier:
                 pool.shutdown(wait=False, cancel_futures=True)
 
     def snapshot_metas(self) -> list[BlockMeta]:
-        """The pool blocks this worker knows of (stored here, then fetched), for ``/kv/snapshot``."""
-        return [*self._stored_here.values(), *(m for k, m in self._fetched.items() if k not in self._stored_here)]
+        """The pool blocks this worker knows of (stored here, then fetched), each once, for ``/kv/snapshot``."""
+        stored = self._stored
+        return [*stored.metas(), *(m for m in self._fetched.metas() if not stored.holds(m.block_hash))]
 
     def block_counts(self) -> dict[str, int]:
         """For the load endpoint: ``num_used_blocks`` and ``num_free_blocks`` of the whole pool where the store
         reports them, and ``num_blocks_stored_here`` (announced by this worker and not known to be evicted)."""
-        out = {"num_blocks_stored_here": len(self._stored_here)}
+        out = {"num_blocks_stored_here": self._stored.num_blocks}
         counts = self.store.num_blocks()
         if counts is not None:
             used, capacity = counts
@@ -479,5 +562,5 @@ class PoolTier:
 
     def reset(self) -> None:
         """Forget what this worker announced (the shared pool itself is not cleared by one worker)."""
-        self._stored_here.clear()
+        self._stored.clear()
         self._fetched.clear()

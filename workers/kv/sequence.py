@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from common.pool_keys import PoolObject
 from workers.kv.hashing import BlockHash, namespace_root
 
 
@@ -78,6 +79,9 @@ class PrefixHit(msgspec.Struct, frozen=True, gc=False):
     num_pool_blocks: int = 0
     token_ids: Sequence[int] = ()
     """The tokens looked up (a reference, not a copy): a restore builds its blocks' metas from them."""
+    pool_objects: tuple[PoolObject, ...] = ()
+    """The pool objects holding the pool part of the hit, in chain order (``PoolTier.lookup``): what its restore
+    reads."""
 
     @property
     def num_blocks(self) -> int:
