@@ -40,7 +40,7 @@ from workers.config import KVCacheConfig, SchedulerConfig, TimingProfile
 from workers.engines.base import SamplingParams
 from workers.engines.sim import SimEngine
 from workers.kv.block_pool import BlockMeta
-from workers.kv.hashing import extend_block_hashes, namespace_root
+from workers.kv.hashing import extend_block_hashes, namespace_root, to_engine_hash
 from workers.kv.manager import KVCacheManager
 from workers.kv.pool_spans import store_objects
 from workers.kv.pool_tier import MooncakePoolStore, PoolTier, SimPool
@@ -72,8 +72,10 @@ def one_round(tier: PoolTier, store: MooncakePoolStore, rep: int, args: argparse
     bs = args.block_size
     tokens = [rep * 10_000_000 + i for i in range(args.num_blocks * bs)]
     hashes = extend_block_hashes([], namespace_root(), tokens, bs)
-    metas = [
-        BlockMeta(h, hashes[i - 1] if i else None, tuple(tokens[i * bs : (i + 1) * bs]), i)
+    metas = [  # as the worker's KV manager builds them (its engine hash computed once)
+        BlockMeta(
+            h, hashes[i - 1] if i else None, tuple(tokens[i * bs : (i + 1) * bs]), i, None, None, to_engine_hash(h)
+        )
         for i, h in enumerate(hashes)
     ]
     layout, n = tier.layout, len(metas)

@@ -94,8 +94,11 @@ class ChunkLayout:
         self.header_bytes = HEAD_BYTES + 8 * num_pieces
         self.chunk_bytes = max(value_bytes, self.header_bytes + num_pieces * self.payload_bytes)
         self.piece_bytes = (self.chunk_bytes - self.header_bytes) // num_pieces
-        self._digests = struct.Struct(f"<{num_pieces}Q")
         self._tokens = struct.Struct(f"<{block_size}I")
+        self._head = _HEAD.pack(CHUNK_MAGIC, CHUNK_VERSION, num_pieces, 0, self.piece_bytes, self.payload_bytes,
+                                bytes(32))[:16]  # fmt: skip
+        """The manifest's bytes before the block hash (the same for every chunk of this layout)."""
+        self._pad = bytes(self.piece_bytes - self.payload_bytes)
         self._piece_offsets = tuple(self.header_bytes + i * self.piece_bytes for i in range(num_pieces))
         end = self.header_bytes + num_pieces * self.piece_bytes
         self._tail = (end, self.chunk_bytes - end)
@@ -109,12 +112,8 @@ class ChunkLayout:
         if len(token_ids) != self.block_size or len(block_hash) != 32:
             raise ValueError("a chunk holds one full block and its 32-byte hash")
         payload = self._tokens.pack(*token_ids)
-        digest = xxhash.xxh3_64_intdigest(payload)
-        _HEAD.pack_into(
-            view, offset, CHUNK_MAGIC, CHUNK_VERSION, self.num_pieces, 0, self.piece_bytes, self.payload_bytes,
-            block_hash,
-        )  # fmt: skip
-        self._digests.pack_into(view, offset + HEAD_BYTES, *([digest] * self.num_pieces))
+        head = self._head + block_hash + xxhash.xxh3_64_intdigest(payload).to_bytes(8, "little") * self.num_pieces
+        view[offset : offset + len(head)] = head
         n = self.payload_bytes
         for start in self._piece_offsets:
             view[offset + start : offset + start + n] = payload
@@ -134,17 +133,12 @@ class ChunkLayout:
         whole block a miss. Compares in place (``bytearray.startswith``: a memcmp, no copy)."""
         if num_read != self.chunk_bytes:
             return False
-        magic, version, num_pieces, _, piece_bytes, payload_bytes, stored_hash = _HEAD.unpack_from(data, offset)
-        if (magic, version, num_pieces, piece_bytes, payload_bytes) != (
-            CHUNK_MAGIC, CHUNK_VERSION, self.num_pieces, self.piece_bytes, self.payload_bytes,
-        ) or stored_hash != block_hash:  # fmt: skip
-            return False
         payload = self._tokens.pack(*token_ids)
-        digest = xxhash.xxh3_64_intdigest(payload)
-        if any(d != digest for d in self._digests.unpack_from(data, offset + HEAD_BYTES)):
-            return False
+        digest = xxhash.xxh3_64_intdigest(payload).to_bytes(8, "little")
+        if not data.startswith(self._head + block_hash + digest * self.num_pieces, offset):
+            return False  # the manifest, the block's hash and each piece's digest, in one compare
         n = self.payload_bytes
-        pad = _zeros(self.piece_bytes - n)
+        pad = self._pad
         for start in self._piece_offsets:
             at = offset + start
             if not data.startswith(payload, at) or (check_padding and not data.startswith(pad, at + n)):

@@ -44,10 +44,14 @@ class KnownObjects:
     def add(self, key: str, metas: Sequence[BlockMeta]) -> list[BlockMeta]:
         """Know ``key`` holds ``metas`` (added to the members known already, moved to the newest end); the blocks
         that were not known before."""
-        old = self.objects.pop(key, ())
-        have = {m.block_hash for m in old}
-        extra = [m for m in metas if m.block_hash not in have]
-        self.objects[key] = (*old, *extra)
+        old = self.objects.pop(key, None)
+        if old is None:
+            extra: Sequence[BlockMeta] = metas
+            self.objects[key] = tuple(metas)
+        else:
+            have = {m.block_hash for m in old}
+            extra = [m for m in metas if m.block_hash not in have]
+            self.objects[key] = (*old, *extra)
         new: list[BlockMeta] = []
         refs = self._refs
         for m in extra:

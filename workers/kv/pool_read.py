@@ -102,6 +102,9 @@ def read_objects(
     """
     t0 = time.perf_counter()
     step = layout.chunk_bytes
+    check = layout.check
+    d0 = metas[0].depth if metas else 0
+    d_end = d0 + len(metas)
     n = 0
     for batch in _batches(objects, per_read):
         offsets: list[int] = []
@@ -119,13 +122,16 @@ def read_objects(
                 return ReadResult(n, time.perf_counter() - t0, lost=lost)
             if num_read != size:
                 return ReadResult(n, time.perf_counter() - t0, bad=obj, bad_num_read=num_read)
-            stop = obj.first_depth + obj.num_blocks
-            while n < len(metas) and metas[n].depth < stop:
-                meta = metas[n]
-                j = meta.depth - obj.first_depth
-                if j < 0 or obj.member_hashes[j] != meta.block_hash:
-                    raise RuntimeError(f"pool object {obj.key} does not hold block {n} of the restore")
-                if not layout.check(data, offset + j * step, step, meta.block_hash, meta.token_ids, check_padding):
-                    return ReadResult(n, time.perf_counter() - t0, bad=obj, bad_num_read=num_read)
-                n += 1
+            first, members = obj.first_depth, obj.member_hashes
+            if first > d0 + n:
+                raise RuntimeError(f"pool object {obj.key} starts after block {n} of the restore")
+            at = offset - first * step  # chunk of chain position d: at + d * step
+            for d in range(d0 + n, min(first + len(members), d_end)):
+                meta = metas[d - d0]
+                block_hash = meta.block_hash
+                if members[d - first] != block_hash:
+                    raise RuntimeError(f"pool object {obj.key} does not hold block {d - d0} of the restore")
+                if not check(data, at + d * step, step, block_hash, meta.token_ids, check_padding):
+                    return ReadResult(d - d0, time.perf_counter() - t0, bad=obj, bad_num_read=num_read)
+            n = max(n, min(first + len(members), d_end) - d0)
     return ReadResult(n, time.perf_counter() - t0)
