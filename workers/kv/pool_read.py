@@ -16,7 +16,7 @@ from workers.kv.block_pool import BlockMeta
 from workers.kv.pool_chunk import ChunkLayout, HostBuffer
 from workers.kv.pool_store import OBJECT_NOT_FOUND, PoolStore
 
-__all__ = ["PoolFetch", "ReadResult", "done_future", "max_batch_chunks", "read_objects"]
+__all__ = ["PoolFetch", "ReadResult", "done_future", "plan_batches", "read_objects"]
 
 
 class ReadResult:
@@ -63,23 +63,22 @@ def done_future(value: ReadResult) -> Future[ReadResult]:
     return future
 
 
-def _batches(objects: Sequence[PoolObject], per_read: int) -> list[list[PoolObject]]:
+def plan_batches(objects: Sequence[PoolObject], per_read: int) -> list[tuple[list[PoolObject], int]]:
     """``objects`` in order, cut into batches of at most ``per_read`` chunks (an object is never cut: one larger
-    than that is a batch of its own)."""
-    batches: list[list[PoolObject]] = []
+    than that is a batch of its own), each with its number of chunks."""
+    batches: list[tuple[list[PoolObject], int]] = []
+    batch: list[PoolObject] = []
     num_chunks = 0
     for obj in objects:
-        if not batches or num_chunks + obj.num_blocks > per_read:
-            batches.append([])
-            num_chunks = 0
-        batches[-1].append(obj)
-        num_chunks += obj.num_blocks
+        n = len(obj.member_hashes)
+        if batch and num_chunks + n > per_read:
+            batches.append((batch, num_chunks))
+            batch, num_chunks = [], 0
+        batch.append(obj)
+        num_chunks += n
+    if batch:
+        batches.append((batch, num_chunks))
     return batches
-
-
-def max_batch_chunks(objects: Sequence[PoolObject], per_read: int) -> int:
-    """Chunks of the largest batch ``read_objects`` makes (what its buffer must hold; at least 1)."""
-    return max((sum(o.num_blocks for o in b) for b in _batches(objects, per_read)), default=1)
 
 
 def read_objects(
@@ -87,15 +86,14 @@ def read_objects(
     layout: ChunkLayout,
     buffer: HostBuffer,
     metas: Sequence[BlockMeta],
-    objects: Sequence[PoolObject],
-    per_read: int,
+    batches: Sequence[tuple[list[PoolObject], int]],
     check_padding: bool,
 ) -> ReadResult:
-    """Read ``objects`` (chain order, each holding some of ``metas``, which are consecutive chain positions) in
-    batches of at most ``per_read`` chunks into ``buffer`` (``max_batch_chunks`` × ``chunk_bytes`` at least) and
-    check each block of ``metas`` in its object: the object's size (its members × ``chunk_bytes``), then the
-    member's chunk (``ChunkLayout.check``: manifest, hash, digests, tokens, padding with ``check_padding``).
-    Stops at the first object missing or with other bytes.
+    """Read the objects of ``batches`` (``plan_batches``: chain order, each object holding some of ``metas``,
+    which are consecutive chain positions), one ``get_into`` per batch into ``buffer`` (the largest batch's chunks
+    × ``chunk_bytes`` at least), and check each block of ``metas`` in its object: the object's size (its members
+    × ``chunk_bytes``), then the member's chunk (``ChunkLayout.check``: manifest, hash, digests, tokens, padding
+    with ``check_padding``). Stops at the first object missing or with other bytes.
 
     Raises:
         RuntimeError: ``objects`` do not hold ``metas`` in order (a plan from another chain).
@@ -106,14 +104,15 @@ def read_objects(
     d0 = metas[0].depth if metas else 0
     d_end = d0 + len(metas)
     n = 0
-    for batch in _batches(objects, per_read):
+    for batch, _ in batches:
         offsets: list[int] = []
         sizes: list[int] = []
         at = 0
         for obj in batch:
+            size = len(obj.member_hashes) * step
             offsets.append(at)
-            sizes.append(obj.num_blocks * step)
-            at += obj.num_blocks * step
+            sizes.append(size)
+            at += size
         got = store.get_into([o.key for o in batch], buffer, offsets, sizes)
         data = buffer.data
         for obj, offset, size, num_read in zip(batch, offsets, sizes, got, strict=True):

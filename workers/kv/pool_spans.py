@@ -77,6 +77,8 @@ def store_objects(metas: Sequence[BlockMeta], span_len: int, num_context_blocks:
     d0 = metas[0].depth
     if metas[-1].depth - d0 != len(metas) - 1:
         raise ValueError("a pool store job is one run of consecutive chain positions")
+    if span_len == 1:  # every block its own object
+        return [(pool_key(m.block_hash), i, i + 1) for i, m in enumerate(metas)]
     out: list[tuple[str, int, int]] = []
     i, n = 0, len(metas)
     while i < n:

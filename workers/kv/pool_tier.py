@@ -93,7 +93,7 @@ from workers.kv.block_pool import BlockMeta, emit_tier_stored, engine_hash_of
 from workers.kv.hashing import BlockHash, to_engine_hash
 from workers.kv.pool_chunk import ChunkLayout, HostBuffer
 from workers.kv.pool_known import KnownObjects
-from workers.kv.pool_read import PoolFetch, ReadResult, done_future, max_batch_chunks, read_objects
+from workers.kv.pool_read import PoolFetch, ReadResult, done_future, plan_batches, read_objects
 from workers.kv.pool_spans import PoolHit, hit_of, lookup_objects, objects_of, singles_inside, store_objects
 from workers.kv.pool_store import (
     MooncakePoolStore,
@@ -473,10 +473,11 @@ class PoolTier:
         if not metas:
             return ReadResult(0, 0.0)
         per_read = self._max_chunks_per_read
-        most = max_batch_chunks(objects, per_read)
+        batches = plan_batches(objects, per_read)
+        most = max((n for _, n in batches), default=1)
         buffer = self._take_read_buffer(max(most, min(_capacity(most), per_read)) * self.layout.chunk_bytes)
         try:
-            return read_objects(self.store, self.layout, buffer, metas, objects, per_read, self._check_padding)
+            return read_objects(self.store, self.layout, buffer, metas, batches, self._check_padding)
         finally:
             self._give_read_buffer(buffer)
 
