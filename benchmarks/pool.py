@@ -18,8 +18,13 @@
    host and ``manifest`` about 1.1. Beside them, the same batch's bytes as one object (``batch_put_from`` /
    ``batch_get_into`` of one key) give the per-object cost of the batch calls: with the agentic scenario's
    blocks (``--num-blocks 558 --block-size 64 --value-bytes 889``, one client on the loaded 2-core host) one
-   object moves the bytes 12-13× faster than 558 (3-5 us per object per call); there the worker reaches
-   about 0.5 of the raw batch calls, its own key and chunk checks costing about 2.5 us per block.
+   object moves the bytes 12-13× faster than 558 (3-5 us per object per call); there the worker with one object
+   per block (``--blocks-per-span 1``) reaches about 0.5 of the raw batch calls. With spans (the default, 16
+   blocks per object: 34 spans and 14 singles for 558 blocks) the worker's store takes 4.9-5.1 us per block and
+   its restore 2.9-3.2 us (same host, three runs), 1.05-1.24 and 1.05-1.13 of the raw per-block batch calls; the
+   raw batch call on the worker's own 48 objects (``spans_put_from`` / ``spans_get_into``) moves them 4-5× faster
+   still, the worker's per-block work in Python now dominating: the chunk checks (about 1 us per block), the chunk
+   builds (0.8 us), the store's existence check (0.4 us) and its events and bookkeeping.
 2. TTFT of a 100K-token history restored from the pool against recomputing it, under the sim timing model
    (``workers.engines.sim``, default H200 profile): the scheduler and sim engine run the turn on a worker whose GPU
    is cold, once with the history in the pool (stored by another worker) and once without; TTFT is the sum of the
