@@ -198,12 +198,15 @@ def test_a_chain_grown_past_its_tail_is_found_through_the_singles_then_stored_as
         hit = a.lookup(hashes, 0, 48)
         assert hit.num_blocks == 48 and [o.key for o in hit.objects] == [span_key(hashes[k : k + 16])
                                                                          for k in (0, 16, 32)]  # fmt: skip
-        # one of block 33's objects gone: it stays announced while the other holds it
+        # span 2 gone from the master: its members without a single of this worker are announced removed
         events.clear()
-        a.on_evict([pool_key(hashes[33])])
-        assert events == []
-        a.on_evict([span_key(hashes[32:48])])
-        assert events == [BlockRemoved(block_hashes=ehs([hashes[33], *hashes[40:48]]), medium=Medium.MOONCAKE)]
+        sa.remove([span_key(hashes[32:48])])
+        assert a.fetch(metas[32:48], hit.objects[2:]) == 0 and a.num_fetch_lost == 1
+        assert events == [BlockRemoved(block_hashes=ehs(hashes[40:48]), medium=Medium.MOONCAKE)]
+        assert a.lookup(hashes, 0, 48).num_blocks == 40  # through the singles again
+        events.clear()
+        a.on_evict([pool_key(hashes[33])])  # the last object holding block 33
+        assert events == [BlockRemoved(block_hashes=ehs([hashes[33]]), medium=Medium.MOONCAKE)]
     finally:
         sa.close()
 

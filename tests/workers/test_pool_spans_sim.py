@@ -3,13 +3,16 @@ the worker that stored it announces for every member."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from common.pool_keys import key_num_blocks, span_key
 from events.types import BlockRemoved, Medium
 from tests.workers.test_pool_tier import prefill, worker
-from workers.kv.hashing import to_engine_hash
-from workers.kv.pool_tier import SimPool, pool_key
+from workers.kv.block_pool import BlockMeta
+from workers.kv.hashing import extend_block_hashes, namespace_root, to_engine_hash
+from workers.kv.pool_tier import PoolTier, SimPool, SimPoolClient, pool_key
 
 pytestmark = pytest.mark.unit
 
@@ -44,3 +47,39 @@ def test_the_sim_pool_counts_span_members_and_evicts_a_span_whole():
     (job_c,), _ = c.take_pool_copies()
     c.complete_store(job_c.job_id)
     assert len(small) == 0 and c.pool is not None and c.pool.num_stores_failed == 16
+
+
+class CountingClient(SimPoolClient):
+    """A sim pool client that records each existence check's keys."""
+
+    def __init__(self, pool: SimPool) -> None:
+        super().__init__(pool, 0)
+        self.checks: list[list[str]] = []
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        self.checks.append(list(keys))
+        return super().exists(keys)
+
+
+def test_a_lookup_is_one_existence_check_and_a_second_only_inside_a_missing_span():
+    client = CountingClient(SimPool(256))
+    tier = PoolTier(client, BS, lambda event: None)
+    tokens = [4000 + i for i in range(50 * BS)]
+    hashes = extend_block_hashes([], namespace_root(), tokens, BS)
+    metas = [BlockMeta(h, hashes[i - 1] if i else None, tuple(tokens[i * BS : (i + 1) * BS]), i)
+             for i, h in enumerate(hashes)]  # fmt: skip
+    assert len(tier.prepare_store(1, hashes[:40], metas[:40])) == 40
+    tier.complete_store(1)
+    client.checks.clear()
+    spans = [span_key(hashes[k : k + 16]) for k in (0, 16, 32)]
+    # all 40 blocks, then 10 more the pool never saw: span 2 is missing, its first 8 blocks are singles
+    hit = tier.lookup(hashes, 3, 50)
+    assert hit.num_blocks == 37 and [o.key for o in hit.objects[:2]] == spans[:2]
+    assert client.checks == [[*spans, pool_key(hashes[48]), pool_key(hashes[49])],
+                             [pool_key(h) for h in hashes[32:47]]]  # fmt: skip
+    client.checks.clear()
+    hit = tier.lookup(hashes, 20, 30)  # inside span 1: one check, of that span alone
+    assert (hit.num_blocks, [o.key for o in hit.objects], client.checks) == (10, spans[1:2], [spans[1:2]])
+    client.checks.clear()
+    assert tier.lookup(hashes[:40], 0, 40).num_blocks == 40 and len(client.checks) == 1
+    assert tier.lookup(hashes, 45, 45).num_blocks == 0
