@@ -140,11 +140,20 @@ def prompt(config: ChurnConfig, session: int, turn: int) -> list[int]:
     return [*range(config.num_shared_blocks * bs), *range(start, start + (turn % 10 + 1) * bs), 7]
 
 
-async def wait_for_stores(fleet: Fleet, timeout_s: float = 30.0) -> None:
-    """Until every worker's store answers the restarted master again (its port probe passes and a call succeeds),
-    so the rest of the round runs against a live tier however fast this host replays it; at most ``timeout_s``."""
+async def wait_for_stores(fleet: Fleet, capacity_bytes: float, timeout_s: float = 30.0) -> None:
+    """Until every worker's store answers the restarted master again (its port probe passes and a call succeeds)
+    and the master holds ``capacity_bytes`` of mounted segments again (``master_total_capacity_bytes``: each client
+    remounts its segment on its own ping thread, and until then puts fail for want of space), so the rest of the
+    round runs against a live tier however fast this host replays it; at most ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        try:
+            if fleet.master.metric("master_total_capacity_bytes") < capacity_bytes:
+                await asyncio.sleep(0.2)
+                continue
+        except (OSError, KeyError):  # the restarted master's admin port is not up yet
+            await asyncio.sleep(0.2)
+            continue
         failed = [s.num_failed_calls for s in fleet.stores]
         usable = all(s.is_usable() for s in fleet.stores)
         if usable:
@@ -164,6 +173,7 @@ async def run_round(fleet: Fleet, rng: random.Random, first_turn: int, restart_a
     fetched_before = sum(kv.pool.num_blocks_fetched for kv in fleet.workers if kv.pool is not None)
     mismatches_before = sum(kv.pool.num_fetch_mismatches for kv in fleet.workers if kv.pool is not None)
     restarted_at: int | None = None
+    capacity_bytes = 0.0
     t0 = time.perf_counter()
     turn = first_turn
     while report.num_requests < config.requests_per_round:
@@ -171,10 +181,11 @@ async def run_round(fleet: Fleet, rng: random.Random, first_turn: int, restart_a
         for session in range(config.num_sessions):
             if restart_at is not None and report.num_requests == restart_at:
                 evicted_before -= fleet.master.metric("master_evicted_key_count")  # what the old master evicted
+                capacity_bytes = fleet.master.metric("master_total_capacity_bytes")
                 fleet.master.kill()
             if restart_at is not None and report.num_requests == restart_at + config.down_requests:
                 fleet.master.start()
-                await wait_for_stores(fleet)
+                await wait_for_stores(fleet, capacity_bytes)
                 restarted_at = report.num_requests
             if report.num_requests % config.sweep_every == 0:
                 await fleet.watcher.sweep()

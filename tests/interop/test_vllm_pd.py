@@ -239,6 +239,8 @@ def test_both_legs_route_as_decided_and_the_kv_really_moves(
     params: dict[str, Any] = {"max_tokens": 6, "temperature": 0.0, "logprobs": 1}
 
     before, num_records = fleet.decode_counters(), len(fleet.pd_records())
+    # the fixture's warm-up may have seen a failed NIXL handshake (vLLM's 5 s timeout on a busy host): count from here
+    num_failed_before = before["failed"]
     raw = client.completions.with_raw_response.create(model=MODEL_NAME, prompt=prompt, **params)
     first = raw.parse()
     after = fleet.decode_counters()
@@ -290,7 +292,7 @@ def test_both_legs_route_as_decided_and_the_kv_really_moves(
     assert usage.prompt_tokens_details.cached_tokens == 96  # the prefill side's hits, as vLLM reports them
     assert raw.headers["x-kvgate-predicted-cached-tokens"] == "0"
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref["choices"][0]["text"]
-    assert fleet.decode_counters()["failed"] == 0
+    assert fleet.decode_counters()["failed"] == num_failed_before  # no transfer of this test's requests failed
 
 
 def test_chat_through_both_legs_equals_the_aggregated_answer(
