@@ -110,3 +110,11 @@ def test_torch_engine_with_a_pool_is_refused_at_config_time():
     with pytest.raises(ConfigError, match="torch engine"):
         config_from_args(parser.parse_args(["--engine", "torch", "--pool-backend", "mooncake"]))
     assert build_config({"engine": "torch"}).kv_cache.pool is None
+
+
+@pytest.mark.parametrize("value", [0, 65, "16"])
+def test_a_span_length_out_of_range_is_refused_with_its_key(value: object):
+    with pytest.raises(ConfigError, match=r"blocks-per-span"):
+        build_config({"kv-cache": {"pool": {"backend": "sim", "blocks-per-span": value}}})
+    pool = build_config({"kv-cache": {"pool": {"backend": "sim", "blocks-per-span": 1}}}).kv_cache.pool
+    assert pool is not None and pool.blocks_per_span == 1
