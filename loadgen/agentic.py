@@ -5,9 +5,10 @@ Steps:
 
 1. Read the kv-cache-tester sessions (``loadgen/data/kv-cache-tester/``, a subset of callanjfox/kv-cache-tester,
    Apache-2.0; ``--trace DIR`` for the full set), each file its own namespace, at most ``max_turns_per_session``
-   turns each, think times capped at ``max_think_s``. A level above the number of sessions replays copies of
-   them under fresh namespaces and session ids (copy ``k`` of every session; prompts of different copies share
-   nothing), so 64 sessions in flight are 64 distinct conversations of the bundled shapes.
+   turns each, think times capped at ``max_think_s``. A level of ``L`` sessions in flight replays
+   ``L × sessions_per_slot`` sessions: the originals, then copies under fresh namespaces and session ids (copy
+   ``k`` of every session; prompts of different copies share nothing), so 64 sessions in flight are 64 distinct
+   conversations of the bundled shapes, and a slot whose session ends takes the next from the queue.
 2. Size the fleet from the sessions: the working set of the top concurrency level is ``top level × mean session
    context`` blocks; each worker gets ``gpu_share`` of it ÷ workers GPU blocks (at least 1.05 × the longest
    prompt) and, in the split and shared configurations, CPU blocks up to ``2 × gpu_share`` of it ÷ workers (at
@@ -23,7 +24,9 @@ Steps:
    configuration; the pool workers are declared members of ``MOONCAKE``), replay every session closed loop with
    that many in flight and their think times (``time_scale`` times faster), and read the workers' per-tier
    counters (``kvgate_worker_cached_prompt_tokens_by_medium``, ``kvgate_worker_pool_read_wall_seconds``) before
-   and after.
+   and after. Throughput is measured while every slot is busy (``loadgen.agentic_steady``: from the start
+   until the last session left the queue); the whole run's figure, whose tail is the longest sessions' think
+   times alone, is printed beside it.
 4. Print the table, the targets, the seeds' figures beside ours; write ``agentic.json``, ``agentic.md`` and
    ``agentic.png`` to ``--out``.
 
@@ -57,6 +60,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
+from loadgen.agentic_steady import SteadyState, steady_state
 from loadgen.errors import LoadgenError
 from loadgen.fleet import HOST, Fleet, WorkerSpec
 from loadgen.ports import PortPicker
@@ -110,6 +114,10 @@ class AgenticConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     levels: tuple[int, ...] = (16, 32, 48, 64)
     configs: tuple[str, ...] = CONFIGS
     max_turns_per_session: int = 10
+    sessions_per_slot: int = 2
+    """Sessions each of a level's slots replays in turn (a level of ``L`` replays ``L × sessions_per_slot``): a
+    slot whose session ends takes the next one, as kv-cache-tester's ``--recycle`` does, so every slot stays busy
+    over the steady window that throughput is measured on (``loadgen.agentic_steady``)."""
     max_think_s: float = 60.0
     """Think times are capped at this many simulated seconds (the traces' tail reaches an hour of idle user)."""
     time_scale: float = 20.0
@@ -180,6 +188,23 @@ class LevelResult(msgspec.Struct):
     errors_by_kind: dict[str, int] = msgspec.field(default_factory=dict)
     """The level's failed requests by kind (``loadgen.client``: ``timeout``, ``http_<status>``, ``stream``,
     ``connect``...), so a reader sees which level failed and how."""
+    steady: SteadyState | None = None
+    """Throughput while every slot was busy, and the turn's time split into think, TTFT and the rest
+    (``loadgen.agentic_steady``); ``None`` when not measured."""
+
+    @property
+    def throughput_prompt_tokens_per_s(self) -> float:
+        """Prompt tokens per simulated second over the steady window, or over the whole run without one."""
+        if self.steady is not None and self.steady.window_s > 0:
+            return self.steady.prompt_tokens_per_s
+        return self.prompt_tokens_per_s
+
+    @property
+    def throughput_output_tokens_per_s(self) -> float:
+        """Output tokens per simulated second over the steady window, or over the whole run without one."""
+        if self.steady is not None and self.steady.window_s > 0:
+            return self.steady.output_tokens_per_s
+        return self.output_tokens_per_s
 
 
 def read_sessions(config: AgenticConfig) -> list[TraceRequest]:
@@ -412,17 +437,18 @@ async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[Lev
                     max_output_tokens=config.max_output_tokens, request_timeout_s=config.request_timeout_s,
                     metrics_url=fleet.gateway.url + "/metrics",  # mismatches by cause
                 )  # fmt: skip
+                replayed = in_namespace(with_copies(requests, level * config.sessions_per_slot), f"{name}-{level}")
                 outcome = await replay_with_progress(
-                    in_namespace(with_copies(requests, level), f"{name}-{level}"), replay, prompts,
+                    replayed, replay, prompts,
                     label=f"{name} @ {level}",
                     workers=[s.worker_id for s in specs], console=console, show_progress=config.show_progress,
                 )  # fmt: skip
                 fleet.stop_gateway()
                 after = await tier_counters(urls)
                 evicted_after = await master.metric("master_evicted_key_count") if master else None
-                results.append(
-                    level_result(name, level, outcome.summary, before, after, profile, evicted_before, evicted_after)
-                )
+                row = level_result(name, level, outcome.summary, before, after, profile, evicted_before, evicted_after)
+                steady = steady_state(outcome.records, replayed, config.time_scale, level)
+                results.append(msgspec.structs.replace(row, steady=steady))
         finally:
             fleet.stop()
             if master is not None:

@@ -60,11 +60,34 @@ def markdown(results: Sequence[LevelResult]) -> str:
             f"| {r.config} | {r.level} | {r.requests_ok} | {r.requests_failed} | {errors_text(r.errors_by_kind)} "
             f"| {r.reuse:.3f} "
             f"| {_f(r.reuse_of_ceiling, '.3f')} | {r.share_gpu:.3f} | {r.share_cpu:.3f} | {r.share_pool:.3f} "
-            f"| {r.share_computed:.3f} | {r.prompt_tokens_per_s:,.0f} | {r.output_tokens_per_s:,.1f} "
+            f"| {r.share_computed:.3f} | {r.throughput_prompt_tokens_per_s:,.0f} "
+            f"| {r.throughput_output_tokens_per_s:,.1f} "
             f"| {_f(r.ttft_p50_s, '.3f')} | {_f(r.ttft_p99_s, '.3f')} | {r.num_restores} "
             f"| {r.mean_restore_tokens:,.0f} | {r.mean_restore_s:.4f} | {_f(r.mean_pool_read_wall_s, '.3f')} "
             f"| {_f(r.cached_mismatch_ratio, '.2%')} | {_f(r.cached_mismatch_index_ratio, '.2%')} "
             f"| {'–' if r.pool_evicted_keys is None else r.pool_evicted_keys} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+TURN_HEADER = (
+    "| config | level | steady window s | requests in it | prompt tok/s (steady) | output tok/s (steady) "
+    "| prompt tok/s (whole run) | think s | TTFT s | rest of the answer s | turn s |"
+)
+
+
+def turn_markdown(results: Sequence[LevelResult]) -> str:
+    """Throughput while every slot was busy, and a turn's mean time split (``loadgen.agentic_steady``)."""
+    lines = [TURN_HEADER, "|" + "---|" * (TURN_HEADER.count("|") - 1)]
+    for r in results:
+        st = r.steady
+        if st is None:
+            continue
+        turn_s = st.mean_think_s + st.mean_ttft_s + st.mean_decode_s
+        lines.append(
+            f"| {r.config} | {r.level} | {st.window_s:,.0f} | {st.num_requests} | {st.prompt_tokens_per_s:,.0f} "
+            f"| {st.output_tokens_per_s:,.1f} | {r.prompt_tokens_per_s:,.0f} | {st.mean_think_s:.2f} "
+            f"| {st.mean_ttft_s:.2f} | {st.mean_decode_s:.2f} | {turn_s:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -79,8 +102,8 @@ def _pool_targets(results: Sequence[LevelResult], pooled: str, split_name: str) 
     worst = min((r.reuse_of_ceiling or 0.0) for r in shared)
     out.append((f"{pooled} reuse ÷ ceiling >= 0.97 at every level", worst >= 0.97, f"{worst:.3f}"))
     top = max(shared, key=lambda r: r.level)
-    if top.level in split and split[top.level].prompt_tokens_per_s:
-        ratio = top.prompt_tokens_per_s / split[top.level].prompt_tokens_per_s
+    if top.level in split and split[top.level].throughput_prompt_tokens_per_s:
+        ratio = top.throughput_prompt_tokens_per_s / split[top.level].throughput_prompt_tokens_per_s
         out.append((f"{pooled} ÷ {split_name} prompt throughput at {top.level} >= 1.5", ratio >= 1.5, f"{ratio:.2f}"))
     mis = max((r.cached_mismatch_ratio or 0.0) for r in shared)
     if all(r.cached_mismatch_index_ratio is not None for r in shared):
@@ -112,10 +135,13 @@ def targets(results: Sequence[LevelResult]) -> list[tuple[str, bool, str]]:
 def explain(results: Sequence[LevelResult], sizing: Sizing, time_scale: float) -> list[str]:
     """Why a shared pool's throughput at the top level is not 1.5× its split twin's, from the run's numbers.
 
-    Model bound: the split fleet's computed tokens per second (its prompt throughput × its computed share) is what
-    the fleet's compute sustained; the shared fleet, computing a smaller share, could serve that ÷ its computed
-    share, and no closed loop serves more than ``level × mean prompt ÷ mean think time``. What waits instead:
-    the restores' real pool reads, ``mean_pool_read_wall_s × time_scale`` simulated seconds each (times are wall ×
+    Throughputs are the steady window's where measured (``LevelResult.throughput_prompt_tokens_per_s``). Model
+    bound: the split fleet's computed tokens per second (its prompt throughput × its computed share) is what the
+    fleet's compute sustained; the shared fleet, computing a smaller share, could serve that ÷ its computed share,
+    and no closed loop serves more than ``level × mean prompt ÷ mean think time``. Turn times: with every slot
+    busy, a slot serves one turn per think + TTFT + rest of the answer (``loadgen.agentic_steady``), so the ratio
+    follows the inverse ratio of the turn times, and the think time, the same for both, caps it. What waits: the
+    restores' real pool reads, ``mean_pool_read_wall_s × time_scale`` simulated seconds each (times are wall ×
     time scale) against the model's ``mean_restore_s``.
     """
     lines: list[str] = []
@@ -126,12 +152,13 @@ def explain(results: Sequence[LevelResult], sizing: Sizing, time_scale: float) -
             continue
         top = max(shared, key=lambda r: r.level)
         twin = split.get(top.level)
-        if twin is None or not twin.prompt_tokens_per_s:
+        if twin is None or not twin.throughput_prompt_tokens_per_s:
             continue
-        ratio = top.prompt_tokens_per_s / twin.prompt_tokens_per_s
+        twin_per_s = twin.throughput_prompt_tokens_per_s
+        ratio = top.throughput_prompt_tokens_per_s / twin_per_s
         if ratio >= 1.5:
             continue
-        computed_per_s = twin.prompt_tokens_per_s * twin.share_computed
+        computed_per_s = twin_per_s * twin.share_computed
         compute_bound = computed_per_s / top.share_computed if top.share_computed else math.inf
         think_bound = top.level * sizing.mean_prompt_tokens / sizing.mean_think_s if sizing.mean_think_s else math.inf
         bound = min(compute_bound, think_bound)
@@ -140,8 +167,19 @@ def explain(results: Sequence[LevelResult], sizing: Sizing, time_scale: float) -
             f"of its prompt tokens ({computed_per_s:,.0f} computed tokens per simulated s), {pooled} "
             f"{top.share_computed:.0%}, so the model's compute would serve {compute_bound:,.0f} prompt tokens/s and "
             f"the sessions' think times allow {think_bound:,.0f}: a model-bound ratio of "
-            f"{bound / twin.prompt_tokens_per_s:.2f}."
+            f"{bound / twin_per_s:.2f}."
         )
+        if top.steady is not None and twin.steady is not None:
+            a, b = twin.steady, top.steady
+            turn_a = a.mean_think_s + a.mean_ttft_s + a.mean_decode_s
+            turn_b = b.mean_think_s + b.mean_ttft_s + b.mean_decode_s
+            text += (
+                f" A turn took {turn_a:.1f} simulated s on {split_name} (think {a.mean_think_s:.1f}, TTFT "
+                f"{a.mean_ttft_s:.1f}, rest {a.mean_decode_s:.1f}) and {turn_b:.1f} on {pooled} (think "
+                f"{b.mean_think_s:.1f}, TTFT {b.mean_ttft_s:.1f}, rest {b.mean_decode_s:.1f}): with every slot busy "
+                f"that alone gives {turn_a / turn_b if turn_b else math.inf:.2f}, and no shorter TTFT could give more "
+                f"than {turn_a / b.mean_think_s if b.mean_think_s else math.inf:.2f} (think time only)."
+            )
         if top.mean_pool_read_wall_s is not None:
             text += (
                 f" What waits instead: {top.num_restores} of {top.requests_ok} requests restored from the pool, "
@@ -161,7 +199,7 @@ def plot(results: Sequence[LevelResult], path: Path) -> Path:
     for c in configs:
         rows = sorted((r for r in results if r.config == c), key=lambda r: r.level)
         levels = [r.level for r in rows]
-        axes[0].plot(levels, [r.prompt_tokens_per_s for r in rows], marker="o", label=c)
+        axes[0].plot(levels, [r.throughput_prompt_tokens_per_s for r in rows], marker="o", label=c)
         axes[1].plot(levels, [r.reuse_of_ceiling or 0.0 for r in rows], marker="o", label=c)
     axes[0].set(title="prompt tokens / simulated s", xlabel="sessions in flight")
     axes[1].set(title="reuse ÷ ceiling", xlabel="sessions in flight")
@@ -209,6 +247,8 @@ def config_from_args(args: argparse.Namespace) -> AgenticConfig:
     configs = tuple(x.strip() for x in str(args.configs).split(",") if x.strip())
     if not levels or min(levels) < 1:
         raise LoadgenError("--levels must be positive integers")
+    if getattr(args, "sessions_per_slot", 1) < 1:
+        raise LoadgenError("--sessions-per-slot must be at least 1")
     if not configs or any(c not in CONFIGS for c in configs):
         raise LoadgenError(f"--configs must be from {', '.join(CONFIGS)}")
     trace = args.trace or str(BUNDLED_DIR)
@@ -221,6 +261,7 @@ def config_from_args(args: argparse.Namespace) -> AgenticConfig:
         levels=levels,
         configs=configs,
         max_turns_per_session=args.max_turns,
+        sessions_per_slot=getattr(args, "sessions_per_slot", 2),
         max_think_s=args.max_think_s,
         time_scale=args.time_scale,
         max_output_tokens=args.max_output_tokens,
@@ -259,7 +300,7 @@ def report(
     console: Console, config: AgenticConfig, results: Sequence[LevelResult], sizing: Sizing, wall_s: float
 ) -> list[Path]:
     """Print and write the results (``agentic.md``, ``agentic.json``, ``agentic.png``)."""
-    table = markdown(results)
+    table = markdown(results) + "\n" + turn_markdown(results)
     checks = targets(results)
     seeds = "\n".join(f"- {name}: seeds {value}" for name, value in SEEDS)
     console.print(table, markup=False, highlight=False, soft_wrap=True)

@@ -361,6 +361,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default="gpu,split,shared,pd-split,pd-shared",
                         help="agentic: fleet configurations")
     parser.add_argument("--max-turns", type=int, default=10, help="agentic: turns replayed per session")
+    parser.add_argument("--sessions-per-slot", type=int, default=2,
+                        help="agentic: sessions each in-flight slot replays in turn (throughput is measured while "
+                        "every slot is busy)")
     parser.add_argument("--max-think-s", type=float, default=60.0, help="agentic: cap on think times (simulated s)")
     parser.add_argument(
         "--peers",

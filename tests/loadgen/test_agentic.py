@@ -22,7 +22,8 @@ from loadgen.agentic import (
     with_copies,
     worker_roles,
 )
-from loadgen.agentic_report import explain, markdown, targets
+from loadgen.agentic_report import explain, markdown, targets, turn_markdown
+from loadgen.agentic_steady import SteadyState
 from loadgen.client import RequestRecord
 from loadgen.errors import LoadgenError
 from loadgen.report import summarize
@@ -188,6 +189,31 @@ def test_explain_gives_the_model_bound_ratio_and_what_waited():
     assert explain([split, msgspec.structs.replace(shared, prompt_tokens_per_s=80_000.0)], sizing, 20.0) == []
 
 
+def test_targets_and_explain_use_the_steady_window_and_split_the_turn():
+    split = msgspec.structs.replace(
+        row("split", 64, 0.2, 50_000.0), share_computed=0.8,
+        steady=SteadyState(600.0, 40_000.0, 50.0, 300, mean_think_s=18.0, mean_ttft_s=9.0, mean_decode_s=1.0),
+    )  # fmt: skip
+    shared = msgspec.structs.replace(
+        row("shared", 64, 1.0, 60_000.0, 5), share_computed=0.2,
+        steady=SteadyState(500.0, 56_000.0, 70.0, 350, mean_think_s=18.0, mean_ttft_s=1.0, mean_decode_s=1.0),
+    )  # fmt: skip
+    # the whole-run figures (60,000 ÷ 50,000 = 1.20) are not what the target reads: 56,000 ÷ 40,000 = 1.40
+    assert ("shared ÷ split prompt throughput at 64 >= 1.5", False, "1.40") in targets([split, shared])
+    sizing = Sizing(16, 149, 786.0, 50_000, 3_000, 3_000, 75_000, 16 << 20, 889, mean_prompt_tokens=40_000.0,
+                    mean_think_s=20.0)  # fmt: skip
+    (line,) = explain([split, shared], sizing, 20.0)
+    assert "shared ÷ split at 64 is 1.40" in line and "32,000 computed tokens" in line
+    assert "A turn took 28.0 simulated s on split (think 18.0, TTFT 9.0, rest 1.0)" in line
+    assert "and 20.0 on shared (think 18.0, TTFT 1.0, rest 1.0)" in line
+    assert "that alone gives 1.40" in line and "could give more than 1.56 (think time only)" in line
+    table = turn_markdown([split, shared]).splitlines()
+    assert table[2] == "| split | 64 | 600 | 300 | 40,000 | 50.0 | 50,000 | 18.00 | 9.00 | 1.00 | 28.00 |"
+    assert markdown([shared]).splitlines()[2].startswith(
+        "| shared | 64 | 10 | 0 | – | 0.950 | 1.000 | 0.500 | 0.200 | 0.200 | 0.200 | 56,000 | 70.0 |"
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(300)
@@ -202,13 +228,14 @@ def test_small_agentic_run_end_to_end(tmp_path):
     rc = kvgate(
         ["demo", "--scenario", "agentic", "--trace", str(trace), "--out", str(out), "--levels", "2",
          "--max-turns", "3", "--configs", configs, "--no-progress", "--no-plots", "--time-scale", "20",
-         "--num-workers", "2"]
+         "--num-workers", "2", "--sessions-per-slot", "1"]
     )  # fmt: skip
     data = json.loads((out / "agentic.json").read_text())
     rows = {(r["config"], r["level"]): r for r in data["results"]}
     assert sorted(rows) == sorted((c, 2) for c in configs.split(","))
-    for r in rows.values():
+    for r in rows.values():  # one session per slot: no queue, so no steady window (the whole run is measured)
         assert r["requests_ok"] == 6 and r["requests_failed"] == 0
+        assert r["steady"]["window_s"] == 0.0 and r["steady"]["mean_ttft_s"] > 0
         total = r["share_gpu"] + r["share_cpu"] + r["share_pool"] + r["share_computed"]
         assert total == pytest.approx(1.0)
         assert r["share_gpu"] + r["share_cpu"] + r["share_pool"] == pytest.approx(r["reuse"])
