@@ -303,6 +303,8 @@ class KVCacheManager:
                 del metas[num_cpu + num_pool :]
                 num_needed = max(0, -(-num_tokens // self.block_size) - first)
         self.gpu.touch(gpu_hit)
+        if self.pool is not None:  # the pool's copy of what GPU and CPU served was used too (``PoolTier.refresh``)
+            self.pool.refresh(seq.block_hashes, first + num_cpu)
         seq.block_ids = [*gpu_hit, *self.gpu.allocate(num_needed)]
         seq.num_cached_blocks = first + num_cpu + num_pool
         seq.is_freed = False

@@ -205,6 +205,8 @@ class PoolTier:
         self.num_blocks_fetched = 0
         self.num_fetch_mismatches = 0
         self.num_fetch_lost = 0
+        self.num_refreshes = 0
+        """Existence checks made only to mark blocks served from GPU or CPU as used (``refresh``)."""
         """Reads that found an object gone which the lookup had found (its blocks announced removed)."""
         self.num_reads = 0
         """Restore reads made (``fetch`` calls that read anything)."""
@@ -281,6 +283,29 @@ class PoolTier:
                 return hit_of(first, end, found, inner, self.store.exists([o.key for o in inner]) if inner else [])
             found.append(obj)
         return hit_of(first, end, found, singles, present[len(spans) :])
+
+    def refresh(self, hashes: Sequence[BlockHash], end: int) -> None:
+        """Tell the pool that the chain's first ``end`` blocks were used again, though they came from GPU or CPU.
+
+        One batched existence check of the objects holding them, whose result is not needed: Mooncake grants a
+        lease on ``ExistKey`` (``batch_is_exist``) and evicts the objects whose lease ran out earliest first, so
+        without it a session that keeps hitting on one worker's GPU leaves its pool copy the oldest in the pool,
+        evicted while the session is live. LMCache's vLLM connector has the same effect: its
+        ``get_num_new_matched_tokens`` looks up the whole prompt, from its first token, whatever vLLM's own
+        prefix cache holds (``lmcache/integration/vllm/vllm_v1_adapter.py``). On the read threads when there are
+        any (not waited for), else inline. Counted in ``num_refreshes``.
+        """
+        if end <= 0:
+            return
+        spans, singles = lookup_objects(hashes, 0, min(end, len(hashes)), self.span_len)
+        keys = [o.key for o in spans] + [o.key for o in singles]
+        if not keys:
+            return
+        self.num_refreshes += 1
+        if self._reader is None:
+            self.store.exists(keys)
+        else:
+            self._reader.submit(self.store.exists, keys)
 
     # ------------------------------------------------------------------ stores
 
