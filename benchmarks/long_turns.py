@@ -17,9 +17,14 @@ concurrency: the proxy's CPU per request (its kernel CPU clock) and client-side 
 conversations: ``parse_request_async`` (a long body parsed in a worker thread, as the gateway does), the request
 view (``router.api.prompt_view``: long text tokenized and hashed in its worker threads, a prompt over
 ``OFF_LOOP_PLAN_CHARS`` planned there too, as the gateway does), ``PrefixIndex.match``
-and the chosen worker's approximate insertion (``insert_approximate``, as ``IndexTicket`` makes it for a worker
-without events), with a probe task that sleeps 1 ms in a loop and records how late it wakes (the longest time any
-request's routing held the loop), and the decision time of first and following turns.
+and the chosen worker's approximate insertion (``router.sliced_insert.SlicedInsert``, as ``IndexTicket`` makes it
+for a worker without events: root-first in slices, the first before the decision counts as made, the rest on the
+next turns of the loop), with a probe task that sleeps 1 ms in a loop and records how late it wakes, and the
+decision time of first and following turns. The lateness is the event loop's: the longest stretch in which it ran
+no timer, which is at least the longest synchronous step of any one request's routing (the slices included), plus
+the steps of every other request ready in the same turn of the loop and the time the loop waited for the GIL
+behind the parse and tokenizer threads; uvloop's timers have millisecond resolution, so a sample can read up to
+about 1 ms late on an idle loop.
 """
 
 from __future__ import annotations
@@ -263,6 +268,7 @@ async def _loop_point(model: Any, index: Any, kind: Any, convs: list[list[bytes]
         list[float], list[float], list[float]]:
     """Decision times of first and following turns, and the probe's lateness samples, for ``convs`` at once."""
     from router.api import parse_request_async, prompt_view
+    from router.sliced_insert import SlicedInsert
 
     lags: list[float] = []
     stop = asyncio.Event()
@@ -281,7 +287,7 @@ async def _loop_point(model: Any, index: Any, kind: Any, convs: list[list[bytes]
             t0 = time.perf_counter()
             view = await prompt_view(model, await parse_request_async(kind, body))
             index.match(view.block_hashes)
-            index.insert_approximate("w0", view.block_hashes, time.monotonic())
+            SlicedInsert(index, "w0", view.block_hashes, time.monotonic())
             (first if t == 0 else following).append(time.perf_counter() - t0)
             await asyncio.sleep(0)
 

@@ -12,7 +12,9 @@
    ``store.claim_or_touch(key, best)`` -> pure ``resolve`` -> ``store.move`` compare-and-set only when ownership
    changes; on a lost race, the owner the store returns wins); otherwise ``policy.select(view, snapshot)``;
 5. the chosen worker gets the request's blocks in the index (through the request's ``IndexTicket``, its one handle
-   on the index): approximate-mode workers with the index's TTL;
+   on the index), root-first in slices, the first at the decision and one per turn of the event loop after it
+   (``router.sliced_insert``: a long prompt's insertion never holds the loop in one step): approximate-mode
+   workers with the index's TTL;
    workers that publish events (one dp rank) as *pending* entries (``ModelConfig.enable_pending_blocks``,
    ``pending_blocks_ttl_s``) that its ``BlockStored`` events confirm. Pending rule: the prompt's full blocks in
    the worker's block size (engines cache full blocks only). A request routed behind it is scheduled FCFS and
@@ -62,6 +64,7 @@ from router.ownership import SessionOwnership
 from router.pool_watch import PoolWatcher
 from router.request_view import ParsedRequest, PromptView
 from router.sessions.base import SessionStore
+from router.sliced_insert import SlicedInsert
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +135,7 @@ class IndexLike(Protocol):
 
     def insert_approximate(
         self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0,
-        ttl_s: float | None = None,
+        ttl_s: float | None = None, max_new_blocks: int | None = None,
     ) -> ApproxInsert | None: ...
 
     def withdraw_approximate(self, inserted: ApproxInsert) -> int: ...
@@ -183,7 +186,7 @@ class IndexTicket:
         self._model = model
         self._view = view
         self._memo = memo
-        self.pending: ApproxInsert | None = None
+        self.pending: SlicedInsert | None = None
         self._journal_seq = 0
 
     def match(self) -> MatchResult | None:
@@ -229,9 +232,9 @@ class IndexTicket:
     def _insert(
         self, index: IndexLike, worker: WorkerRuntime, block_hashes: Sequence[int], match: MatchResult | None,
         now_s: float, ttl_s: float | None,
-    ) -> ApproxInsert | None:
-        """``index.insert_approximate`` unless the worker holds the chain and it was inserted recently (module doc);
-        returns the insertion (``None`` when skipped)."""
+    ) -> SlicedInsert | None:
+        """``index.insert_approximate`` unless the worker holds the chain and it was inserted recently (module doc),
+        root-first in slices (``router.sliced_insert``); returns the insertion (``None`` when skipped)."""
         num_blocks = len(block_hashes)
         if not num_blocks:
             return None
@@ -243,7 +246,7 @@ class IndexTicket:
             window_s = (ttl_s if ttl_s is not None else index.config.approx_ttl_s) * REFRESH_FRACTION
             if held is not None and held.num_gpu_blocks >= num_blocks and 0.0 <= now_s - last_s < window_s:
                 return None
-        inserted = index.insert_approximate(worker.worker_id, block_hashes, now_s, ttl_s=ttl_s)
+        inserted = SlicedInsert(index, worker.worker_id, block_hashes, now_s, ttl_s)
         if len(memo) >= MAX_RECENT_INSERTS:
             memo.clear()
         memo[key] = now_s
@@ -251,7 +254,7 @@ class IndexTicket:
 
     def _insert_for(
         self, index: IndexLike, worker: WorkerRuntime, match: MatchResult | None, now_s: float,
-    ) -> ApproxInsert | None:
+    ) -> SlicedInsert | None:
         """The blocks a request sent to ``worker`` makes it hold (module doc, step 5), inserted; ``None`` when the
         worker needs none (it publishes events and pending entries are off, or it has several dp ranks)."""
         view = self._view
@@ -275,7 +278,7 @@ class IndexTicket:
             return
         pending = self.pending
         if pending is not None:
-            index.withdraw_approximate(pending)
+            pending.withdraw()
             self.pending = None
             hashes = pending.block_hashes
             self._memo.pop((chosen.worker_id, hashes[-1], len(hashes)), None)

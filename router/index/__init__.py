@@ -11,7 +11,8 @@ Public API (all synchronous; call from one event loop)::
     index.apply_resync(resync: Resync) -> None             # drop a worker's own tiers: one dp rank, or all
     index.match(block_hashes: Sequence[int]) -> MatchResult
         # .workers[worker_id] = WorkerMatch(worker_id, dp_rank, num_gpu_blocks, num_cpu_blocks, num_pool_blocks)
-    index.insert_approximate(worker_id, block_hashes, now_s, dp_rank=0, ttl_s=None) -> ApproxInsert | None
+    index.insert_approximate(worker_id, block_hashes, now_s, dp_rank=0, ttl_s=None, max_new_blocks=None)
+        -> ApproxInsert | None
         # workers without events; pending blocks of a routed request (until its events confirm them)
     index.withdraw_approximate(inserted: ApproxInsert) -> int  # the request was refused or served elsewhere
     index.expire(now_s, max_blocks=None) -> int            # approximate blocks past their TTL (a bounded slice)

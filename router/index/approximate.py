@@ -71,6 +71,25 @@ class ApproxInsert(NamedTuple):
     prev_expiry_s: float | None = None
 
 
+def join_inserts(parts: Sequence[ApproxInsert]) -> list[ApproxInsert]:
+    """The withdrawals that undo ``parts``, successive insertions of one growing chain for one slot (the slices of
+    ``router.sliced_insert``), in the order to make them.
+
+    When every part that added blocks extended the same record, each from where the one before ended, with one
+    expiry, that is one insertion from the first's ``start`` to the last's ``end`` with the first's
+    ``prev_expiry_s``: what one insertion of the whole chain would have returned. Otherwise (another insertion made
+    a child record between two parts) the parts that added blocks, leaf-most first."""
+    added = [p for p in parts if p.record is not None]
+    if not added:
+        return []
+    first, last = added[0], added[-1]
+    if all(p.record is first.record and p.expiry_s == first.expiry_s and p.start == before.end
+           for before, p in zip(added, added[1:], strict=False)):
+        return [ApproxInsert(last.slot, last.block_hashes, last.expiry_s, last.record, first.start, last.end,
+                             first.prev_expiry_s)]
+    return added[::-1]
+
+
 def held_depth(state: IndexState, slot: Slot, hashes: Sequence[int]) -> int:
     """How many leading positions of the chain ``hashes`` the slot holds on GPU (group 0) without a break.
 
@@ -138,9 +157,12 @@ class Approximate:
         self._push(lower)
         return lower
 
-    def insert(self, slot: Slot, block_hashes: Sequence[int], now_s: float, ttl_s: float) -> ApproxInsert:
+    def insert(self, slot: Slot, block_hashes: Sequence[int], now_s: float, ttl_s: float,
+               max_new_blocks: int | None = None) -> ApproxInsert:
         """Hold ``block_hashes`` (our hashes from the root, group 0, GPU) for ``slot`` until ``now_s + ttl_s``
-        (module docstring, steps 1-3); ``block_hashes`` is non-empty."""
+        (module docstring, steps 1-3); ``block_hashes`` is non-empty. With ``max_new_blocks``, a slot without gaps
+        is given only the chain up to that many blocks past what it holds (``k + max_new_blocks`` positions; the
+        insertion's ``end`` says how far): a long chain inserted root-first in slices (``router.sliced_insert``)."""
         state = self.state
         hashes = tuple(block_hashes)
         n = len(hashes)
@@ -149,6 +171,9 @@ class Approximate:
         if slot.num_gaps:
             return self._insert_scan(slot, hashes, expiry_s)
         k = held_depth(state, slot, hashes)
+        if max_new_blocks is not None and n - k > max_new_blocks:
+            n = k + max_new_blocks
+            hashes = hashes[:n]
         tip = approx.get(hashes[k - 1]) if k else None
         if tip is not None and (len(tip.hashes) < k or tip.hashes[k - 1] != hashes[k - 1]):
             tip = None  # not this chain (a hash collision): no refresh

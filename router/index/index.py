@@ -97,14 +97,15 @@ class PrefixIndex:
     # ------------------------------------------------------------------ approximate mode
 
     def insert_approximate(
-        self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0, ttl_s: float | None = None
+        self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0, ttl_s: float | None = None,
+        max_new_blocks: int | None = None,
     ) -> ApproxInsert | None:
         """Record that a routing decision sent these blocks to a worker; see ``Upkeep.insert_approximate``.
 
         Raises:
-            ValueError: ``ttl_s`` is not positive.
+            ValueError: ``ttl_s`` or ``max_new_blocks`` is not positive.
         """
-        return self.upkeep.insert_approximate(worker_id, block_hashes, now_s, dp_rank, ttl_s)
+        return self.upkeep.insert_approximate(worker_id, block_hashes, now_s, dp_rank, ttl_s, max_new_blocks)
 
     def withdraw_approximate(self, inserted: ApproxInsert) -> int:
         """Undo one ``insert_approximate``; returns how many blocks went (``Upkeep.withdraw_approximate``)."""

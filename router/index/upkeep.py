@@ -384,7 +384,8 @@ class Upkeep:
     # ------------------------------------------------------------------ approximate mode
 
     def insert_approximate(
-        self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0, ttl_s: float | None = None
+        self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0, ttl_s: float | None = None,
+        max_new_blocks: int | None = None,
     ) -> ApproxInsert | None:
         """Record that a routing decision sent these blocks to a worker (no events, or not yet confirmed).
 
@@ -401,21 +402,25 @@ class Upkeep:
             now_s: monotonic time in seconds.
             dp_rank: the worker's rank, if known.
             ttl_s: lifetime in seconds of these blocks, or ``None`` for ``approx_ttl_s``.
+            max_new_blocks: link at most this many blocks past what the slot holds of the chain (``None``: all);
+                the insertion's ``end`` is one past the last position inserted (``Approximate.insert``).
 
         Returns:
             The insertion, for ``withdraw_approximate``; ``None`` for no blocks.
 
         Raises:
-            ValueError: ``ttl_s`` is not positive.
+            ValueError: ``ttl_s`` or ``max_new_blocks`` is not positive.
         """
         if ttl_s is not None and ttl_s <= 0.0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        if max_new_blocks is not None and max_new_blocks <= 0:
+            raise ValueError(f"max_new_blocks must be positive, got {max_new_blocks}")
         self.approximate.expire(now_s, REQUEST_PATH_EXPIRY_BLOCKS)
         if not block_hashes:
             return None
         config = self.state.config
         inserted = self.approximate.insert(self.state.slot(worker_id, dp_rank), block_hashes, now_s,
-                                           config.approx_ttl_s if ttl_s is None else ttl_s)
+                                           config.approx_ttl_s if ttl_s is None else ttl_s, max_new_blocks)
         self.approximate.evict_over_cap()
         if self.state.num_entries > config.max_blocks:
             self.prune()

@@ -27,7 +27,7 @@ class _NullIndex:
     def match(self, block_hashes):
         return None
 
-    def insert_approximate(self, worker_id, block_hashes, now_s):
+    def insert_approximate(self, worker_id, block_hashes, now_s, dp_rank=0, ttl_s=None, max_new_blocks=None):
         return None
 
 
