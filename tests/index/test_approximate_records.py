@@ -8,6 +8,7 @@ import pytest
 from events.types import BlockStored, EventBatch
 from router.block_hash import hash_token_blocks
 from router.index import IndexConfig, PrefixIndex
+from router.index.approximate import REQUEST_PATH_EXPIRY_BLOCKS
 
 pytestmark = pytest.mark.unit
 
@@ -110,10 +111,10 @@ def test_expiry_in_slices_drops_leaf_first_and_resumes() -> None:
     assert index.expire(10.0, max_blocks=1200) == 1200
     assert gpu_depth(index, hashes) == 3800 and index.has_expired(10.0)
     index.check_invariants()
-    # Inserted again at its expiry: the insertion drops one more slice (1,024) first, then the record is
-    # extended in place over what went.
+    # Inserted again at its expiry: the insertion drops one more slice (REQUEST_PATH_EXPIRY_BLOCKS, 256) first,
+    # then the record is extended in place over what went.
     again = index.insert_approximate("a", hashes, now_s=10.0)
-    assert again is not None and (again.start, again.end) == (2776, 5000) and again.record is not None
+    assert again is not None and (again.start, again.end) == (3800 - 256, 5000) and again.record is not None
     assert again.record.start == 0 and again.record.up is None
     assert index.expire(10.0) == 0
     assert gpu_depth(index, hashes) == 5000
@@ -127,7 +128,8 @@ def test_an_insertion_drops_a_bounded_slice_of_expired_blocks_first() -> None:
     index = PrefixIndex(IndexConfig(block_size=BS, approx_ttl_s=10.0))
     index.insert_approximate("a", chain(range(0, 2 * 3000)), now_s=0.0)
     index.insert_approximate("b", chain(range(9000, 9004)), now_s=20.0)
-    assert index.stats().num_approx_blocks == 3000 - 1024 + 2  # REQUEST_PATH_EXPIRY_BLOCKS went
+    assert REQUEST_PATH_EXPIRY_BLOCKS == 256
+    assert index.stats().num_approx_blocks == 3000 - 256 + 2  # REQUEST_PATH_EXPIRY_BLOCKS went
     assert index.has_expired(20.0)
 
 
