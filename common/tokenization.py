@@ -220,9 +220,10 @@ class HFTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """``[encode(t) for t in texts]``, encoded in parallel by the library (which releases the GIL meanwhile;
-        without character offsets where the library offers that, ``encode_batch_fast``: the same ids)."""
+        without character offsets where the library offers that, ``encode_batch_fast``: the same ids). Each
+        ``ids`` read is a new list already (not copied again: 0.3 ms of the GIL per 60K ids)."""
         encode = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
-        return [list(e.ids) for e in encode(list(texts), add_special_tokens=False)]
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
     def definition(self) -> dict[str, Any]:
         """The tokenizer's ``tokenizer.json`` document (normalizer, pre-tokenizer, model, added tokens)."""
