@@ -31,6 +31,9 @@ Presence is exact per block: a block at position ``p`` of a chain is in the pool
 missing, and a lookup (``PoolTier.lookup``) needs at most two batched existence checks: the spans and the tail,
 then (only when a span is missing) that span's singles.
 
+Layout marker: ``kvgate/v1/layout`` holds the span length and chunk layout every member of the pool uses
+(``workers.kv.pool_layout``, checked by each worker when it attaches); it names no block.
+
 Value of a span: its members' chunks (``workers.kv.pool_chunk``) back to back in chain order, each with its own
 manifest (magic, the block's hash, each layer group's digest), ``L × chunk_bytes`` bytes; a read checks the
 object's size and then every member it restores, against that member's hash, digests and tokens.
@@ -43,6 +46,7 @@ from typing import NamedTuple
 
 __all__ = [
     "KEY_PREFIX",
+    "LAYOUT_KEY",
     "MAX_BLOCKS_PER_SPAN",
     "SPAN_PREFIX",
     "PoolObject",
@@ -54,6 +58,8 @@ __all__ = [
 
 KEY_PREFIX = "kvgate/v1/"
 SPAN_PREFIX = KEY_PREFIX + "span/"
+LAYOUT_KEY = KEY_PREFIX + "layout"
+"""The pool's layout marker (``workers.kv.pool_layout``): which span length and chunk layout its members use."""
 MAX_BLOCKS_PER_SPAN = 64
 """Largest span (its key is then 1,088 characters)."""
 _HEX = frozenset("0123456789abcdef")

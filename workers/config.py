@@ -83,8 +83,9 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename
     go into one object keyed by its last block's hash (a chain's unfinished tail, fewer than ``L`` blocks, one
     object per block), because Mooncake's cost per object dominates its batch calls (558 blocks of 889 bytes:
     about 10 µs per object per put and 5 µs per read, against 0.4 and 0.2 µs per block as one object). 1: one
-    object per block. Workers sharing a pool should use the same value: a span is found only under its own
-    length."""
+    object per block. Workers sharing a pool must use the same value (a span is found only under its own length):
+    the first worker to attach records it in the pool (``workers.kv.pool_layout``) and a worker with another
+    value refuses to start (``PoolLayoutError`` naming both lengths)."""
     verify: Literal["all_bytes", "manifest"] = "all_bytes"
     """What a restore checks of each chunk it reads: ``all_bytes``: the manifest, each layer group's payload
     against its digest and the tokens expected, and the zero padding (every byte); ``manifest``: all but the

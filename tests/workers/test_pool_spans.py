@@ -20,6 +20,7 @@ from workers.kv.block_pool import BlockMeta  # noqa: E402
 from workers.kv.hashing import BlockHash, extend_block_hashes, namespace_root, to_engine_hash  # noqa: E402
 from workers.kv.manager import KVCacheManager, SequenceKV  # noqa: E402
 from workers.kv.pool_chunk import HostBuffer  # noqa: E402
+from workers.kv.pool_layout import LAYOUT_KEY  # noqa: E402
 from workers.kv.pool_tier import MooncakePoolStore, PoolObject, PoolTier, pool_key  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -92,7 +93,7 @@ def test_a_40_block_chain_is_two_spans_and_eight_singles_and_restores_exactly(ma
         store_all(a, hashes, metas)
         spans = [span_key(hashes[0:16]), span_key(hashes[16:32])]
         singles = [pool_key(h) for h in hashes[32:]]
-        assert sorted(master.keys()) == sorted(spans + singles)
+        assert sorted(master.keys()) == sorted([LAYOUT_KEY, *spans, *singles])  # and A's layout marker
         assert member_engine_hashes(spans[1]) == ehs(hashes[16:32])  # the key lists its members
         assert a_events == [stored_event(metas)]  # one BlockStored per block, as before
         assert (a.num_blocks_stored, a.block_counts()["num_blocks_stored_here"]) == (40, 40)
@@ -218,7 +219,7 @@ def test_one_block_per_span_is_the_per_block_layout(master: MooncakeMaster):
     try:
         a = tier(sa, a_events, blocks_per_span=1)
         store_all(a, hashes, metas)
-        assert sorted(master.keys()) == sorted(pool_key(h) for h in hashes)
+        assert sorted(master.keys()) == sorted([LAYOUT_KEY, *(pool_key(h) for h in hashes)])
         assert span_key(hashes[3:4]) == pool_key(hashes[3])
         assert a_events == [stored_event(metas)]
         b = tier(sb, [], blocks_per_span=1)
@@ -251,7 +252,7 @@ def test_the_manager_writes_spans_as_a_sequence_grows_and_another_worker_restore
         hashes = seq.block_hashes
         # the first two chunks were tails (singles 0-13); the third completes span 0 (blocks 14 and 15 only in it)
         singles = [pool_key(h) for h in (*hashes[:14], *hashes[16:20])]
-        assert sorted(master.keys()) == sorted([span_key(hashes[0:16]), *singles])
+        assert sorted(master.keys()) == sorted([LAYOUT_KEY, span_key(hashes[0:16]), *singles])
         assert a.pool is not None and a.pool.num_blocks_stored == 14 + 16 + 4
         seq_b = SequenceKV("b")
         hit = b.find_prefix(seq_b, [*tokens, 1], len(tokens) + 1)

@@ -38,7 +38,7 @@ import msgspec
 from events.types import AllBlocksCleared, BlockStored, KVEvent, Medium, SpecKind
 from workers.config import KVCacheConfig
 from workers.engines.base import BlockCopy
-from workers.errors import KVCacheError
+from workers.errors import ConfigError, KVCacheError
 from workers.kv.block_pool import BlockMeta, BlockPool
 from workers.kv.cpu_tier import CpuTier
 from workers.kv.hashing import BlockHash, extend_block_hashes, to_engine_hash
@@ -89,6 +89,7 @@ class KVCacheManager:
                 and config.pool.backend == "mooncake"
                 and config.pool.io == "threads"
             )
+        built_store = pool_store is None and config.pool is not None
         if pool_store is None and config.pool is not None:
             pool_store = build_pool_store(config.pool, self._on_pool_evict)
         self.groups = HybridGroups(
@@ -108,22 +109,25 @@ class KVCacheManager:
             else None
         )
         self._store_policy = config.cpu_store_policy if self.cpu is not None else "none"
-        self.pool: PoolTier | None = (
-            PoolTier(
-                pool_store,
-                config.block_size,
-                self._emit,
-                self.gpu.holds_all,
-                value_bytes_per_block=config.pool.value_bytes_per_block if config.pool is not None else 0,
-                num_layer_groups=config.pool.num_layer_groups if config.pool is not None else 1,
-                check_padding=config.pool is None or config.pool.verify == "all_bytes",
-                blocks_per_span=config.pool.blocks_per_span if config.pool is not None else 16,
-                io_threads=pool_io_threads,
-                num_read_threads=config.pool.read_threads if config.pool is not None else 1,
-            )
-            if pool_store is not None
-            else None
-        )
+        self.pool: PoolTier | None = None
+        if pool_store is not None:
+            try:  # attaching checks the pool's layout (workers.kv.pool_layout): PoolLayoutError, a ConfigError
+                self.pool = PoolTier(
+                    pool_store,
+                    config.block_size,
+                    self._emit,
+                    self.gpu.holds_all,
+                    value_bytes_per_block=config.pool.value_bytes_per_block if config.pool is not None else 0,
+                    num_layer_groups=config.pool.num_layer_groups if config.pool is not None else 1,
+                    check_padding=config.pool is None or config.pool.verify == "all_bytes",
+                    blocks_per_span=config.pool.blocks_per_span if config.pool is not None else 16,
+                    io_threads=pool_io_threads,
+                    num_read_threads=config.pool.read_threads if config.pool is not None else 1,
+                )
+            except ConfigError:
+                if built_store:
+                    pool_store.close()
+                raise
         self._pool_policy = (config.pool.store_policy if config.pool is not None else "all") if self.pool else "none"
         self._pending_pool_stores: list[BlockCopy] = []
         self._pending_pool_restores: list[BlockCopy] = []

@@ -81,6 +81,11 @@ class PoolStore(Protocol):
         """Drop objects (best effort; a chunk found corrupt)."""
         ...
 
+    def put_marker(self, key: str, value: bytes) -> bytes | None:
+        """Store a small marker object unless ``key`` holds one already, never evicted (``workers.kv.pool_layout``);
+        the value the pool holds under ``key`` then, ``None`` when the pool did not answer."""
+        ...
+
     def close(self) -> None:
         """Release the connection."""
         ...
@@ -105,6 +110,8 @@ class SimPool:
         """Every attached client's eviction callback: each gets every evicted key (a worker forgets what it knew)."""
         self._next_client = 0
         self.num_evicted = 0
+        self.markers: dict[str, bytes] = {}
+        """Marker objects (``PoolStore.put_marker``): kept apart from the blocks, never evicted, no capacity."""
 
     def attach(self, on_evict: Callable[[list[str]], None] | None = None) -> SimPoolClient:
         """A client for one worker; ``on_evict`` gets every key the pool evicts (the worker keeps what it knew)."""
@@ -206,6 +213,9 @@ class SimPoolClient:
 
     def remove(self, keys: Sequence[str]) -> None:
         self.pool.drop(keys)
+
+    def put_marker(self, key: str, value: bytes) -> bytes | None:
+        return self.pool.markers.setdefault(key, bytes(value))
 
     def close(self) -> None:
         self.pool._listeners.pop(self.client_id, None)
@@ -393,6 +403,24 @@ class MooncakePoolStore:
                 self._store.batch_remove(list(keys), True)
             except Exception as exc:  # noqa: BLE001
                 self._failed("batch_remove", exc)
+
+    def put_marker(self, key: str, value: bytes) -> bytes | None:
+        if not self.is_usable():
+            return None
+        try:
+            from mooncake.store import ReplicateConfig
+
+            config = ReplicateConfig()
+            config.with_hard_pin = True  # never evicted (docs/source/design/store/mooncake-store.md, "Soft Pin")
+            rc = self._store.put(key, value, config)  # an existing key keeps its value (and the call returns 0)
+            held = self._store.get(key)
+        except Exception as exc:  # noqa: BLE001
+            self._failed("put (marker)", exc)
+            return None
+        if not held:
+            logger.warning("mooncake put of marker %s against %s failed: %s", key, self.master_address, rc)
+            return None
+        return bytes(held)
 
     def close(self) -> None:
         self._store.close()

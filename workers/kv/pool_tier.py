@@ -70,6 +70,11 @@ from the I/O thread when a read or a put is done, so an idle loop wakes up for i
 in-process ``SimPool``, and stores passed in by tests) every call runs inline and completes before it returns.
 The existence checks (``lookup``, store rule 2) stay inline: one ``batch_is_exist`` round trip, 0.05-0.2 ms.
 
+Layout agreement (``workers.kv.pool_layout``): building a tier attaches it to the pool: it writes the pool's
+layout marker (span length, chunk layout) unless another member did, and raises ``PoolLayoutError`` when the
+marker records another layout, so a worker of another span length never joins a pool whose spans it would not
+find.
+
 Buffers: staging buffers (one per store job in flight, reused; at most ``max_free_staging_bytes`` kept idle) and
 restore buffers (one per read in flight, at most one per read thread kept idle), all from the store
 (``PoolStore.new_buffer``: registered with Mooncake), so chunks move without a copy on our side. A restore reads
@@ -91,8 +96,9 @@ from events.types import BlockRemoved, KVEvent, Medium
 from workers.errors import KVCacheError
 from workers.kv.block_pool import BlockMeta, emit_tier_stored, engine_hash_of
 from workers.kv.hashing import BlockHash, to_engine_hash
-from workers.kv.pool_chunk import ChunkLayout, HostBuffer
+from workers.kv.pool_chunk import CHUNK_VERSION, ChunkLayout, HostBuffer
 from workers.kv.pool_known import KnownObjects
+from workers.kv.pool_layout import PoolLayout, attach_layout
 from workers.kv.pool_read import PoolFetch, ReadResult, done_future, plan_batches, read_objects
 from workers.kv.pool_spans import PoolHit, hit_of, lookup_objects, objects_of, singles_inside, store_objects
 from workers.kv.pool_store import (
@@ -166,6 +172,8 @@ class PoolTier:
         Raises:
             ValueError: ``max_read_bytes`` or ``num_read_threads`` not positive, ``blocks_per_span`` not in
                 ``[1, MAX_BLOCKS_PER_SPAN]``.
+            PoolLayoutError: the pool's other members use another span length or chunk layout
+                (``workers.kv.pool_layout``; a ``ConfigError``): this worker does not attach.
         """
         if max_read_bytes <= 0:
             raise ValueError("max_read_bytes must be positive")
@@ -177,6 +185,12 @@ class PoolTier:
         self.block_size = block_size
         self.span_len = blocks_per_span
         self.layout = ChunkLayout(block_size, num_layer_groups, value_bytes_per_block)
+        self.pool_layout = attach_layout(
+            store,
+            PoolLayout(blocks_per_span, num_layer_groups, self.layout.chunk_bytes, block_size, CHUNK_VERSION),
+            str(getattr(store, "master_address", "in-process")),
+        )
+        """The layout the pool's members agreed on (``workers.kv.pool_layout``), ``None`` if the pool was down."""
         self._emit = emit
         self._on_gpu = on_gpu
         self._in_flight: set[str] = set()
