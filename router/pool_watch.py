@@ -28,7 +28,9 @@ last 8 digest bytes, big-endian, as the event's block hash (``events.types.fold_
 ``common.pool_keys``) is ``kvgate/v1/span/<16 hex digits per member but the last>/<hex of the last>``: its
 key lists every member's engine hash, so the listing alone says which blocks it holds (``pool_key_blocks``), and
 the events stay per block. A block is present while ``pieces_per_block`` of the objects holding it are (vLLM: one
-per TP rank and PP stage; kvgate: 1, its single object or any span holding it). Other keys are ignored
+per TP rank and PP stage; kvgate: 1, its single object or any span holding it). The workers' layout marker
+(``kvgate/v1/layout``) names no block; with ``blocks_per_span`` set, span keys of another length are counted
+(``num_span_length_mismatches``) and each other length logged once. Other keys are ignored
 (``num_foreign_keys``).
 
 Costs: a sweep is one listing of every key plus one pass over the index's pool holdings, in slices of
@@ -53,7 +55,7 @@ import aiohttp
 import msgspec
 import yarl
 
-from common.pool_keys import SPAN_PREFIX, member_engine_hashes
+from common.pool_keys import LAYOUT_KEY, SPAN_PREFIX, member_engine_hashes
 from events.types import BlockRemoved, EngineBlockHash, EventBatch, Medium
 from router.index import PrefixIndex
 from router.index.errors import UnknownWorkerError
@@ -187,6 +189,9 @@ class PoolWatcher:
         self.num_master_restarts = 0
         self.num_ttl_clears = 0
         self.num_foreign_keys = 0
+        self.num_span_length_mismatches = 0
+        """Span keys of another length than ``blocks_per_span`` seen by the sweeps (each sweep counts its own)."""
+        self._span_lengths_logged: set[int] = set()
         self.num_checks = 0
         self.num_checks_unanswered = 0
         self.num_check_drops = 0
@@ -254,14 +259,18 @@ class PoolWatcher:
         present: Counter[_PoolKey] = Counter()
         key_of: dict[_PoolKey, list[str]] = {}
         num_keys = 0
+        span_len = self.config.blocks_per_span
         for key in listing.splitlines():
             if not key:
                 continue
             num_keys += 1
             blocks = pool_key_blocks(key)
             if blocks is None:
-                self.num_foreign_keys += 1
+                if key != LAYOUT_KEY:  # the workers' layout marker names no block
+                    self.num_foreign_keys += 1
                 continue
+            if len(blocks) > 1 and span_len is not None and len(blocks) != span_len:
+                self._span_length_mismatch(key, len(blocks))
             for parsed in blocks:
                 present[parsed] += 1
                 key_of.setdefault(parsed, []).append(key)
@@ -289,6 +298,15 @@ class PoolWatcher:
         self.num_sweeps += 1
         self.last_sweep_s = time.perf_counter() - t0
         return True
+
+    def _span_length_mismatch(self, key: str, num_members: int) -> None:
+        self.num_span_length_mismatches += 1
+        if num_members not in self._span_lengths_logged:
+            self._span_lengths_logged.add(num_members)
+            logger.warning("pool watch: the master at %s holds spans of %d blocks (%s), the pool's workers use %d "
+                           "(pool_watch.blocks_per_span): a worker of another span length stores spans the others "
+                           "never look up", self._base, num_members, key[:40] + "...",
+                           self.config.blocks_per_span)  # fmt: skip
 
     # ------------------------------------------------------------------ drops
 

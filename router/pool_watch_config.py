@@ -13,6 +13,8 @@ YAML::
       entry_ttl_s: 5.0                    # pool entries not confirmed for this long are dropped (<= lease_ttl_s)
       decision_check_budget_s: 0.002      # per decision: confirm the chosen worker's pool blocks within this
       pieces_per_block: 1                 # objects one block is stored as (vLLM: TP ranks x PP stages)
+      blocks_per_span: 16                 # kvgate workers' kv-cache.pool.blocks-per-span (span keys of another
+                                          # length are counted and logged)
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ class PoolWatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Pool objects one block is stored as: kvgate workers put one (every layer group in one chunk: the block's
     single object, or a span holding it, any one of them enough); vLLM's connector puts one per TP rank and PP
     stage, and a block is loadable only while all of them are there."""
+    blocks_per_span: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
+    """The span length of the pool's kvgate workers (their ``kv-cache.pool.blocks-per-span``): a sweep counts the
+    span keys of another length in the listing (``num_span_length_mismatches``) and logs each other length once,
+    since a worker of another length stores spans the others never find (each worker refuses to attach to a pool
+    whose layout marker records another length, ``workers.kv.pool_layout``; this sees a pool mixed anyway, e.g.
+    after the marker's holder left). ``None``: not checked. Either way the watcher reads every span key right."""
     max_entries_per_slice: Annotated[int, msgspec.Meta(ge=1)] = 20_000
     """Index holdings compared per event-loop slice of a sweep (the loop runs requests between slices)."""
 

@@ -85,9 +85,12 @@ class Writer:
         self.store.close()
 
 
-def watcher_for(master: MooncakeMaster, index: PrefixIndex, clock: list[float], budget_s: float = 0.0) -> PoolWatcher:
+def watcher_for(
+    master: MooncakeMaster, index: PrefixIndex, clock: list[float], budget_s: float = 0.0, span_len: int | None = None
+) -> PoolWatcher:
     config = PoolWatchConfig(admin_url=master.admin_url, lease_ttl_s=2.0, entry_ttl_s=2.0, interval_s=0.5,
-                             request_timeout_s=1.0, decision_check_budget_s=budget_s)  # fmt: skip
+                             request_timeout_s=1.0, decision_check_budget_s=budget_s,
+                             blocks_per_span=span_len)  # fmt: skip
     return PoolWatcher(config, {"m": index}, clock=lambda: clock[0])
 
 
@@ -104,7 +107,7 @@ async def test_a_sweep_drops_exactly_the_blocks_the_master_no_longer_holds(maste
         seq = writer.serve(PROMPT)
         hashes = hash_token_blocks(PROMPT, BS)
         assert writer.index.match(hashes).get("b") == WorkerMatch("b", 0, 0, 0, 4)
-        assert await watcher.sweep() and watcher.num_entries_dropped == 0 and watcher.master_key_count == 4
+        assert await watcher.sweep() and watcher.num_entries_dropped == 0 and watcher.master_key_count == 5  # + marker
         writer.store.remove([pool_key(seq.block_hashes[2])])  # as the master's eviction would
         assert await watcher.sweep()
         assert watcher.num_entries_dropped == 1

@@ -7,8 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.pool_keys import member_engine_hashes, span_key
+from common.pool_keys import LAYOUT_KEY, member_engine_hashes, span_key
+from events.types import Medium
 from router.block_hash import hash_token_blocks
+from router.index import PrefixIndex
+from router.index.config import IndexConfig
 from router.index.result import WorkerMatch
 from router.pool_watch import parse_pool_key, pool_key_blocks
 from tests.mooncake_master import running_master
@@ -17,8 +20,13 @@ from tests.router.test_pool_watch import BS, H, Writer, watcher_for
 pytest.importorskip("mooncake.store")
 
 from loadgen.mooncake_master import MooncakeMaster  # noqa: E402
-from workers.kv.hashing import to_engine_hash  # noqa: E402
-from workers.kv.pool_tier import pool_key  # noqa: E402
+from workers.kv.block_pool import BlockMeta  # noqa: E402
+from workers.kv.hashing import (  # noqa: E402
+    extend_block_hashes,
+    namespace_root,
+    to_engine_hash,  # noqa: E402
+)
+from workers.kv.pool_tier import MooncakePoolStore, PoolTier, pool_key  # noqa: E402
 
 
 @pytest.fixture
@@ -53,10 +61,10 @@ async def test_a_sweep_and_a_check_drop_exactly_the_members_of_a_span_gone(maste
         seq = writer.serve(PROMPT)
         hashes = hash_token_blocks(PROMPT, BS)
         span = span_key(seq.block_hashes[0:16])
-        assert sorted(master.keys()) == sorted([span, *(pool_key(h) for h in seq.block_hashes[16:20])])
+        assert sorted(master.keys()) == sorted([LAYOUT_KEY, span, *(pool_key(h) for h in seq.block_hashes[16:20])])
         assert pool_key_blocks(span) == tuple((0, to_engine_hash(h)) for h in seq.block_hashes[0:16])
         assert writer.index.match(hashes).get("b") == WorkerMatch("b", 0, 0, 0, 20)
-        assert await watcher.sweep() and watcher.num_entries_dropped == 0 and watcher.master_key_count == 5
+        assert await watcher.sweep() and watcher.num_entries_dropped == 0 and watcher.master_key_count == 6
         assert await watcher.check("m", hashes) == 0
         writer.store.remove([pool_key(seq.block_hashes[18])])  # a single gone: that block only
         assert await watcher.sweep() and watcher.num_entries_dropped == 1
@@ -68,3 +76,35 @@ async def test_a_sweep_and_a_check_drop_exactly_the_members_of_a_span_gone(maste
     finally:
         await watcher.close()
         writer.close()
+
+
+@pytest.mark.integration
+async def test_a_sweep_counts_and_logs_the_spans_of_another_length(master: MooncakeMaster,
+                                                                   caplog: pytest.LogCaptureFixture):  # fmt: skip
+    store = MooncakePoolStore(master.address, global_segment_size=16 << 20, local_buffer_size=8 << 20)
+    try:
+        tokens = [9000 + i for i in range(16 * BS)]
+        hashes = extend_block_hashes([], namespace_root(), tokens, BS)
+        metas = [BlockMeta(h, hashes[i - 1] if i else None, tuple(tokens[i * BS : (i + 1) * BS]), i)
+                 for i, h in enumerate(hashes)]  # fmt: skip
+        tier = PoolTier(store, BS, lambda event: None, blocks_per_span=8)  # alone in the pool: its marker says 8
+        assert tier.prepare_store(1, hashes, metas) == list(range(16))
+        tier.complete_store(1)
+        spans = [span_key(hashes[0:8]), span_key(hashes[8:16])]
+        assert sorted(master.keys()) == sorted([LAYOUT_KEY, *spans])
+        index = PrefixIndex(IndexConfig(block_size=BS), pool_members={Medium.MOONCAKE: ["a"]})
+        watcher = watcher_for(master, index, [100.0], span_len=16)
+        await watcher.open()
+        try:
+            assert await watcher.sweep()
+            assert (watcher.num_span_length_mismatches, watcher.num_foreign_keys, watcher.master_key_count) == (2, 0, 3)
+            assert await watcher.sweep() and watcher.num_span_length_mismatches == 4  # each sweep counts its own
+            logged = [r.getMessage() for r in caplog.records if "spans of" in r.getMessage()]
+            said = [f"pool watch: the master at {master.admin_url} holds spans of 8 blocks ({key[:40]}...), the pool's "
+                    "workers use 16 (pool_watch.blocks_per_span): a worker of another span length stores spans the "
+                    "others never look up" for key in spans]  # fmt: skip
+            assert logged in ([said[0]], [said[1]])  # once, naming the first such key of the listing
+        finally:
+            await watcher.close()
+    finally:
+        store.close()
