@@ -80,7 +80,7 @@ def span_key(member_hashes: Sequence[bytes]) -> str:
         raise ValueError(f"a span holds 1 to {MAX_BLOCKS_PER_SPAN} blocks, not {len(member_hashes)}")
     if len(member_hashes) == 1:
         return pool_key(member_hashes[0])
-    return SPAN_PREFIX + "".join(h[-8:].hex() for h in member_hashes[:-1]) + "/" + member_hashes[-1].hex()
+    return SPAN_PREFIX + b"".join([h[-8:] for h in member_hashes[:-1]]).hex() + "/" + member_hashes[-1].hex()
 
 
 def member_engine_hashes(key: str) -> tuple[int, ...] | None:

@@ -130,3 +130,42 @@ def test_a_chunk_lacking_one_layer_group_is_a_miss_never_a_partial_load(damage: 
     assert key not in pool._data  # the damaged chunk is dropped from the pool: nobody reads it again
     (removed,) = a.take_events()  # and its writer tells the gateway
     assert removed == BlockRemoved(block_hashes=(to_engine_hash(seq.block_hashes[1]),), medium=Medium.MOONCAKE)
+
+
+def run_of(num_blocks: int) -> tuple[list[bytes], list[tuple[int, ...]], list[bytes]]:
+    tokens = [500 + i for i in range(num_blocks * BS)]
+    payloads: list[bytes] = []
+    hashes = extend_block_hashes([], namespace_root(), tokens, BS, payloads)
+    return hashes, [tuple(tokens[i * BS : (i + 1) * BS]) for i in range(num_blocks)], payloads
+
+
+@pytest.mark.parametrize("with_payloads", [False, True])
+def test_a_run_is_built_byte_for_byte_as_its_chunks_one_by_one(with_payloads: bool):
+    layout = ChunkLayout(BS, GROUPS, VALUE_BYTES)
+    hashes, tokens, payloads = run_of(5)
+    assert payloads[2] == b"".join(t.to_bytes(4, "little") for t in tokens[2])  # the tokens as hashed
+    run, one_by_one = HostBuffer(6 * VALUE_BYTES), HostBuffer(6 * VALUE_BYTES)
+    layout.write_run(run, 100, hashes, tokens, payloads if with_payloads else None)
+    for j in range(5):
+        layout.write(one_by_one.view, 100 + j * VALUE_BYTES, hashes[j], tokens[j])
+    assert run.data == one_by_one.data
+    with pytest.raises(ValueError, match="one full block"):
+        layout.write_run(run, 0, hashes[:2], tokens[:1])
+
+
+@pytest.mark.parametrize("position", [0, 5, 20, 50, 80, 95, 200, 316, 552, 800, 1000, 1023])
+@pytest.mark.parametrize("with_payloads", [False, True])
+def test_a_run_check_stops_at_the_chunk_with_one_altered_byte(position: int, with_payloads: bool):
+    layout = ChunkLayout(BS, GROUPS, VALUE_BYTES)
+    hashes, tokens, payloads = run_of(6)
+    data, scratch = HostBuffer(6 * VALUE_BYTES), HostBuffer(6 * VALUE_BYTES)
+    layout.write_run(data, 0, hashes, tokens)
+    given = payloads if with_payloads else None
+    assert layout.check_run(data.data, 0, scratch, hashes, tokens, True, given) == 6
+    data.data[4 * VALUE_BYTES + position] ^= 0x01  # chunk 4
+    is_padding = any(80 + g * 236 + 16 <= position < 80 + (g + 1) * 236 for g in range(GROUPS)) or position >= 1024
+    assert layout.check_run(data.data, 0, scratch, hashes, tokens, True, given) == 4
+    assert layout.check_run(data.data, 0, scratch, hashes, tokens, False, given) == (6 if is_padding else 4)
+    assert layout.check_run(data.data, VALUE_BYTES, scratch, hashes[1:], tokens[1:], True,
+                            given and given[1:]) == 3  # fmt: skip
+    assert layout.check_run(data.data, 0, scratch, hashes[:4], tokens[:4], True, given and given[:4]) == 4

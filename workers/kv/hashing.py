@@ -55,7 +55,11 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], root: BlockHash, token_ids: Sequence[int], block_size: int
+    hashes: list[BlockHash],
+    root: BlockHash,
+    token_ids: Sequence[int],
+    block_size: int,
+    payloads: list[bytes] | None = None,
 ) -> list[BlockHash]:
     """Append the hashes of every full block of ``token_ids`` not yet in ``hashes`` (in place).
 
@@ -64,14 +68,23 @@ def extend_block_hashes(
         root: the namespace root.
         token_ids: the whole sequence so far (prompt + output).
         block_size: tokens per block.
+        payloads: when given, each new block's tokens as hashed (``block_size`` little-endian u32, the bytes the
+            hash covers after the parent) are appended to it too: the pool tier's chunk payloads
+            (``workers.kv.pool_chunk``), packed once here instead of at every store and restore. Kept in step with
+            ``hashes`` by its owner (``SequenceKV.block_payloads``).
 
     Returns:
         ``hashes``, now ``len(token_ids) // block_size`` long.
     """
     parent = hashes[-1] if hashes else root
+    pack = struct.Struct(f"<{block_size}I").pack
+    sha256 = hashlib.sha256
     for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        payload = pack(*token_ids[i * block_size : (i + 1) * block_size])
+        parent = BlockHash(sha256(parent + payload).digest())  # hash_block
         hashes.append(parent)
+        if payloads is not None:
+            payloads.append(payload)
     return hashes
 
 

@@ -206,7 +206,7 @@ class KVCacheManager:
         Returns:
             The hit, capped at ``max_cached_blocks(num_prompt_tokens)``.
         """
-        hashes = extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size)
+        hashes = extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size, seq.block_payloads)
         limit = min(len(hashes), max_cached_blocks(num_prompt_tokens, self.block_size))
         gpu_ids: list[int] = []
         for h in hashes[:limit]:
@@ -237,7 +237,7 @@ class KVCacheManager:
 
     def find_gpu_prefix(self, seq: SequenceKV, token_ids: Sequence[int], num_prompt_tokens: int) -> tuple[int, ...]:
         """The GPU blocks of ``find_prefix``'s leading hit alone (no lower tier is asked), capped the same way."""
-        hashes = extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size)
+        hashes = extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size, seq.block_payloads)
         limit = min(len(hashes), max_cached_blocks(num_prompt_tokens, self.block_size))
         get = self.gpu.get_cached_block
         out: list[int] = []
@@ -279,7 +279,8 @@ class KVCacheManager:
         reading: PoolFetch | None = None
         if num_pool:
             assert self.pool is not None
-            reading = self.pool.start_fetch(metas[num_cpu:], hit.pool_objects)  # into host memory now
+            reading = self.pool.start_fetch(metas[num_cpu:], hit.pool_objects,
+                                            seq.block_payloads[first + num_cpu : first + len(metas)])  # fmt: skip
             if hybrid or reading.done():  # else read off the step: the hit counts whole until the read says less
                 num_pool = self.pool.finish_fetch(reading)
                 reading = None
@@ -397,7 +398,7 @@ class KVCacheManager:
         Returns:
             The ids of the store jobs issued (CPU tier, shared pool); they read ``seq``'s blocks until they land.
         """
-        extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size)
+        extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size, seq.block_payloads)
         end = min(num_computed_tokens // self.block_size, len(seq.block_hashes), len(seq.block_ids))
         start = seq.num_cached_blocks
         if end <= start:
@@ -436,7 +437,8 @@ class KVCacheManager:
             metas = [*self._metas(seq, token_ids, first, start), *metas]
         job_id = self._job_id()
         hashes = seq.block_hashes[first : first + len(metas)]
-        chosen = self.pool.prepare_store(job_id, hashes, metas, start - first)
+        payloads = seq.block_payloads[first : first + len(metas)]
+        chosen = self.pool.prepare_store(job_id, hashes, metas, start - first, payloads)
         if not chosen:
             return None
         self._pool_store_jobs.add(job_id)

@@ -28,6 +28,13 @@ The sim engine has no KV bytes: each piece's payload is the block's token ids (l
 checked against the tokens the restore expects, the manifest's digests, and zero padding: every byte of the chunk.
 A GPU engine would put each layer group's KV as its piece and check the digests.
 
+Runs (``write_run`` / ``check_run``): the chunks of consecutive slots are built in one pass (per block only the
+token ids' packing and the payload's digest; the manifest columns, the hashes and the other layer groups' copies
+are numpy column writes over the run), and a run is checked by building what ``write_run`` builds into a scratch
+buffer of the same layout and comparing the two (one ``memcmp`` of the whole run, every byte; with
+``check_padding`` off, the manifest and payload columns only), so the cost per block is the packing and one
+``xxh3_64`` call, whatever the layer groups and the padding.
+
 Staging (``HostBuffer``): chunks are built in place in host buffers the store can read from directly (registered
 with Mooncake: ``batch_put_from`` and ``batch_get_into`` move them without another copy). A buffer's slot ``j``
 always holds a chunk of the same layout at ``j × chunk_bytes``, and only the header and payload ranges are ever
@@ -42,6 +49,7 @@ import functools
 import struct
 from collections.abc import Sequence
 
+import numpy as np
 import xxhash
 
 CHUNK_MAGIC = b"KVGC"
@@ -145,6 +153,92 @@ class ChunkLayout:
                 return False
         tail_at, tail_bytes = self._tail
         return not (check_padding and tail_bytes) or data.startswith(_zeros(tail_bytes), offset + tail_at)
+
+    def _rows(self, data: bytearray, offset: int, num_chunks: int) -> np.ndarray:
+        """``data[offset : offset + num_chunks × chunk_bytes]`` as a ``[num_chunks, chunk_bytes]`` uint8 view."""
+        return np.frombuffer(data, np.uint8, num_chunks * self.chunk_bytes, offset).reshape(num_chunks, -1)
+
+    def write_run(
+        self,
+        buffer: HostBuffer,
+        offset: int,
+        hashes: Sequence[bytes],
+        tokens: Sequence[Sequence[int]],
+        payloads: Sequence[bytes] | None = None,
+    ) -> None:
+        """Build the chunks of ``len(hashes)`` blocks in consecutive slots from ``buffer.data[offset:]`` (slots whose
+        padding is zero), exactly as ``write`` would one by one (module docstring, Runs). ``payloads``: each
+        block's tokens packed already (``workers.kv.hashing.extend_block_hashes``), used instead of ``tokens``.
+
+        Raises:
+            ValueError: a block that is not ``block_size`` tokens, or a hash that is not 32 bytes.
+        """
+        num = len(hashes)
+        if not num:
+            return
+        data, view, step = buffer.data, buffer.view, self.chunk_bytes
+        head_bytes, n = self.header_bytes, self.payload_bytes
+        digest = xxhash.xxh3_64_intdigest
+        joined = b"".join(hashes)
+        if len(joined) != 32 * num or len(tokens) != num:
+            raise ValueError("a chunk holds one full block and its 32-byte hash")
+        rows = self._rows(data, offset, num)
+        if payloads is not None:
+            together = b"".join(payloads)
+            if len(together) != n * num or len(payloads) != num:
+                raise ValueError("a chunk holds one full block and its 32-byte hash")
+            rows[:, head_bytes : head_bytes + n] = np.frombuffer(together, np.uint8).reshape(num, n)
+            digests = list(map(digest, payloads))
+        else:
+            pack_into = self._tokens.pack_into
+            digests = []
+            at = offset + head_bytes
+            try:
+                for token_ids in tokens:
+                    pack_into(data, at, *token_ids)
+                    digests.append(digest(view[at : at + n]))
+                    at += step
+            except struct.error as exc:
+                raise ValueError("a chunk holds one full block and its 32-byte hash") from exc
+        rows[:, :16] = np.frombuffer(self._head, np.uint8)
+        rows[:, 16:HEAD_BYTES] = np.frombuffer(joined, np.uint8).reshape(num, 32)
+        sums = np.array(digests, "<u8").view(np.uint8).reshape(num, 8)
+        for i in range(self.num_pieces):
+            rows[:, HEAD_BYTES + 8 * i : HEAD_BYTES + 8 * i + 8] = sums
+        for start in self._piece_offsets[1:]:
+            rows[:, start : start + n] = rows[:, head_bytes : head_bytes + n]
+
+    def check_run(
+        self,
+        data: bytearray,
+        offset: int,
+        scratch: HostBuffer,
+        hashes: Sequence[bytes],
+        tokens: Sequence[Sequence[int]],
+        check_padding: bool = True,
+        payloads: Sequence[bytes] | None = None,
+    ) -> int:
+        """How many of the ``len(hashes)`` chunks in consecutive slots from ``data[offset:]``, from the first, are
+        exactly what ``write_run`` builds for these blocks (as ``check`` one by one: manifest, hash, digests,
+        payloads and, with ``check_padding``, the zero padding). Builds them into ``scratch`` (slot ``j`` at
+        ``j × chunk_bytes``: a buffer only ever used for this layout's runs, so its padding is zero) and compares;
+        the scratch buffer holds at least ``len(hashes)`` chunks; ``payloads`` as for ``write_run``."""
+        num = len(hashes)
+        if not num:
+            return 0
+        self.write_run(scratch, 0, hashes, tokens, payloads)
+        size = num * self.chunk_bytes
+        if check_padding and data.startswith(scratch.view[:size], offset):
+            return num  # every byte, in one compare
+        got, want = self._rows(data, offset, num), self._rows(scratch.data, 0, num)
+        if check_padding:
+            same = (got == want).all(axis=1)
+        else:
+            n = self.payload_bytes
+            same = (got[:, : self.header_bytes + n] == want[:, : self.header_bytes + n]).all(axis=1)
+            for start in self._piece_offsets[1:]:
+                same &= (got[:, start : start + n] == want[:, start : start + n]).all(axis=1)
+        return num if bool(same.all()) else int(np.argmin(same))
 
     def build(self, block_hash: bytes, token_ids: Sequence[int]) -> bytes:
         """One chunk as ``bytes`` (tests, tools)."""

@@ -1,5 +1,7 @@
 """A restore's read from the shared pool: one ``batch_get_into`` per batch of objects (up to ``max_read_bytes``)
-into a registered host buffer, then every restored block's chunk checked in place (``workers.kv.pool_chunk``).
+into a registered host buffer, then every restored block's chunk checked (``workers.kv.pool_chunk``): the blocks a
+batch restores lie in consecutive slots of the buffer (objects in chain order, back to back), so they are checked
+as one run (``ChunkLayout.check_run``: the chunks rebuilt in a scratch buffer and compared in one ``memcmp``).
 
 Objects are read whole (Mooncake moves whole objects): a span of which the restore needs some members is read
 entirely and only those members are checked and used (``workers.kv.pool_tier``, Restores).
@@ -10,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from itertools import accumulate
 
 from common.pool_keys import PoolObject
 from workers.kv.block_pool import BlockMeta
@@ -85,52 +88,60 @@ def read_objects(
     store: PoolStore,
     layout: ChunkLayout,
     buffer: HostBuffer,
+    scratch: HostBuffer,
     metas: Sequence[BlockMeta],
     batches: Sequence[tuple[list[PoolObject], int]],
     check_padding: bool,
+    payloads: Sequence[bytes] | None = None,
 ) -> ReadResult:
-    """Read the objects of ``batches`` (``plan_batches``: chain order, each object holding some of ``metas``,
-    which are consecutive chain positions), one ``get_into`` per batch into ``buffer`` (the largest batch's chunks
-    × ``chunk_bytes`` at least), and check each block of ``metas`` in its object: the object's size (its members
-    × ``chunk_bytes``), then the member's chunk (``ChunkLayout.check``: manifest, hash, digests, tokens, padding
-    with ``check_padding``). Stops at the first object missing or with other bytes.
+    """Read the objects of ``batches`` (``plan_batches``: chain order, consecutive positions, each object holding
+    some of ``metas``, which are consecutive chain positions), one ``get_into`` per batch into ``buffer`` (the
+    largest batch's chunks × ``chunk_bytes`` at least), and check each block of ``metas`` in its object: the
+    object's size (its members × ``chunk_bytes``), then the member's chunk (``ChunkLayout.check_run`` over the
+    batch's blocks of ``metas``, which lie in consecutive slots of ``buffer``: manifest, hash, digests, tokens,
+    padding with ``check_padding``; ``scratch`` holds as many chunks as ``buffer``; ``payloads``: the blocks'
+    tokens packed, one per meta, or ``None``). Stops at the first object missing or with other bytes.
 
     Raises:
         RuntimeError: ``objects`` do not hold ``metas`` in order (a plan from another chain).
     """
     t0 = time.perf_counter()
     step = layout.chunk_bytes
-    check = layout.check
     d0 = metas[0].depth if metas else 0
     d_end = d0 + len(metas)
+    hashes = [m.block_hash for m in metas]
     n = 0
     for batch, _ in batches:
-        offsets: list[int] = []
-        sizes: list[int] = []
-        at = 0
-        for obj in batch:
-            size = len(obj.member_hashes) * step
-            offsets.append(at)
-            sizes.append(size)
-            at += size
-        got = store.get_into([o.key for o in batch], buffer, offsets, sizes)
-        data = buffer.data
-        for obj, offset, size, num_read in zip(batch, offsets, sizes, got, strict=True):
+        sizes = [len(o.member_hashes) * step for o in batch]
+        offsets = list(accumulate(sizes, initial=0))
+        got = store.get_into([o.key for o in batch], buffer, offsets[:-1], sizes)
+        num_ok = len(batch)
+        if got != sizes:  # the first object missing or of another size
+            num_ok = next(i for i, (a, b) in enumerate(zip(got, sizes, strict=True)) if a != b)
+        if num_ok:
+            first = batch[0].first_depth
+            if first > d0 + n:
+                raise RuntimeError(f"pool object {batch[0].key} starts after block {n} of the restore")
+            last = batch[num_ok - 1]
+            stop = min(last.first_depth + len(last.member_hashes), d_end)  # exclusive chain position
+            lo = d0 + n - first  # the batch's slot of the restore's next block
+            planned = [h for o in batch[:num_ok] for h in o.member_hashes]
+            if planned[lo : stop - first] != hashes[n : stop - d0]:
+                raise RuntimeError(f"pool objects {batch[0].key} .. {last.key} do not hold blocks {n} .. "
+                                   f"{stop - d0 - 1} of the restore")  # fmt: skip
+            run = metas[n : stop - d0]
+            num_intact = layout.check_run(buffer.data, lo * step, scratch, hashes[n : stop - d0],
+                                          [m.token_ids for m in run], check_padding,
+                                          None if payloads is None else payloads[n : stop - d0])  # fmt: skip
+            if num_intact < len(run):
+                slot = lo + num_intact
+                k = next(i for i, end in enumerate(offsets[1:]) if end > slot * step)
+                return ReadResult(n + num_intact, time.perf_counter() - t0, bad=batch[k], bad_num_read=got[k])
+            n = stop - d0
+        if num_ok < len(batch):
+            obj, num_read = batch[num_ok], got[num_ok]
             if num_read < 0:
                 lost = obj if num_read == OBJECT_NOT_FOUND else None
                 return ReadResult(n, time.perf_counter() - t0, lost=lost)
-            if num_read != size:
-                return ReadResult(n, time.perf_counter() - t0, bad=obj, bad_num_read=num_read)
-            first, members = obj.first_depth, obj.member_hashes
-            if first > d0 + n:
-                raise RuntimeError(f"pool object {obj.key} starts after block {n} of the restore")
-            at = offset - first * step  # chunk of chain position d: at + d * step
-            for d in range(d0 + n, min(first + len(members), d_end)):
-                meta = metas[d - d0]
-                block_hash = meta.block_hash
-                if members[d - first] != block_hash:
-                    raise RuntimeError(f"pool object {obj.key} does not hold block {d - d0} of the restore")
-                if not check(data, at + d * step, step, block_hash, meta.token_ids, check_padding):
-                    return ReadResult(d - d0, time.perf_counter() - t0, bad=obj, bad_num_read=num_read)
-            n = max(n, min(first + len(members), d_end) - d0)
+            return ReadResult(n, time.perf_counter() - t0, bad=obj, bad_num_read=num_read)
     return ReadResult(n, time.perf_counter() - t0)

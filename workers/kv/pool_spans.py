@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from common.pool_keys import PoolObject, pool_key, span_key
+from common.pool_keys import KEY_PREFIX, PoolObject, pool_key, span_key
 from workers.kv.block_pool import BlockMeta
 from workers.kv.hashing import BlockHash
 
@@ -95,7 +95,7 @@ def store_objects(metas: Sequence[BlockMeta], span_len: int, num_context_blocks:
 def objects_of(metas: Sequence[BlockMeta], span_len: int) -> list[PoolObject]:
     """The objects holding ``metas`` (consecutive chain positions) when no lookup gave them: the spans ``metas``
     covers whole, singles for the rest."""
-    return [
-        PoolObject(key, metas[lo].depth, tuple(m.block_hash for m in metas[lo:hi]))
-        for key, lo, hi in store_objects(metas, span_len, 0)
-    ]
+    if span_len == 1:  # every block its own object (store_objects' first case, without the ranges)
+        return [PoolObject(KEY_PREFIX + m.block_hash.hex(), m.depth, (m.block_hash,)) for m in metas]
+    hashes = [m.block_hash for m in metas]
+    return [PoolObject(key, metas[lo].depth, tuple(hashes[lo:hi])) for key, lo, hi in store_objects(metas, span_len, 0)]

@@ -198,8 +198,9 @@ class PoolTier:
         self._jobs: dict[int, _StoreJob] = {}
         self._free_buffers: list[HostBuffer] = []
         self._max_free_staging_bytes = max_free_staging_bytes
-        self._read_buffers: list[HostBuffer] = []
-        """Idle restore buffers (at most one per read thread kept); a read takes one for its duration."""
+        self._read_buffers: list[tuple[HostBuffer, HostBuffer]] = []
+        """Idle restore buffers, each with its scratch buffer of the same size (at most one pair per read thread
+        kept); a read takes one for its duration."""
         self._read_lock = threading.Lock()
         self._num_read_threads = num_read_threads if io_threads else 1
         self._max_chunks_per_read = max(1, max_read_bytes // self.layout.chunk_bytes)
@@ -339,7 +340,12 @@ class PoolTier:
             self.store.release_buffer(free.pop())
 
     def prepare_store(
-        self, job_id: int, hashes: list[BlockHash], metas: Sequence[BlockMeta], num_context_blocks: int = 0
+        self,
+        job_id: int,
+        hashes: list[BlockHash],
+        metas: Sequence[BlockMeta],
+        num_context_blocks: int = 0,
+        payloads: Sequence[bytes] | None = None,
     ) -> list[int]:
         """Choose the objects to store (rules 1 and 2) and build their chunks in a staging buffer (rule 3).
 
@@ -349,6 +355,8 @@ class PoolTier:
             metas: one run of consecutive chain positions: ``num_context_blocks`` earlier members of the first
                 span (``span_start``), then the blocks just cached.
             num_context_blocks: leading blocks written only as members of a span this job completes.
+            payloads: each block's tokens packed (``SequenceKV.block_payloads``, one per meta), or ``None``: packed
+                here.
 
         Returns:
             Positions in ``metas`` of the blocks to copy (empty: no job).
@@ -357,6 +365,7 @@ class PoolTier:
             ValueError: ``metas`` is not one run of consecutive chain positions.
         """
         objects = store_objects(metas, self.span_len, num_context_blocks)
+        payloads = payloads if payloads is not None and len(payloads) == len(metas) else None  # else packed here
 
         def num_new(lo: int, hi: int) -> int:
             return hi - max(lo, min(hi, num_context_blocks))
@@ -376,9 +385,10 @@ class PoolTier:
         positions = [i for _, lo, hi in chosen for i in range(lo, hi)]
         layout = self.layout
         buffer = self._take_buffer(len(positions))
-        view, step = buffer.view, layout.chunk_bytes
-        for j, i in enumerate(positions):
-            layout.write(view, j * step, metas[i].block_hash, metas[i].token_ids)
+        step = layout.chunk_bytes
+        run = metas if len(positions) == len(metas) else [metas[i] for i in positions]  # slot j: positions[j]
+        payloads = payloads if payloads is None or run is metas else [payloads[i] for i in positions]
+        layout.write_run(buffer, 0, [m.block_hash for m in run], [m.token_ids for m in run], payloads)
         job_objects: list[tuple[str, tuple[BlockMeta, ...], int]] = []
         offset = 0
         for key, lo, hi in chosen:
@@ -466,47 +476,56 @@ class PoolTier:
 
     # ------------------------------------------------------------------ restores
 
-    def fetch(self, metas: Sequence[BlockMeta], objects: Sequence[PoolObject] = ()) -> int:
+    def fetch(
+        self, metas: Sequence[BlockMeta], objects: Sequence[PoolObject] = (), payloads: Sequence[bytes] | None = None
+    ) -> int:
         """Read blocks for a restore (into host memory) and wait for them; returns how many, from the first, were
         read intact (``start_fetch`` then ``finish_fetch``)."""
-        return self.finish_fetch(self.start_fetch(metas, objects))
+        return self.finish_fetch(self.start_fetch(metas, objects, payloads))
 
-    def start_fetch(self, metas: Sequence[BlockMeta], objects: Sequence[PoolObject] = ()) -> PoolFetch:
+    def start_fetch(
+        self, metas: Sequence[BlockMeta], objects: Sequence[PoolObject] = (), payloads: Sequence[bytes] | None = None
+    ) -> PoolFetch:
         """Submit the read of ``metas`` (consecutive chain positions) from ``objects`` (``PoolHit.objects``; the
         ones not holding any of ``metas`` are skipped; empty: the spans ``metas`` covers whole and singles), on
-        the read thread with ``io_threads``, else done at once."""
+        the read thread with ``io_threads``, else done at once; ``payloads``: the blocks' tokens packed
+        (``SequenceKV.block_payloads``, one per meta), or ``None``: packed for the checks."""
+        payloads = payloads if payloads is not None and len(payloads) == len(metas) else None  # else packed
         if metas:
             lo, hi = metas[0].depth, metas[-1].depth
             objects = (
-                [o for o in objects if o.first_depth <= hi and o.first_depth + o.num_blocks > lo]
+                [o for o in objects if o.first_depth <= hi and o.first_depth + len(o.member_hashes) > lo]
                 if objects
                 else objects_of(metas, self.span_len)
             )
         if not metas or self._reader is None:
-            return PoolFetch(metas, objects, done_future(self._read(metas, objects)))
-        future = self._reader.submit(self._read, metas, objects)
+            return PoolFetch(metas, objects, done_future(self._read(metas, objects, payloads)))
+        future = self._reader.submit(self._read, metas, objects, payloads)
         if self.wake is not None:
             future.add_done_callback(lambda _: self._wake())
         return PoolFetch(metas, objects, future)
 
-    def _take_read_buffer(self, num_bytes: int) -> HostBuffer:
+    def _take_read_buffer(self, num_bytes: int) -> tuple[HostBuffer, HostBuffer]:
+        """A restore buffer of ``num_bytes`` at least, with its scratch buffer (``ChunkLayout.check_run``)."""
         with self._read_lock:
             free = self._read_buffers
-            for i, buffer in enumerate(free):
+            for i, (buffer, _) in enumerate(free):
                 if buffer.num_bytes >= num_bytes:
                     return free.pop(i)
-        return self.store.new_buffer(num_bytes)
+        return self.store.new_buffer(num_bytes), HostBuffer(num_bytes)
 
-    def _give_read_buffer(self, buffer: HostBuffer) -> None:
+    def _give_read_buffer(self, buffers: tuple[HostBuffer, HostBuffer]) -> None:
         with self._read_lock:
             free = self._read_buffers
-            free.append(buffer)
-            free.sort(key=lambda b: b.num_bytes)
+            free.append(buffers)
+            free.sort(key=lambda b: b[0].num_bytes)
             extra = free.pop(0) if len(free) > self._num_read_threads else None  # the smallest goes
         if extra is not None:
-            self.store.release_buffer(extra)
+            self.store.release_buffer(extra[0])
 
-    def _read(self, metas: Sequence[BlockMeta], objects: Sequence[PoolObject]) -> ReadResult:
+    def _read(
+        self, metas: Sequence[BlockMeta], objects: Sequence[PoolObject], payloads: Sequence[bytes] | None
+    ) -> ReadResult:
         """The read itself (``read_objects``) into a restore buffer of its own, no other state (the read threads
         run several at once)."""
         if not metas:
@@ -514,11 +533,11 @@ class PoolTier:
         per_read = self._max_chunks_per_read
         batches = plan_batches(objects, per_read)
         most = max((n for _, n in batches), default=1)
-        buffer = self._take_read_buffer(max(most, min(_capacity(most), per_read)) * self.layout.chunk_bytes)
+        buffers = self._take_read_buffer(max(most, min(_capacity(most), per_read)) * self.layout.chunk_bytes)
         try:
-            return read_objects(self.store, self.layout, buffer, metas, batches, self._check_padding)
+            return read_objects(self.store, self.layout, *buffers, metas, batches, self._check_padding, payloads)
         finally:
-            self._give_read_buffer(buffer)
+            self._give_read_buffer(buffers)
 
     def finish_fetch(self, fetch: PoolFetch) -> int:
         """Apply a read's result (waiting for it if it is still running); how many blocks, from the first, were
@@ -563,16 +582,14 @@ class PoolTier:
     def _note_fetched(self, objects: Sequence[PoolObject], metas: Sequence[BlockMeta], gone: str | None) -> None:
         """Remember the objects read (those another worker stored, but ``gone``) with their members read intact."""
         known, stored = self._fetched, self._stored.objects
+        d0, num = metas[0].depth, len(metas)  # metas: consecutive chain positions
         i = 0
         for obj in objects:
-            stop = obj.first_depth + obj.num_blocks
-            j = i
-            while j < len(metas) and metas[j].depth < stop:
-                j += 1
+            j = min(obj.first_depth + len(obj.member_hashes) - d0, num)
             if j > i and obj.key not in stored and obj.key != gone:
                 known.add(obj.key, metas[i:j])
-            i = j
-            if i == len(metas):
+            i = max(i, j)
+            if i == num:
                 break
         while known.num_blocks > self._max_known_fetched and known.objects:
             known.pop_oldest()

@@ -27,6 +27,8 @@ class SequenceKV:
         request_id: the request.
         root: namespace root hash (LoRA name, cache salt).
         block_hashes: hashes of the sequence's full blocks so far.
+        block_payloads: each of those blocks' tokens as hashed (``extend_block_hashes``' ``payloads``), the pool
+            tier's chunk payloads (as many as ``block_hashes``).
         block_ids: the GPU block table.
         num_cached_blocks: leading blocks of ``block_ids`` already registered (or being restored).
         cpu_pinned: CPU blocks this sequence pinned for its restore.
@@ -41,6 +43,7 @@ class SequenceKV:
         "cache_salt",
         "root",
         "block_hashes",
+        "block_payloads",
         "block_ids",
         "num_cached_blocks",
         "cpu_pinned",
@@ -55,6 +58,7 @@ class SequenceKV:
         self.cache_salt = cache_salt
         self.root = namespace_root(lora_name, cache_salt)
         self.block_hashes: list[BlockHash] = []
+        self.block_payloads: list[bytes] = []
         self.block_ids: list[int] = []
         self.num_cached_blocks = 0
         self.cpu_pinned: list[BlockHash] = []
