@@ -19,12 +19,29 @@
    ``batch_get_into`` of one key) give the per-object cost of the batch calls: with the agentic scenario's
    blocks (``--num-blocks 558 --block-size 64 --value-bytes 889``, one client on the loaded 2-core host) one
    object moves the bytes 12-13× faster than 558 (3-5 us per object per call); there the worker with one object
-   per block (``--blocks-per-span 1``) reaches about 0.5 of the raw batch calls. With spans (the default, 16
-   blocks per object: 34 spans and 14 singles for 558 blocks) the worker's store takes 4.9-5.1 us per block and
-   its restore 2.9-3.2 us (same host, three runs), 1.05-1.24 and 1.05-1.13 of the raw per-block batch calls; the
-   raw batch call on the worker's own 48 objects (``spans_put_from`` / ``spans_get_into``) moves them 4-5× faster
-   still, the worker's per-block work in Python now dominating: the chunk checks (about 1 us per block), the chunk
-   builds (0.8 us), the store's existence check (0.4 us) and its events and bookkeeping.
+   per block (``--blocks-per-span 1``) reaches about 0.5 of the raw batch calls. The worker is driven as its KV
+   manager drives it: each block's tokens packed once when its hash is computed (``extend_block_hashes``'
+   ``payloads``, handed to ``prepare_store`` and ``fetch``), the restore given the objects its lookup found
+   (``PoolHit.objects``, built outside the timing as the raw calls' keys are), the stored blocks still on GPU (the
+   ``BlockStored`` event token-less). A store builds and a restore checks a batch's chunks as one run
+   (``ChunkLayout.write_run`` / ``check_run``: numpy columns, and every byte compared with the chunks rebuilt).
+   Figures (558 blocks of 889 bytes, a loaded 2-core host at load 3.2-3.9, three interleaved rounds, best of 5):
+   spans (16 blocks per object, 48 objects) store 3.4-5.6 us per block, restore 2.0-2.8 us, 0.34-0.52 and
+   0.31-0.38 of the raw batch call on the worker's own 48 objects (``spans_put_from`` / ``spans_get_into``; before
+   the runs, 6.2-10.1 and 3.7-7.0 us, 0.14-0.18 and 0.14-0.19), 1.6-2.5 and 1.6-3.0 of the raw per-block calls;
+   one block per object (``--blocks-per-span 1``) store 10.7-13.4 us, restore 5.6-7.2 us (before: 13.1-25.4 and
+   10.7-12.9; the layout before spans, same rounds: 13.9-24.7 and 7.8-13.5). The "before" figures are the
+   earlier code as this benchmark then drove it (tokens packed at every store and restore, the restore building its
+   objects' keys, the store's event with tokens); driven that way the new code restores spans in 4.3-4.8 us per
+   block and single blocks in 10.3-11.0 us, so most of the single-block gain is the packing kept from the hashing
+   and the keys kept from the lookup, and the rest of that layout's cost is Python objects per object (its
+   ``PoolObject``, the garbage collector's passes over them: with the collector off it restores as fast as the
+   layout before spans). What is left per block beside the raw
+   call on the spans: the store's existence check (store rule 2, one ``batch_is_exist``, about 0.5 us per block),
+   the chunk build and the restore's check (0.3-0.4 us per block each: an ``xxh3_64`` call per block, the numpy
+   column copies and a pass over every byte), the key building of the store's spans and its bookkeeping (the known
+   objects, the event). Every restored byte is compared, so a restore stays a pass over the bytes behind the raw
+   read; the raw read of 48 objects is itself only 0.6-0.8 us per block here.
 2. TTFT of a 100K-token history restored from the pool against recomputing it, under the sim timing model
    (``workers.engines.sim``, default H200 profile): the scheduler and sim engine run the turn on a worker whose GPU
    is cold, once with the history in the pool (stored by another worker) and once without; TTFT is the sum of the
@@ -47,7 +64,7 @@ from workers.engines.sim import SimEngine
 from workers.kv.block_pool import BlockMeta
 from workers.kv.hashing import extend_block_hashes, namespace_root, to_engine_hash
 from workers.kv.manager import KVCacheManager
-from workers.kv.pool_spans import store_objects
+from workers.kv.pool_spans import objects_of, store_objects
 from workers.kv.pool_tier import MooncakePoolStore, PoolTier, SimPool
 from workers.scheduler import Request, Scheduler
 
@@ -76,7 +93,8 @@ def one_round(tier: PoolTier, store: MooncakePoolStore, rep: int, args: argparse
     """GB/s of each operation on one batch of new blocks; the order of the contenders alternates with ``rep``."""
     bs = args.block_size
     tokens = [rep * 10_000_000 + i for i in range(args.num_blocks * bs)]
-    hashes = extend_block_hashes([], namespace_root(), tokens, bs)
+    payloads: list[bytes] = []  # each block's tokens as hashed, as a sequence keeps them (SequenceKV.block_payloads)
+    hashes = extend_block_hashes([], namespace_root(), tokens, bs, payloads)
     metas = [  # as the worker's KV manager builds them (its engine hash computed once)
         BlockMeta(
             h, hashes[i - 1] if i else None, tuple(tokens[i * bs : (i + 1) * bs]), i, None, None, to_engine_hash(h)
@@ -87,6 +105,7 @@ def one_round(tier: PoolTier, store: MooncakePoolStore, rep: int, args: argparse
     step = layout.chunk_bytes
     values = [layout.build(m.block_hash, m.token_ids) for m in metas]  # the worker's exact chunks
     objects = store_objects(metas, tier.span_len, 0)  # the worker's objects: spans, then the tail's singles
+    hit = objects_of(metas, tier.span_len)  # what a lookup hands the restore (PoolHit.objects)
     span_offsets = [lo * step for _, lo, _ in objects]
     span_sizes = [(hi - lo) * step for _, lo, hi in objects]
     staged = store.new_buffer(n * step)
@@ -109,10 +128,10 @@ def one_round(tier: PoolTier, store: MooncakePoolStore, rep: int, args: argparse
         for who in order:
             t = time.perf_counter()
             if who == "worker" and phase == "store":
-                assert len(tier.prepare_store(rep, hashes, metas)) == n
+                assert len(tier.prepare_store(rep, hashes, metas, 0, payloads)) == n
                 tier.complete_store(rep)
             elif who == "worker":
-                assert tier.fetch(metas) == n
+                assert tier.fetch(metas, hit, payloads) == n
             elif who == "put_batch":
                 assert raw.put_batch(keys["put_batch"], values) == 0
             elif who == "batch_put_from":
@@ -147,7 +166,8 @@ def throughput(args: argparse.Namespace) -> None:
     proc, address = start_master()
     try:
         store = MooncakePoolStore(address, global_segment_size=1 << 30, local_buffer_size=256 << 20)
-        tier = PoolTier(store, args.block_size, lambda event: None, value_bytes_per_block=args.value_bytes,
+        tier = PoolTier(store, args.block_size, lambda event: None, lambda hashes: True,  # blocks on GPU: token-less
+                        value_bytes_per_block=args.value_bytes,
                         num_layer_groups=args.layer_groups, check_padding=args.verify == "all_bytes",
                         blocks_per_span=args.blocks_per_span)  # fmt: skip
         best: dict[str, float] = {}
