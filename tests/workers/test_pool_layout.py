@@ -10,7 +10,7 @@ from tests.mooncake_master import running_master
 from workers.config import KVCacheConfig, PoolConfig
 from workers.kv.manager import KVCacheManager
 from workers.kv.pool_layout import LAYOUT_KEY, PoolLayout, PoolLayoutError, attach_layout
-from workers.kv.pool_store import SimPool
+from workers.kv.pool_store import SimPool, SimPoolClient
 
 BS = 4
 
@@ -65,3 +65,19 @@ def test_a_marker_key_holding_other_bytes_is_refused():
     pool.markers[LAYOUT_KEY] = b"not a marker"
     with pytest.raises(PoolLayoutError, match=r"kvgate/v1/layout holds 12 bytes that are no kvgate layout marker"):
         attach_layout(pool.attach(), PoolLayout(16, 1, 100, BS, 1), "sim")
+
+
+class SilentClient(SimPoolClient):
+    """A client whose pool does not answer (a Mooncake master that is down)."""
+
+    def put_marker(self, key: str, value: bytes) -> bytes | None:
+        return None
+
+
+def test_a_pool_that_does_not_answer_is_attached_unchecked_and_logged(caplog: pytest.LogCaptureFixture):
+    pool = SimPool(64)
+    client = SilentClient(pool, 1)
+    assert attach_layout(client, PoolLayout(16, 1, 100, BS, 1), "127.0.0.1:1") is None
+    assert pool.markers == {}
+    assert [r.getMessage() for r in caplog.records] == [
+        "pool 127.0.0.1:1 did not take or return its layout marker (kvgate/v1/layout): the layout was not checked"]

@@ -127,7 +127,7 @@ def attach_layout(store: _MarkerStore, ours: PoolLayout, where: str) -> PoolLayo
     """
     held = store.put_marker(LAYOUT_KEY, ours.encode())
     if held is None:
-        logger.warning("pool %s did not answer: its layout (%s) was not checked against this worker's", where,
+        logger.warning("pool %s did not take or return its layout marker (%s): the layout was not checked", where,
                        LAYOUT_KEY)  # fmt: skip
         return None
     pool = PoolLayout.decode(held)
