@@ -85,6 +85,10 @@ BUNDLED_DIR = Path(__file__).resolve().parent / "data" / "kv-cache-tester"
 
 SIM_VALUE_BYTES_PER_TOKEN = 4
 """The sim pool tier stores a block's token ids (u32): its value size per token (``workers.kv.pool_tier``)."""
+POOL_LEASE_MS = 1000
+"""The demo master's lease (wall ms): what a lookup or a use keeps from eviction. Mooncake's default is 5 s of
+real time; at the demo's time scale a 10 s lease would shield 200 simulated seconds of writes, a full pool's worth,
+from eviction, and every put past the high watermark would be refused."""
 MIN_SEGMENT_BYTES = 16 << 20
 """The smallest segment a Mooncake client may contribute (its ``client_buffer_allocation`` refuses less)."""
 
@@ -272,6 +276,7 @@ class MooncakeMaster:
         if not Path(binary).exists():
             raise LoadgenError("the shared configuration needs mooncake_master (pip install kvgate[mooncake])")
         self.rpc_port, self.metrics_port = PortPicker().ports(2)
+        self.lease_ms = lease_ms
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             self.popen = subprocess.Popen(  # noqa: S603 - a fixed binary, no shell
@@ -403,7 +408,7 @@ async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[Lev
             extra: list[str] = []
             pooled = name in ("shared", "pd-shared")
             if pooled:
-                master = MooncakeMaster(out_dir / "logs" / name / "mooncake_master.log")
+                master = MooncakeMaster(out_dir / "logs" / name / "mooncake_master.log", lease_ms=POOL_LEASE_MS)
                 extra = ["--pool-backend", "mooncake", "--mooncake-master", master.address,
                          "--mooncake-global-segment-size", str(sizing.pool_segment_bytes_per_worker),
                          "--pool-value-bytes-per-block", str(sizing.pool_value_bytes_per_block)]  # fmt: skip
@@ -420,13 +425,15 @@ async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[Lev
             await fleet.wait_ready()
             if pooled:
                 fleet.worker_extra = {"pools": ["MOONCAKE"]}
-            gateway_extra = None
+            gateway_extra: dict[str, Any] = {}
             if name.startswith("pd-"):  # the model served disaggregated over the workers' roles
                 pd_model = {"name": "sim", "block_size": config.block_size, "pd": pd_section(config)}
-                gateway_extra = {"models": [pd_model]}
+                gateway_extra["models"] = [pd_model]
+            if master is not None:
+                gateway_extra["pool_watch"] = pool_watch_section(master)
             for level in levels:
                 await fleet.reset_caches()
-                fleet.start_gateway(policy, config.block_size, gateway_extra)
+                fleet.start_gateway(policy, config.block_size, gateway_extra or None)
                 await fleet.wait_ready()
                 assert fleet.gateway is not None
                 urls = [w.url for w in fleet.workers]
@@ -454,6 +461,20 @@ async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[Lev
             if master is not None:
                 master.stop()
     return results, sizing
+
+
+def pool_watch_section(master: MooncakeMaster) -> dict[str, Any]:
+    """The gateway's ``pool_watch``: what the master evicted leaves the index within a sweep (each second), and a
+    decision whose pool blocks no sweep confirmed lately asks the master first (2 ms at most), as an operator of a
+    shared pool runs it (``router.pool_watch``); times are wall seconds, the lease the master's."""
+    lease_s = master.lease_ms / 1000
+    return {
+        "admin_url": f"http://{HOST}:{master.metrics_port}",
+        "lease_ttl_s": lease_s,
+        "interval_s": lease_s / 2,
+        "entry_ttl_s": lease_s,
+        "decision_check_budget_s": 0.002,
+    }
 
 
 def pd_section(config: AgenticConfig) -> dict[str, Any]:

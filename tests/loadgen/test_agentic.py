@@ -274,3 +274,17 @@ def test_conversation_only_flags_are_refused_not_ignored(tmp_path, capsys, extra
         f"error: {flags} apply to the conversation scenario only; a short agentic run is "
         "--configs split,shared --levels 16 --max-turns 3"
     )
+
+
+def test_the_shared_fleets_gateway_watches_the_pool_within_the_masters_lease():
+    from loadgen.agentic import POOL_LEASE_MS, pool_watch_section
+    from router.pool_watch_config import PoolWatchConfig
+
+    class Master:
+        metrics_port = 9003
+        lease_ms = POOL_LEASE_MS
+
+    section = pool_watch_section(Master())  # type: ignore[arg-type]
+    assert section == {"admin_url": "http://127.0.0.1:9003", "lease_ttl_s": 1.0, "interval_s": 0.5,
+                       "entry_ttl_s": 1.0, "decision_check_budget_s": 0.002}  # fmt: skip
+    assert msgspec.convert(section, PoolWatchConfig).entry_ttl_s == 1.0  # the gateway accepts it

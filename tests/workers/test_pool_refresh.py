@@ -4,6 +4,7 @@ last), so a session that keeps hitting on one worker's GPU is not the first the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -47,7 +48,7 @@ def test_an_admission_checks_the_objects_of_its_gpu_hit_once():
 @pytest.fixture
 def master_address() -> Iterator[str]:
     pytest.importorskip("mooncake.store")
-    with running_master(lease_ttl_ms=60_000) as m:
+    with running_master(lease_ttl_ms=500) as m:
         yield m.address
 
 
@@ -60,9 +61,12 @@ def test_a_refresh_leases_the_objects_of_the_hit_on_a_real_master(master_address
     try:
         tier = PoolTier(store, BS, lambda event: None, value_bytes_per_block=100)
         hashes, metas = chain(40)
-        store_all(tier, hashes, metas)  # a put grants no lease
-        tier.refresh(hashes, 20)  # blocks 0..19: spans 0 and 1 (16..31 holds 16..19)
+        store_all(tier, hashes, metas)
         raw = store._store
+        # a put grants no lease: the worker checks what it put, so a just-written object ranks as just used
+        assert raw.remove(pool_key(hashes[39])) == OBJECT_HAS_LEASE
+        time.sleep(0.7)  # the 500 ms lease runs out
+        tier.refresh(hashes, 20)  # blocks 0..19: spans 0 and 1 (16..31 holds 16..19)
         assert raw.remove(span_key(hashes[0:16])) == OBJECT_HAS_LEASE
         assert raw.remove(span_key(hashes[16:32])) == OBJECT_HAS_LEASE
         assert raw.remove(pool_key(hashes[33])) == 0  # a single the hit did not reach: not leased, removed

@@ -415,16 +415,28 @@ class PoolTier:
         sizes = [len(members) * step for _, members, _ in job.objects]
         if self._writer is None:
             try:
-                ok = self.store.put_from(keys, job.buffer, offsets, sizes)
+                ok = self._put_as_used(keys, job.buffer, offsets, sizes)
             except BaseException:
                 self._finish_store(job_id, [False] * len(keys))
                 raise
             self._finish_store(job_id, ok)
             return
-        future = self._writer.submit(self.store.put_from, keys, job.buffer, offsets, sizes)
+        future = self._writer.submit(self._put_as_used, keys, job.buffer, offsets, sizes)
         self._puts.append((job_id, future))
         if self.wake is not None:
             future.add_done_callback(lambda _: self._wake())
+
+    def _put_as_used(
+        self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[bool]:
+        """``put_from``, then one existence check of the objects put: Mooncake grants no lease on a put, so a
+        just-written object would rank with the never-used ones, first to be evicted; checked, it ranks as just
+        used, as an LRU ranks a write (``refresh`` says why the rank follows the lease)."""
+        ok = self.store.put_from(keys, buffer, offsets, sizes)
+        put = [k for k, done in zip(keys, ok, strict=True) if done]
+        if put:
+            self.store.exists(put)
+        return ok
 
     def _wake(self) -> None:
         wake = self.wake
