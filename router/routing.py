@@ -143,6 +143,10 @@ class IndexLike(Protocol):
     @property
     def journal_seq(self) -> int: ...
 
+    def open_journal_window(self) -> int: ...
+
+    def close_journal_window(self, seq: int) -> None: ...
+
     def evicted_since(self, worker_id: str, block_hash: int, seq: int) -> bool: ...
 
     def any_evicted_since(self, worker_id: str, block_hashes: Sequence[int], seq: int) -> bool: ...
@@ -187,7 +191,14 @@ class IndexTicket:
         self._view = view
         self._memo = memo
         self.pending: SlicedInsert | None = None
-        self._journal_seq = 0
+        self._journal_seq = -1
+        """The index's journal stamp at ``match``, held open until this ticket goes (``__del__``); -1 before."""
+
+    def __del__(self) -> None:
+        # The request is answered or dropped: no mismatch is read against the stamp any more, so the index's
+        # journals may drop what only it could read (``PrefixIndex.open_journal_window``).
+        if self._journal_seq >= 0 and self._index is not None:
+            self._index.close_journal_window(self._journal_seq)
 
     def match(self) -> MatchResult | None:
         """Every worker's cached depth of the prompt's blocks, or ``None`` (no index or no block).
@@ -198,7 +209,9 @@ class IndexTicket:
         index = self._index
         if index is None:
             return None
-        self._journal_seq = index.journal_seq
+        if self._journal_seq >= 0:  # matched again: the newer stamp replaces the older
+            index.close_journal_window(self._journal_seq)
+        self._journal_seq = index.open_journal_window()
         view = self._view
         if index.is_hybrid:
             return index.match(view.block_hashes[: view.num_cacheable_blocks])

@@ -362,7 +362,7 @@ class Holdings:
             self.state.num_approx -= 1
             self.state.counters["num_approx_blocks_confirmed"] += 1
             self.state.journal_seq += 1
-            slot.note_confirmed(block_hash, self.state.journal_seq)
+            slot.note_confirmed(block_hash, self.state.journal_seq, self.state.journal_floor)
             return
         key = (lane_key, block_hash)
         slot.copies[key] = slot.copies.get(key, 0) + 1

@@ -173,12 +173,25 @@ class PrefixIndex:
     @property
     def journal_seq(self) -> int:
         """GPU evictions and pending confirmations reported so far (a stamp to read ``evicted_since`` and
-        ``confirmed_since`` against)."""
+        ``confirmed_since`` against; one read past a journal's next pruning must be held by
+        ``open_journal_window``)."""
         return self.state.journal_seq
+
+    def open_journal_window(self) -> int:
+        """``journal_seq`` as a decision's stamp, kept readable: the journals keep every entry after it (and after
+        any stamp still open) until ``close_journal_window(stamp)``; entries at or before the oldest open stamp go
+        at their journal's next pruning (``router.index.slots.Journal``). O(1)."""
+        return self.state.open_journal_window()
+
+    def close_journal_window(self, seq: int) -> None:
+        """Release a stamp of ``open_journal_window`` (a decision answered or dropped); an unknown one is ignored.
+        O(1)."""
+        self.state.close_journal_window(seq)
 
     def evicted_since(self, worker_id: str, block_hash: int, seq: int) -> bool:
         """Whether ``worker_id`` reported evicting ``block_hash`` from its GPU (any dp rank) after the index's
-        ``journal_seq`` was ``seq`` (within each slot's journal of its latest ``MAX_EVICTED`` evictions)."""
+        ``journal_seq`` was ``seq``, a stamp held open (``open_journal_window``; each slot's journal keeps at most its
+        latest ``MAX_EVICTED`` evictions)."""
         return any(slot.evicted.get(block_hash, 0) > seq for slot in self.state.worker_slots(worker_id))
 
     def any_evicted_since(self, worker_id: str, block_hashes: Sequence[int], seq: int) -> bool:
@@ -220,7 +233,7 @@ class PrefixIndex:
     def confirmed_since(self, worker_id: str, block_hash: int, seq: int) -> bool:
         """Whether a store of ``worker_id`` confirmed ``block_hash``, until then only a pending entry, after the
         index's ``journal_seq`` was ``seq``: at that time the block was still being computed by a request in
-        flight (within each slot's journal of its latest ``MAX_EVICTED`` confirmations)."""
+        flight (``seq`` held open as for ``evicted_since``)."""
         return any(slot.confirmed.get(block_hash, 0) > seq for slot in self.state.worker_slots(worker_id))
 
     def num_blocks(self) -> int:

@@ -46,7 +46,7 @@ from router.block_hash import (
     tokens_to_bytes,
 )
 from router.index.holdings import Holdings
-from router.index.slots import LaneKey, Slot, journal
+from router.index.slots import LaneKey, Slot
 from router.index.state import GPU0, NULL_ID, ROOTED, IndexState
 from router.index.upkeep import Upkeep
 
@@ -339,10 +339,11 @@ class Ingest:
                 counters["num_blocks_removed"] += 1
                 if lane_key == GPU0:
                     self.state.journal_seq += 1
-                    slot.note_evicted(block_hash, self.state.journal_seq)
+                    slot.note_evicted(block_hash, self.state.journal_seq, self.state.journal_floor)
                 elif lane_key[0] == 0 and event.medium in self.state.pool_members:
-                    self.state.journal_seq += 1
-                    journal(self.state.pool_evicted.setdefault(event.medium, {}), block_hash, self.state.journal_seq)
+                    state = self.state
+                    state.journal_seq += 1
+                    state.pool_journal(event.medium).note(block_hash, state.journal_seq, state.journal_floor)
             else:
                 counters["num_removals_not_held"] += 1
             if not self.state.slot_holds_hash(slot, block_hash):
@@ -401,7 +402,7 @@ class Ingest:
                         copies[key] = num_copies - 1
                     num_dropped_copies += 1
                     state.journal_seq += 1
-                    slot.note_evicted(block_hash, state.journal_seq)
+                    slot.note_evicted(block_hash, state.journal_seq, state.journal_floor)
                     continue
             if not holders & mask:
                 num_not_held += 1
@@ -424,7 +425,7 @@ class Ingest:
             if kind[entry_id] != ROOTED and not gpu[parent[entry_id]] & mask:
                 gaps -= 1
             state.journal_seq += 1
-            slot.note_evicted(block_hash, state.journal_seq)
+            slot.note_evicted(block_hash, state.journal_seq, state.journal_floor)
             del engine[engine_hash]
             if not holders:
                 num_emptied += 1

@@ -8,6 +8,7 @@ every holder mask; ``match`` reports a worker's best rank.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from events.types import BlockStored, Medium
 
@@ -16,17 +17,57 @@ LaneKey = tuple[int, Medium]
 
 
 MAX_EVICTED = 65536
-"""Blocks each slot's eviction journal remembers (``Slot.evicted``)."""
+"""Most blocks a journal (``Slot.evicted``, ``Slot.confirmed``, ``IndexState.pool_evicted``) remembers, whatever
+decisions are still open: past it the oldest half goes (``Journal.prune``)."""
+JOURNAL_PRUNE_MIN = 4096
+"""Length at which a journal is first pruned of the entries no open decision can read (``Journal``)."""
 
 
-def journal(entries: dict[int, int], block_hash: int, seq: int) -> None:
-    """Stamp ``block_hash`` with ``seq`` as the newest entry, dropping the oldest half past ``MAX_EVICTED``."""
-    entries.pop(block_hash, None)
-    entries[block_hash] = seq
-    if len(entries) > MAX_EVICTED:
-        keep = list(entries.items())[MAX_EVICTED // 2:]
-        entries.clear()
-        entries.update(keep)
+class Journal(dict[int, int]):
+    """Our block hash -> the index's journal sequence number when it was last stamped, oldest first: what the
+    honesty check reads against a decision's stamp (``PrefixIndex.evicted_since``: an entry counts when its number
+    is above the stamp).
+
+    An entry whose number is at most ``floor`` (``IndexState.journal_floor``: the stamp of the oldest decision still
+    open, or the current number when none is) can answer no open or later decision, so a pruning drops it: once the
+    journal holds ``prune_at`` entries (``JOURNAL_PRUNE_MIN`` at first, then twice what the last pruning kept, at
+    most ``MAX_EVICTED + 1``) it is rebuilt from the entries above ``floor``, and past ``MAX_EVICTED`` from the
+    newest ``MAX_EVICTED // 2`` of those. The rebuild makes a new table: a dict keeps the table of its peak length
+    after deletions, which is what a journal of a busy worker would otherwise hold. Amortized O(1) per entry (a
+    pruning of ``n`` entries comes at least ``n / 2`` entries after the last one, or once at the cap).
+
+    Attributes:
+        prune_at: the length that triggers the next pruning.
+    """
+
+    __slots__ = ("prune_at",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prune_at = JOURNAL_PRUNE_MIN
+
+    def note(self, block_hash: int, seq: int, floor: Callable[[], int]) -> None:
+        """Stamp ``block_hash`` with ``seq`` as the newest entry; prune (``floor()`` read only then) at
+        ``prune_at``."""
+        self.pop(block_hash, None)
+        self[block_hash] = seq
+        if len(self) >= self.prune_at:
+            self.prune(floor())
+
+    def prune(self, floor: int) -> None:
+        """Keep the entries stamped above ``floor`` (the newest ``MAX_EVICTED // 2`` of them when the journal is
+        over ``MAX_EVICTED``), in a new table."""
+        kept = [(block_hash, seq) for block_hash, seq in self.items() if seq > floor]
+        if len(self) > MAX_EVICTED:
+            kept = kept[-(MAX_EVICTED // 2):]
+        self.clear()
+        self.update(kept)
+        self.prune_at = min(MAX_EVICTED + 1, max(JOURNAL_PRUNE_MIN, 2 * len(self)))
+
+
+def journal(entries: Journal, block_hash: int, seq: int, floor: Callable[[], int]) -> None:
+    """``entries.note(block_hash, seq, floor)``."""
+    entries.note(block_hash, seq, floor)
 
 
 class Slot:
@@ -58,10 +99,10 @@ class Slot:
         is_live: false once the slot is removed (stale expiry records skip it).
         warned: index counters this slot's refused events were already logged under at warning level.
         evicted: our hash -> the index's journal sequence number when the worker last reported removing that
-            block from its group 0 GPU lane (``BlockRemoved``), the most recent ``MAX_EVICTED`` blocks; the
-            honesty check reads it to tell an eviction after the decision from a wrong prediction.
+            block from its group 0 GPU lane (``BlockRemoved``), as far back as an open decision reads (``Journal``);
+            the honesty check reads it to tell an eviction after the decision from a wrong prediction.
         confirmed: our hash -> the journal sequence number when a ``BlockStored`` confirmed that block, held until
-            then only as a pending entry of a routed request (the most recent ``MAX_EVICTED``).
+            then only as a pending entry of a routed request (a ``Journal`` too).
     """
 
     __slots__ = (
@@ -100,16 +141,16 @@ class Slot:
         self.num_gaps = 0
         self.is_live = True
         self.warned: set[str] = set()
-        self.evicted: dict[int, int] = {}
-        self.confirmed: dict[int, int] = {}
+        self.evicted = Journal()
+        self.confirmed = Journal()
 
-    def note_evicted(self, block_hash: int, seq: int) -> None:
-        """Journal one GPU eviction (``evicted``)."""
-        journal(self.evicted, block_hash, seq)
+    def note_evicted(self, block_hash: int, seq: int, floor: Callable[[], int]) -> None:
+        """Journal one GPU eviction (``evicted``; ``floor``: ``IndexState.journal_floor``)."""
+        self.evicted.note(block_hash, seq, floor)
 
-    def note_confirmed(self, block_hash: int, seq: int) -> None:
-        """Journal one pending entry confirmed by the worker's store (``confirmed``)."""
-        journal(self.confirmed, block_hash, seq)
+    def note_confirmed(self, block_hash: int, seq: int, floor: Callable[[], int]) -> None:
+        """Journal one pending entry confirmed by the worker's store (``confirmed``; ``floor`` as above)."""
+        self.confirmed.note(block_hash, seq, floor)
 
     def num_parked(self) -> int:
         """Stores waiting for a parent."""

@@ -29,7 +29,7 @@ from router.index.approximate import REQUEST_PATH_EXPIRY_BLOCKS, Approximate, Ap
 from router.index.errors import UnknownWorkerError
 from router.index.holdings import Holdings
 from router.index.match import iter_bits
-from router.index.slots import LaneKey, Slot, journal
+from router.index.slots import LaneKey, Slot
 from router.index.state import GPU0, NULL_ID, POOL_MEDIA, ROOTED, UNSTAMPED, UNSTAMPED_BYTES, IndexState
 
 logger = logging.getLogger(__name__)
@@ -98,10 +98,11 @@ class Upkeep:
                         num_emptied += 1
             if lost:
                 self.state.journal_seq += 1
-                lost_journal = self.state.pool_evicted.setdefault(lane_key[1], {})
+                lost_journal = self.state.pool_journal(lane_key[1])
                 hash_of = self.state.hash_of
+                floor = self.state.journal_floor
                 for entry_id in lost:
-                    journal(lost_journal, hash_of[entry_id], self.state.journal_seq)
+                    lost_journal.note(hash_of[entry_id], self.state.journal_seq, floor)
             if num_cleared < slot.num_held[lane_key]:
                 # A held block no engine hash names (a broken ``Slot`` invariant): a clear must still be complete.
                 logger.error(
