@@ -181,12 +181,12 @@ class PrefixIndex:
         """``journal_seq`` as a decision's stamp, kept readable: the journals keep every entry after it (and after
         any stamp still open) until ``close_journal_window(stamp)``; entries at or before the oldest open stamp go
         at their journal's next pruning (``router.index.slots.Journal``). O(1)."""
-        return self.state.open_journal_window()
+        return self.state.windows.add(self.state.journal_seq)
 
     def close_journal_window(self, seq: int) -> None:
         """Release a stamp of ``open_journal_window`` (a decision answered or dropped); an unknown one is ignored.
         O(1)."""
-        self.state.close_journal_window(seq)
+        self.state.windows.release(seq)
 
     def evicted_since(self, worker_id: str, block_hash: int, seq: int) -> bool:
         """Whether ``worker_id`` reported evicting ``block_hash`` from its GPU (any dp rank) after the index's

@@ -343,7 +343,7 @@ class Ingest:
                 elif lane_key[0] == 0 and event.medium in self.state.pool_members:
                     state = self.state
                     state.journal_seq += 1
-                    state.pool_journal(event.medium).note(block_hash, state.journal_seq, state.journal_floor)
+                    state.pool_evicted[event.medium].note(block_hash, state.journal_seq, state.journal_floor)
             else:
                 counters["num_removals_not_held"] += 1
             if not self.state.slot_holds_hash(slot, block_hash):

@@ -65,9 +65,41 @@ class Journal(dict[int, int]):
         self.prune_at = min(MAX_EVICTED + 1, max(JOURNAL_PRUNE_MIN, 2 * len(self)))
 
 
-def journal(entries: Journal, block_hash: int, seq: int, floor: Callable[[], int]) -> None:
-    """``entries.note(block_hash, seq, floor)``."""
-    entries.note(block_hash, seq, floor)
+class JournalWindows:
+    """The journal stamps of the decisions still open (``PrefixIndex.open_journal_window``), each with how many
+    decisions share it.
+
+    Attributes:
+        open: stamp -> number of open decisions stamped with it.
+    """
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open: dict[int, int] = {}
+
+    def add(self, seq: int) -> int:
+        """Hold ``seq`` open for one more decision; returns it. O(1)."""
+        self.open[seq] = self.open.get(seq, 0) + 1
+        return seq
+
+    def release(self, seq: int) -> None:
+        """Release one decision's stamp ``seq``; an unknown stamp is ignored. O(1)."""
+        count = self.open.get(seq)
+        if count is None:
+            return
+        if count > 1:
+            self.open[seq] = count - 1
+        else:
+            del self.open[seq]
+            if not self.open:
+                self.open = {}  # a fresh table: a burst of decisions leaves none of its peak size
+
+    def floor(self, current_seq: int) -> int:
+        """The stamp at or below which no open decision reads a journal entry: the oldest open one, or
+        ``current_seq`` (the index's ``journal_seq``) when none is open. O(open decisions); read only when a journal
+        prunes."""
+        return min(self.open, default=current_seq)
 
 
 class Slot:

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import compress, repeat
 from operator import add, ne
@@ -67,7 +68,7 @@ import numpy as np
 from events.types import Medium
 from router.index.config import GroupKind, GroupSpec, IndexConfig
 from router.index.errors import IndexConfigError
-from router.index.slots import ApproxRecord, Journal, LaneKey, Slot
+from router.index.slots import ApproxRecord, Journal, JournalWindows, LaneKey, Slot
 
 POOL_MEDIA: frozenset[Medium] = frozenset({Medium.MOONCAKE})
 """Tiers shared by several workers; membership comes from ``set_pool_members``."""
@@ -168,9 +169,9 @@ class IndexState:
         self.approx_seq = 0
         self.num_approx = 0
         self.journal_seq = 0  # GPU and pool evictions, pending confirmations so far (journals below and per slot)
-        self.open_windows: dict[int, int] = {}
-        """Journal stamps of the decisions still open (``open_journal_window``) -> how many share each."""
-        self.pool_evicted: dict[Medium, Journal] = {}
+        self.windows = JournalWindows()
+        """The journal stamps of the decisions still open (``PrefixIndex.open_journal_window``)."""
+        self.pool_evicted: defaultdict[Medium, Journal] = defaultdict(Journal)
         """Per pool medium: blocks dropped from the pool's group 0 lane by a removal (``BlockRemoved`` of that
         medium: the pool watcher saw the master lose them, or a worker reported it), stamped with ``journal_seq``
         (a ``Journal``: as far back as an open decision reads): the honesty check reads a pool block lost after
@@ -181,36 +182,9 @@ class IndexState:
         for group_idx, spec in (groups or {}).items():
             self.set_group_spec(group_idx, spec)
 
-    def open_journal_window(self) -> int:
-        """Stamp a decision with ``journal_seq`` and keep the journals' entries after it until
-        ``close_journal_window`` (``Journal``); returns the stamp."""
-        seq = self.journal_seq
-        self.open_windows[seq] = self.open_windows.get(seq, 0) + 1
-        return seq
-
-    def close_journal_window(self, seq: int) -> None:
-        """Release one decision's stamp ``seq`` (an ``open_journal_window`` answer); an unknown stamp is ignored."""
-        count = self.open_windows.get(seq)
-        if count is None:
-            return
-        if count > 1:
-            self.open_windows[seq] = count - 1
-        else:
-            del self.open_windows[seq]
-            if not self.open_windows:
-                self.open_windows = {}  # a fresh table: a burst of decisions leaves none of its peak size
-
-    def pool_journal(self, medium: Medium) -> Journal:
-        """``pool_evicted[medium]``, made empty on first use."""
-        lost = self.pool_evicted.get(medium)
-        if lost is None:
-            lost = self.pool_evicted[medium] = Journal()
-        return lost
-
     def journal_floor(self) -> int:
-        """The journal stamp at or below which no open decision reads an entry: the oldest open stamp, or
-        ``journal_seq`` when none is open. O(open decisions); read only when a journal prunes."""
-        return min(self.open_windows, default=self.journal_seq)
+        """The stamp at or below which no open decision reads a journal entry (``JournalWindows.floor``)."""
+        return self.windows.floor(self.journal_seq)
 
     def reset_tables(self, lane_keys: Iterable[LaneKey]) -> None:
         """Empty id tables holding only the null id, with empty lanes ``lane_keys`` (plus ``GPU0``)."""

@@ -98,7 +98,7 @@ class Upkeep:
                         num_emptied += 1
             if lost:
                 self.state.journal_seq += 1
-                lost_journal = self.state.pool_journal(lane_key[1])
+                lost_journal = self.state.pool_evicted[lane_key[1]]
                 hash_of = self.state.hash_of
                 floor = self.state.journal_floor
                 for entry_id in lost:

@@ -86,24 +86,24 @@ def test_a_ticket_holds_its_stamp_open_from_its_match_until_it_goes():
     index.apply(EventBatch("w0", 0, 1, 0.0, (BlockRemoved(block_hashes=(7,)),)))
     assert state.journal_floor() == index.journal_seq == 1  # nothing open: the current stamp
     first = ticket(index)
-    assert state.open_windows == {}  # not matched yet
+    assert state.windows.open == {}  # not matched yet
     first.match()
     second = ticket(index)
     second.match()
-    assert state.open_windows == {1: 2}
+    assert state.windows.open == {1: 2}
     index.apply(EventBatch("w0", 0, 2, 0.0, (BlockRemoved(block_hashes=(6,)),)))
     third = ticket(index)
     third.match()
     third.match()  # matched again: one stamp per ticket, the newer
-    assert state.open_windows == {1: 2, 2: 1} and state.journal_floor() == 1
+    assert state.windows.open == {1: 2, 2: 1} and state.journal_floor() == 1
     del first
-    assert state.open_windows == {1: 1, 2: 1}
+    assert state.windows.open == {1: 1, 2: 1}
     del second
-    assert state.open_windows == {2: 1} and state.journal_floor() == 2
+    assert state.windows.open == {2: 1} and state.journal_floor() == 2
     del third
-    assert state.open_windows == {} and state.journal_floor() == 2
+    assert state.windows.open == {} and state.journal_floor() == 2
     index.close_journal_window(5)  # unknown: ignored
-    assert state.open_windows == {}
+    assert state.windows.open == {}
 
 
 def test_a_worker_journal_keeps_only_the_evictions_after_the_oldest_open_decision():
