@@ -93,6 +93,31 @@ bound is therefore 15%): what stays is slabs kept active by the survivors (alloc
 allocator; kvgate's CPU per request, median of 3 rounds, non-streaming / streaming): pymalloc 442 / 640 µs, jemalloc
 without thread caches (``narenas:1``) 492 / 588, with them 498 / 466, spreads of 30-150 µs: no difference above
 this host's noise.
+
+Found since (a 2-core host at load 2-4, untraced unless said, jemalloc's figures from ``/admin/debug/memory`` at each
+phase, ``/proc/<pid>/smaps``, and tracemalloc snapshots of a traced gateway at the baseline, the plateau and after the
+clears): the gateway's checks had slipped back as the request path grew (the hour: flat 1.136, back 1.196; ``--quick``:
+110.9 / 149.6-172.1 / 130.0 MiB, 1.150 / 1.172; ``--max-duration-s 300``: 5,551 requests, 1,835 s of trace, 40 churn
+steps, 111.2 / 186.6-205.3 / 134.3 MiB, 1.100 / 1.208, jemalloc allocated 76.1 -> 151.2 -> 79.0 MB and active 76.8 ->
+159.3 -> 97.0). After the clears the allocated bytes were back within 1-3 MB of the baseline, so no holder was left:
+what stayed was slabs kept active by the survivors of a peak that had grown. The largest part of that peak was the
+honesty check's journals (``Slot.evicted``, ``Slot.confirmed``, the pool's): up to 65,536 entries each whatever decision
+was still open to read them, about 6.8 MB a full one (its dict table and the stamps' ints; 13 MiB of the traced
+``--quick`` plateau's 47 MiB over the baseline for two workers), halved in a sawtooth, and dropped then regrown whenever
+the churn removed and re-added a worker. They now keep only the entries after the oldest decision still open
+(``router.index.slots.Journal``: a ticket holds its stamp from its match until it goes, and a journal is rebuilt, a new
+table, from the entries above that stamp once it reaches 4,096 entries). With that: ``--quick`` 109.9-110.0 /
+154.1-168.7 / 119.7-119.9 MiB (1.068-1.082 / 1.088-1.090, 2 runs, both pass; allocated at the plateau 108.2-108.5 MB
+against 124-125 before); ``--max-duration-s 300`` (2 runs: 6,477 and 7,013 requests, 2,145 and 2,320 s of trace, 43 and
+45 churn steps, none failed): 110.1 / 162.2-181.1 and 166.1-180.9 / 126.2 and 127.0 MiB (flat 1.117 and 1.089, back
+1.146 and 1.153: the flat check passes once of two, the back check fails), allocated 76.2 -> 116.8-120.6 -> 79.0-79.2
+MB, active 76.8 -> 125.0-127.0 -> 90.5-91.3, RSS per (block, worker) holding at the plateau 757 bytes (1,130 before).
+What is left there: 11.5-12 MB of slabs the survivors keep active after the clears (allocated +2.8-3.0 MB), and at the
+plateau 14-19 MB of freed pages jemalloc has not purged yet (resident 141.4-144.4 MB against 125.0-127.0 active), which
+rise and fall with the churn's bursts. With ``dirty_decay_ms:0`` besides (``--malloc-conf``; one 300 s run, 7,226
+requests, 2,398 s of trace): 110.1 / 158.5-173.6 / 126.8 MiB (1.096 / 1.152), unpurged pages at the plateau 7 MB
+(resident 133.8 against 126.7 active), the slabs after the clears as before (allocated 79.3, active 91.1 MB): a flatter
+plateau on one run, not yet made the default.
 """
 
 from __future__ import annotations
