@@ -166,16 +166,13 @@ class IndexState:
         for group_idx, spec in enumerate(self.config.groups):
             self.set_group_spec(group_idx, spec)
         self.approx_queue: list[tuple[float, int, ApproxRecord]] = []  # heap by expiry (router.index.approximate)
-        self.approx_seq = 0
-        self.num_approx = 0
+        self.approx_seq = self.num_approx = 0
         self.journal_seq = 0  # GPU and pool evictions, pending confirmations so far (journals below and per slot)
-        self.windows = JournalWindows()
-        """The journal stamps of the decisions still open (``PrefixIndex.open_journal_window``)."""
+        self.windows = JournalWindows()  # the stamps of the decisions still open (``open_journal_window``)
         self.pool_evicted: defaultdict[Medium, Journal] = defaultdict(Journal)
-        """Per pool medium: blocks dropped from the pool's group 0 lane by a removal (``BlockRemoved`` of that
-        medium: the pool watcher saw the master lose them, or a worker reported it), stamped with ``journal_seq``
-        (a ``Journal``: as far back as an open decision reads): the honesty check reads a pool block lost after
-        the decision as a forecast miss of every pool member, as ``Slot.evicted`` is for one worker's GPU."""
+        """Per pool medium: blocks dropped from its group 0 lane by a ``BlockRemoved`` of that medium (the watcher
+        saw the master lose them, or a worker said so), stamped with ``journal_seq``: the honesty check reads a pool
+        block lost after the decision as a forecast miss of every member, as ``Slot.evicted`` is for one GPU."""
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         for medium, workers in (pool_members or {}).items():
             self.set_pool_members(medium, workers)
@@ -183,7 +180,7 @@ class IndexState:
             self.set_group_spec(group_idx, spec)
 
     def journal_floor(self) -> int:
-        """The stamp at or below which no open decision reads a journal entry (``JournalWindows.floor``)."""
+        """The stamp at or below which no open decision reads a journal entry."""
         return self.windows.floor(self.journal_seq)
 
     def reset_tables(self, lane_keys: Iterable[LaneKey]) -> None:
@@ -277,10 +274,8 @@ class IndexState:
     # ------------------------------------------------------------------ ids
 
     def iota_slice(self, start: int, num_ids: int) -> array[int]:
-        """``array("q", range(start, start + num_ids))`` by one copy (``iota[i] == i``, grown on demand by
-        ``IOTA_GROWTH`` ids past ``end``, from numpy's ``arange`` bytes: ``array.extend(range(...))`` made an int
-        object per id, 4-7 ms per 65,536 ids on a busy 2-core host, on the event loop when a routed prompt's
-        insertion grew the tables; 0.1-0.3 ms so)."""
+        """``array("q", range(start, start + num_ids))`` by one copy (``iota[i] == i``, grown by ``IOTA_GROWTH``
+        past ``end`` from numpy's ``arange`` bytes: 0.1-0.3 ms, not ``array.extend(range(...))``'s 4-7 ms)."""
         iota = self.iota
         end = start + num_ids
         if len(iota) < end:
@@ -322,8 +317,7 @@ class IndexState:
         log.append(entry_id)
 
     def compact_log(self) -> None:
-        """Drop stale records from the eviction log, and stamp every entry with its record's new position (O(log
-        length), vectorized: a few numpy passes over ``log``, ``stamp`` and ``kind``)."""
+        """Drop stale records from the eviction log; stamp every entry with its record's new position (numpy)."""
         if not self.log:
             return
         ids = np.frombuffer(self.log, dtype=np.int64)

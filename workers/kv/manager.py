@@ -16,16 +16,15 @@ covers consecutive full blocks from the first found on GPU, continued on CPU, th
 
 Restores: the continuation found on CPU is copied into GPU blocks reserved by ``admit`` (counted against free
 blocks before anything is taken, so a restore is admitted only when its targets exist). When the copy lands,
-the blocks are registered in the GPU prefix index (``BlockStored`` GPU) so the next turn hits on GPU. A sequence
-freed while its restore is in flight keeps its blocks until the copy lands (the DMA still writes them).
+the blocks are registered in the GPU prefix index (``BlockStored`` GPU) so the next turn hits on GPU; a sequence
+freed meanwhile keeps its blocks until the copy lands. ``admit`` marks the pool copy of its GPU and CPU hit used.
 
 Pool reads off the step (``PoolTier`` with ``io_threads``): ``admit`` submits the read of the pool part and
 reserves its GPU blocks at once, counting the hit as found; the restore then has one more job, the read, that
 ``take_finished_reads`` reports once its bytes are in host memory (the scheduler keeps the request restoring until
 every job landed). A read that comes back short (evicted or corrupt chunks) shortens the hit then: the blocks
 after the last intact one stay in the sequence's table, to be computed, and ``seq.num_cached_blocks`` drops to
-match (the scheduler reports the shorter hit as cached). Hybrid models read inline (their checkpoints decide how
-far a hit is usable at admission).
+match (the scheduler reports the shorter hit as cached). Hybrid models read inline (checkpoints decide the hit).
 """
 
 from __future__ import annotations

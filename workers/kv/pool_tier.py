@@ -6,16 +6,11 @@ pool into GPU blocks reserved for them. The pool is keyed by the worker's collis
 restored by any other worker attached to the same pool. The store behind it (``workers.kv.pool_store``): an
 in-process ``SimPool`` or a Mooncake Store client.
 
-Objects (``common.pool_keys``): one object per span of ``blocks_per_span`` (``L``) aligned blocks of a chain,
-keyed by its last block's hash, and one per block of a chain's unfinished tail::
-
-    key(span)  = "kvgate/v1/span/" + engine hashes of members 0 .. L-2 + "/" + hex(last member's hash)
-    key(block) = "kvgate/v1/" + hex(block_hash)
-
-so a 558-block restore reads 35 spans and 14 singles instead of 558 objects (Mooncake's cost per object, a
-master lookup and a transfer per key inside ``batch_get_into`` / ``batch_put_from`` / ``batch_is_exist``,
-dominated the per-block layout: about 5 µs per object per read, 10 µs per put, against 0.2 and 0.4 µs per block
-of the same bytes as one object). ``L = 1`` is the per-block layout exactly.
+Objects (``common.pool_keys`` gives the keys): one object per span of ``blocks_per_span`` (``L``) aligned blocks
+of a chain, keyed by its last block's hash, and one per block of a chain's unfinished tail, so a 558-block
+restore reads 35 spans and 14 singles instead of 558 objects (Mooncake's cost per object, a master lookup and a
+transfer per key in each batch call, dominated the per-block layout: about 5 µs per object per read, 10 µs per
+put, against 0.2 and 0.4 µs per block of the same bytes as one object). ``L = 1`` is the per-block layout.
 
 Values: one chunk per block (``workers.kv.pool_chunk``): a manifest header and every layer group's piece; a span's
 value is its members' chunks back to back. The pool keeps or evicts an object whole, so a span is written and
@@ -55,32 +50,24 @@ the hit ends inside it) reads the whole object and checks and uses the members i
 ``L - 1`` chunks it does not use (``(L - 1) × chunk_bytes``: 13.0 KiB at the agentic scenario's 889-byte chunks),
 a fraction of one object's fixed cost on Mooncake.
 
-I/O off the engine step (``io_threads``): with a real store (Mooncake), the reads and the puts are the slow part
-of a restore or a store (wall time on this host, which a paced sim worker counts ``time_scale`` times over), so
-they run on background threads (``num_read_threads`` reading, several restores at once, and one writing, FIFO;
-the Mooncake client releases the GIL in its calls) instead of inside the engine loop. ``start_fetch`` submits a
-read and returns at once; the engine keeps stepping the other sequences while the request waits with its GPU
-blocks reserved (``KVCacheManager.admit``); ``finish_fetch`` applies the result on the loop's thread (counters,
-the removal of a corrupt chunk, the known blocks) once ``PoolFetch.done``. ``complete_store`` submits the put
-the same way and ``poll_stores`` announces the blocks put (``BlockStored`` MOONCAKE) when it has landed; a block
-stays "in flight" (rule 1) until then. vLLM loads a connector's KV the same way: ``get_num_new_matched_tokens``
-returns ``load_kv_async`` and the request waits in ``WAITING_FOR_REMOTE_KVS``, blocks allocated, while the
-scheduler runs the others (``vllm/v1/core/sched/scheduler.py``). ``wake`` (set by the engine loop) is called
-from the I/O thread when a read or a put is done, so an idle loop wakes up for it. Without ``io_threads`` (the
-in-process ``SimPool``, and stores passed in by tests) every call runs inline and completes before it returns.
-The existence checks (``lookup``, store rule 2) stay inline: one ``batch_is_exist`` round trip, 0.05-0.2 ms.
+I/O off the engine step (``io_threads``): with Mooncake, reads and puts (wall time, which a paced sim worker
+counts ``time_scale`` times over) run on background threads (``num_read_threads`` reading, one writing, FIFO; the
+client releases the GIL). ``start_fetch`` submits a read and returns at once; the engine steps the other sequences
+while the request waits with its GPU blocks reserved, as vLLM's scheduler keeps a connector's load in
+``WAITING_FOR_REMOTE_KVS`` (``vllm/v1/core/sched/scheduler.py``); ``finish_fetch`` applies the result on the loop's
+thread once ``PoolFetch.done``. ``complete_store`` submits the put the same way and ``poll_stores`` announces it
+(``BlockStored`` MOONCAKE) when it has landed; a block stays "in flight" (rule 1) until then. ``wake`` (set by the
+engine loop) is called from an I/O thread when a read or a put is done. Without ``io_threads`` (``SimPool``, test
+stores) every call runs inline. Existence checks (``lookup``, store rule 2) stay inline: 0.05-0.2 ms each.
 
-Layout agreement (``workers.kv.pool_layout``): building a tier attaches it to the pool: it writes the pool's
-layout marker (span length, chunk layout) unless another member did, and raises ``PoolLayoutError`` when the
-marker records another layout, so a worker of another span length never joins a pool whose spans it would not
-find.
+Layout agreement (``workers.kv.pool_layout``): a new tier writes the pool's layout marker (span length, chunk
+layout) unless another member did, and raises ``PoolLayoutError`` when the marker records another layout.
 
-Buffers: staging buffers (one per store job in flight, reused; at most ``max_free_staging_bytes`` kept idle) and
-restore buffers (one per read in flight, at most one per read thread kept idle), all from the store
-(``PoolStore.new_buffer``: registered with Mooncake), so chunks move without a copy on our side. A restore reads
-its chunks in one ``get_into`` batch up to ``max_read_bytes`` (64 MiB: one batch for any sim restore, 256 chunks
-of 256 KiB): each batch is a master lookup plus a transfer per object, so splitting a restore into several
-batches only adds round trips.
+Buffers: staging buffers (one per store job in flight; at most ``max_free_staging_bytes`` kept idle) and restore
+buffers (one per read in flight, one per read thread kept idle), from ``PoolStore.new_buffer`` (registered with
+Mooncake: no copy on our side). A restore reads in one ``get_into`` batch up to ``max_read_bytes`` (64 MiB).
+Use order (``workers.kv.pool_use``): what GPU or CPU served and what was just put is checked once, so the
+master's lease-ordered eviction sees those uses.
 """
 
 from __future__ import annotations
@@ -109,6 +96,7 @@ from workers.kv.pool_store import (
     build_pool_store,
     sim_pool,
 )
+from workers.kv.pool_use import put_as_used, used_keys
 
 __all__ = [
     "KEY_PREFIX",
@@ -300,20 +288,9 @@ class PoolTier:
         return hit_of(first, end, found, singles, present[len(spans) :])
 
     def refresh(self, hashes: Sequence[BlockHash], end: int) -> None:
-        """Tell the pool that the chain's first ``end`` blocks were used again, though they came from GPU or CPU.
-
-        One batched existence check of the objects holding them, whose result is not needed: Mooncake grants a
-        lease on ``ExistKey`` (``batch_is_exist``) and evicts the objects whose lease ran out earliest first, so
-        without it a session that keeps hitting on one worker's GPU leaves its pool copy the oldest in the pool,
-        evicted while the session is live. LMCache's vLLM connector has the same effect: its
-        ``get_num_new_matched_tokens`` looks up the whole prompt, from its first token, whatever vLLM's own
-        prefix cache holds (``lmcache/integration/vllm/vllm_v1_adapter.py``). On the read threads when there are
-        any (not waited for), else inline. Counted in ``num_refreshes``.
-        """
-        if end <= 0:
-            return
-        spans, singles = lookup_objects(hashes, 0, min(end, len(hashes)), self.span_len)
-        keys = [o.key for o in spans] + [o.key for o in singles]
+        """The chain's first ``end`` blocks were used, from GPU or CPU: one existence check of their objects
+        (``workers.kv.pool_use``), on the read threads when there are any (not waited for); ``num_refreshes``."""
+        keys = used_keys(hashes, end, self.span_len)
         if not keys:
             return
         self.num_refreshes += 1
@@ -415,28 +392,16 @@ class PoolTier:
         sizes = [len(members) * step for _, members, _ in job.objects]
         if self._writer is None:
             try:
-                ok = self._put_as_used(keys, job.buffer, offsets, sizes)
+                ok = put_as_used(self.store, keys, job.buffer, offsets, sizes)
             except BaseException:
                 self._finish_store(job_id, [False] * len(keys))
                 raise
             self._finish_store(job_id, ok)
             return
-        future = self._writer.submit(self._put_as_used, keys, job.buffer, offsets, sizes)
+        future = self._writer.submit(put_as_used, self.store, keys, job.buffer, offsets, sizes)
         self._puts.append((job_id, future))
         if self.wake is not None:
             future.add_done_callback(lambda _: self._wake())
-
-    def _put_as_used(
-        self, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], sizes: Sequence[int]
-    ) -> list[bool]:
-        """``put_from``, then one existence check of the objects put: Mooncake grants no lease on a put, so a
-        just-written object would rank with the never-used ones, first to be evicted; checked, it ranks as just
-        used, as an LRU ranks a write (``refresh`` says why the rank follows the lease)."""
-        ok = self.store.put_from(keys, buffer, offsets, sizes)
-        put = [k for k, done in zip(keys, ok, strict=True) if done]
-        if put:
-            self.store.exists(put)
-        return ok
 
     def _wake(self) -> None:
         wake = self.wake
