@@ -75,3 +75,29 @@ def test_a_refresh_leases_the_objects_of_the_hit_on_a_real_master(master_address
         assert tier.num_refreshes == 1
     finally:
         store.close()
+
+
+@pytest.mark.integration
+def test_a_lookup_announces_what_the_master_evicted_of_its_own_objects(master_address: str):
+    from events.types import BlockRemoved, KVEvent, Medium
+    from tests.workers.test_pool_spans import chain, ehs, store_all
+    from workers.kv.pool_tier import MooncakePoolStore, PoolTier
+
+    store = MooncakePoolStore(master_address, global_segment_size=16 << 20, local_buffer_size=8 << 20)
+    try:
+        events: list[KVEvent] = []
+        tier = PoolTier(store, BS, events.append, value_bytes_per_block=100)
+        hashes, metas = chain(40)
+        store_all(tier, hashes, metas)
+        events.clear()
+        store.remove([span_key(hashes[16:32])])  # as the master's eviction would, telling no one
+        hit = tier.lookup(hashes, 0, 40)
+        assert hit.num_blocks == 16  # span 0; the hit ends where span 1 was
+        assert events == [BlockRemoved(block_hashes=ehs(hashes[16:32]), medium=Medium.MOONCAKE)]
+        events.clear()
+        assert tier.lookup(hashes, 0, 40).num_blocks == 16 and events == []  # announced once
+        other = PoolTier(store, BS, events.append, value_bytes_per_block=100)  # stored nothing, read nothing
+        store.remove([span_key(hashes[0:16])])
+        assert other.lookup(hashes, 0, 40).num_blocks == 0 and events == []  # not its objects to announce
+    finally:
+        store.close()

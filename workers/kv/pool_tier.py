@@ -1,27 +1,22 @@
 """The shared pool tier (``Medium.MOONCAKE``): below the CPU tier, shared by every worker attached to it.
 
-Blocks are written through from the GPU (like the CPU tier, under ``pool-store-policy``) and restored from the
-pool into GPU blocks reserved for them. The pool is keyed by the worker's collision-resistant block hash
-(SHA-256 chain rooted in the namespace, ``workers.kv.hashing``), so a block stored by one worker is found and
-restored by any other worker attached to the same pool. The store behind it (``workers.kv.pool_store``): an
-in-process ``SimPool`` or a Mooncake Store client.
+Blocks are written through from the GPU (as the CPU tier, under ``pool-store-policy``) and restored into GPU
+blocks reserved for them, keyed by the SHA-256 chain hash (``workers.kv.hashing``), so any worker attached to the
+pool finds what another stored. The store (``workers.kv.pool_store``): an in-process ``SimPool`` or Mooncake.
 
 Objects (``common.pool_keys`` gives the keys): one object per span of ``blocks_per_span`` (``L``) aligned blocks
 of a chain, keyed by its last block's hash, and one per block of a chain's unfinished tail, so a 558-block
-restore reads 35 spans and 14 singles instead of 558 objects (Mooncake's cost per object, a master lookup and a
-transfer per key in each batch call, dominated the per-block layout: about 5 µs per object per read, 10 µs per
-put, against 0.2 and 0.4 µs per block of the same bytes as one object). ``L = 1`` is the per-block layout.
+restore reads 35 spans and 14 singles instead of 558 objects (Mooncake's cost per object dominated the per-block
+layout: 5 µs per object read, 10 µs per put, against 0.2 and 0.4 µs per block in one object). ``L = 1``: per block.
 
 Values: one chunk per block (``workers.kv.pool_chunk``): a manifest header and every layer group's piece; a span's
-value is its members' chunks back to back. The pool keeps or evicts an object whole, so a span is written and
-evicted as one unit and a read accepts a block only when its whole chunk checks out (else the block and the rest of
-the hit are computed; ``num_fetch_mismatches`` counts it, and the corrupt object is removed from the pool so no
-worker reads it again).
+value is its members' chunks back to back, written and evicted as one unit. A read accepts a block only when its
+whole chunk checks out (else it and the rest are computed, ``num_fetch_mismatches``, the object removed).
 
 Lookups (``lookup``): a block is in the pool iff its span object or its single object exists: one batched
 existence check of the spans the chain covers and its tail's singles, then, when a span is missing, one more of
-that span's singles (the hit ends inside it: a span's last position is never a tail's); the hit's objects go with
-it to the read (``PoolObject``, ``PrefixHit.pool_objects``).
+its singles; the hit's objects go with it to the read. A missing object this worker had stored or read was
+evicted: its blocks are announced removed at once (``_lost``).
 
 Store rules (as the CPU tier), per object: one whose store is in flight from this worker is skipped (rule 1); one
 already in the pool, stored by any worker, is skipped (rule 2: one batched existence check per job); a store once
@@ -34,21 +29,16 @@ blocks put that this worker had not announced yet, token-less when all of them a
 (else with parent and tokens). Puts are best effort (a full pool refuses them): only blocks put are announced.
 
 Announcements are per block and exact per worker: a block stays announced while some object this worker stored
-holds it (a refcount over its single and its spans), and ``BlockRemoved`` (MOONCAKE) goes out when the last one
-is gone (evicted, lost or corrupt), so the gateway's index keeps its per-block semantics (one copy per block and
-worker).
+holds it (a refcount over its single and its spans); ``BlockRemoved`` (MOONCAKE) goes out when the last is gone.
 
 Snapshot (``snapshot_metas``): the blocks this worker stored and announced, plus the pool blocks it read for a
-restore (at most ``max_known_fetched`` of them, least recently read objects dropped first), so that a cold gateway
-index fed the worker's snapshot resolves every announced block's parent chain (a block another worker stored is
-reachable through the pool by every member, so announcing it here predicts the same hits).
+restore (at most ``max_known_fetched``, least recently read dropped first), so a cold gateway index fed the
+snapshot resolves every announced block's parent chain.
 
-Restores: ``fetch`` reads the objects into host memory when the request is admitted (its GPU targets are reserved
-then), so a pool eviction after admission cannot break the restore; blocks it cannot read shorten the hit (they
-are computed instead). A restore that needs only part of a span (its first members are already on GPU or CPU, or
-the hit ends inside it) reads the whole object and checks and uses the members it needs: it moves up to
-``L - 1`` chunks it does not use (``(L - 1) × chunk_bytes``: 13.0 KiB at the agentic scenario's 889-byte chunks),
-a fraction of one object's fixed cost on Mooncake.
+Restores: ``fetch`` reads the objects into host memory when the request is admitted (its GPU targets reserved),
+so a later eviction cannot break the restore; blocks it cannot read shorten the hit (they are computed). A restore
+needing part of a span reads it whole and uses the members it needs (up to ``L - 1`` unused chunks: 13.0 KiB at
+889-byte chunks, a fraction of one object's fixed cost on Mooncake).
 
 I/O off the engine step (``io_threads``): with Mooncake, reads and puts (wall time, which a paced sim worker
 counts ``time_scale`` times over) run on background threads (``num_read_threads`` reading, one writing, FIFO; the
@@ -283,9 +273,19 @@ class PoolTier:
         for obj, ok in zip(spans, present, strict=False):
             if not ok:  # the hit goes on through this span's singles, and ends inside it
                 inner = singles_inside(hashes, obj, first, end)
-                return hit_of(first, end, found, inner, self.store.exists([o.key for o in inner]) if inner else [])
+                inner_present = self.store.exists([o.key for o in inner]) if inner else []
+                self._lost([obj, *inner], [False, *inner_present])
+                return hit_of(first, end, found, inner, inner_present)
             found.append(obj)
+        self._lost(singles, present[len(spans) :])
         return hit_of(first, end, found, singles, present[len(spans) :])
+
+    def _lost(self, objects: Sequence[PoolObject], present: Sequence[bool]) -> None:
+        """Announce removed the blocks of missing ``objects`` this worker had stored or read (the master evicted
+        them and tells no one), before the answer whose shorter hit the gateway would read as a wrong index."""
+        for obj, ok in zip(objects, present, strict=False):
+            if not ok:
+                self._announce_removed(self._forget(obj.key))
 
     def refresh(self, hashes: Sequence[BlockHash], end: int) -> None:
         """The chain's first ``end`` blocks were used, from GPU or CPU: one existence check of their objects
