@@ -49,15 +49,17 @@ from router.errors import GatewayError
 from router.fleet import Fleet, WorkerRuntime
 from router.lease import WorkerLease
 from router.metrics import GatewayMetrics
+from router.pool_watch import PoolWatcher
 from router.proxy import ClientHeaders, Proxy, ProxyOutcome
 from router.request_view import ParsedRequest, PromptView
-from router.routing import RoutePlan, Router
+from router.routing import IndexTicket, RoutePlan, Router
 
 
 class RequestLifecycle:
     """The parts every request's flight uses (one per gateway)."""
 
-    __slots__ = ("router", "proxy", "fleet", "admission", "metrics", "max_inflight_per_worker", "_clock")
+    __slots__ = ("router", "proxy", "fleet", "admission", "metrics", "max_inflight_per_worker", "_clock",
+                 "_confirming")
 
     def __init__(
         self, router: Router, proxy: Proxy, fleet: Fleet, admission: Admission, metrics: GatewayMetrics,
@@ -70,6 +72,31 @@ class RequestLifecycle:
         self.metrics = metrics
         self.max_inflight_per_worker = max_inflight_per_worker
         self._clock = clock
+        self._confirming: set[asyncio.Task[None]] = set()
+
+    def count_mismatch(self, worker_id: str, ticket: IndexTicket, predicted: int, reported: int) -> None:
+        """Count a cached-token mismatch under its cause (``IndexTicket.mismatch_cause``). A cause of ``"index"``
+        with a pool watcher is counted once the watcher has asked the master about the blocks not served
+        (``PoolWatcher.confirm_gone``, in a task, off the answer's path): those the master evicted are journaled
+        and the mismatch counts as ``"evicted"``."""
+        cause = ticket.mismatch_cause(worker_id, predicted, reported)
+        watcher = self.router.pool_watcher
+        if cause != "index" or watcher is None:
+            self.metrics.worker(worker_id).num_mismatches[cause] += 1
+            return
+        task = asyncio.get_running_loop().create_task(self._confirm(watcher, worker_id, ticket, predicted, reported))
+        self._confirming.add(task)
+        task.add_done_callback(self._confirming.discard)
+
+    async def _confirm(
+        self, watcher: PoolWatcher, worker_id: str, ticket: IndexTicket, predicted: int, reported: int
+    ) -> None:
+        cause = "index"
+        try:
+            if await watcher.confirm_gone(*ticket.missed_blocks(predicted, reported)):
+                cause = ticket.mismatch_cause(worker_id, predicted, reported)
+        finally:
+            self.metrics.worker(worker_id).num_mismatches[cause] += 1
 
     def start(self, request_id: str) -> RequestFlight:
         """The flight of a request that holds an admission slot (its ``finish`` gives the slot back)."""
@@ -189,8 +216,7 @@ class RequestFlight:
             if served is not None and reported is not None:
                 predicted = plan.predicted_cached_tokens.get(served.worker_id, 0)
                 if predicted != reported and plan.ticket is not None:  # the cause, before settle changes the index
-                    cause = plan.ticket.mismatch_cause(served.worker_id, predicted, reported)
-                    lc.metrics.worker(served.worker_id).num_mismatches[cause] += 1
+                    lc.count_mismatch(served.worker_id, plan.ticket, predicted, reported)
             if plan.ticket is not None:
                 plan.ticket.settle(plan.chosen, served, outcome.is_ok, lc.now_s())
             key = plan.session_key

@@ -432,7 +432,7 @@ def pool_watch_samples(watcher: PoolWatcher) -> list[MetricSample]:
     ]  # fmt: skip
     for counter in ("num_sweeps", "num_failed_sweeps", "num_entries_dropped", "num_master_restarts",
                     "num_ttl_clears", "num_foreign_keys", "num_span_length_mismatches", "num_checks",
-                    "num_checks_unanswered", "num_check_drops"):
+                    "num_checks_unanswered", "num_check_drops", "num_confirms", "num_confirm_drops"):
         out.append(("counter", "kvgate_pool_watch", "Pool watcher counters (sweeps, drops, restarts, checks).",
                     {"counter": counter}, float(getattr(watcher, counter))))  # fmt: skip
     return out

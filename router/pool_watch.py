@@ -195,6 +195,8 @@ class PoolWatcher:
         self.num_checks = 0
         self.num_checks_unanswered = 0
         self.num_check_drops = 0
+        self.num_confirms = 0
+        self.num_confirm_drops = 0
 
     # ------------------------------------------------------------------ the loop
 
@@ -336,7 +338,22 @@ class PoolWatcher:
         """Ask the master about a decision's pool run (our block hashes, root-most first) within
         ``decision_check_budget_s``; drop the blocks found gone. Returns how many index blocks went (0 also when
         the answer came too late, the watcher is not running, or no key of the run is known yet)."""
-        budget = self.config.decision_check_budget_s
+        return await self._query(model, block_hashes, self.config.decision_check_budget_s)
+
+    async def confirm_gone(self, model: str, block_hashes: Sequence[int]) -> int:
+        """After an answer: ask the master about the pool blocks a worker did not serve though the index priced
+        them (the mismatch's blocks), within ``request_timeout_s``, and drop those gone, as ``check`` does. The
+        master evicts without telling anyone, and a worker announces only the losses of objects it stored or
+        read, so an eviction of another member's object between the last sweep and the worker's lookup reaches
+        no journal; dropped here, it is journaled (``IndexState.pool_evicted``) and the honesty check reads it as
+        a forecast miss, not as a wrong index. A pool block is announced only once its put landed, so a block the
+        master no longer holds was evicted or lost. Counted in ``num_confirms`` / ``num_confirm_drops``."""
+        self.num_confirms += 1
+        dropped = await self._query(model, block_hashes, self.config.request_timeout_s, is_check=False)
+        self.num_confirm_drops += dropped
+        return dropped
+
+    async def _query(self, model: str, block_hashes: Sequence[int], budget: float, is_check: bool = True) -> int:
         known = self._known.get(model)
         if budget <= 0 or not known or self._session is None:
             return 0
@@ -347,17 +364,18 @@ class PoolWatcher:
         ]
         if not wanted:
             return 0
-        self.num_checks += 1
+        self.num_checks += is_check
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(budget):
                 keys = ",".join(quote(k, safe="") for k in dict.fromkeys(k for _, ks in wanted for k in ks))
                 answer = _decode_batch_query(await self._get(f"/batch_query_keys?keys={keys}"))
         except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, RuntimeError):
-            self.num_checks_unanswered += 1
+            self.num_checks_unanswered += is_check
             return 0
         finally:
-            self.last_check_s = time.perf_counter() - t0
+            if is_check:
+                self.last_check_s = time.perf_counter() - t0
         data = answer.data
         need = self.config.pieces_per_block
         gone = {h for h, ks in wanted if sum(k in data and data[k].ok for k in ks) < need}
@@ -365,5 +383,5 @@ class PoolWatcher:
             return 0
         drops = [holding for h in gone for holding in known.pop(h)[1]]
         self._drop(self.indexes[model], drops)
-        self.num_check_drops += len(gone)
+        self.num_check_drops += len(gone) if is_check else 0
         return len(gone)

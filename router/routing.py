@@ -217,6 +217,11 @@ class IndexTicket:
             return index.match(view.block_hashes[: view.num_cacheable_blocks])
         return index.match(view.block_hashes)
 
+    def missed_blocks(self, predicted_tokens: int, reported_tokens: int) -> tuple[str, Sequence[int]]:
+        """The model and the block hashes a worker did not serve from cache though predicted."""
+        bs = self._view.block_size
+        return self._model.name, self._view.block_hashes[reported_tokens // bs : predicted_tokens // bs]
+
     def mismatch_cause(self, worker_id: str, predicted_tokens: int, reported_tokens: int) -> str:
         """Why ``worker_id`` reported ``reported_tokens`` cached where ``predicted_tokens`` were predicted (they
         differ; ``router.metrics.MISMATCH_CAUSES``): ``"late"`` when it held more than predicted; for the predicted
@@ -351,7 +356,7 @@ class Router:
     ) -> None:
         self._fleet = fleet
         self._indexes = indexes
-        self._pool_watcher = pool_watcher
+        self.pool_watcher = pool_watcher  # also asked by the honesty check (``RequestLifecycle.finish``)
         self.ownership = SessionOwnership(sessions)
         self.holder = holder
         self._clock = clock
@@ -545,11 +550,11 @@ class Router:
                 else:
                     decision = holder.policy.select(req, snapshot)
             chosen = match.get(decision.worker_id) if match is not None and decision.worker_id else None
-            if attempt or chosen is None or not chosen.num_pool_blocks or self._pool_watcher is None:
+            if attempt or chosen is None or not chosen.num_pool_blocks or self.pool_watcher is None:
                 break
             start = chosen.num_gpu_blocks + chosen.num_cpu_blocks
             run = view.block_hashes[start : start + chosen.num_pool_blocks]
-            if not await self._pool_watcher.check(model.name, run):
+            if not await self.pool_watcher.check(model.name, run):
                 break
         assert decision is not None  # the loop ran: a decision each time
         return self._plan(t0, now_s, parsed, view, ticket, match, predicted, req, decision, sticky is not None,

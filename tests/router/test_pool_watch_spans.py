@@ -108,3 +108,28 @@ async def test_a_sweep_counts_and_logs_the_spans_of_another_length(master: Moonc
             await watcher.close()
     finally:
         store.close()
+
+
+@pytest.mark.integration
+async def test_after_an_answer_a_pool_block_the_master_evicted_is_a_forecast_miss_not_a_wrong_index(
+    master: MooncakeMaster,
+):
+    writer = Writer(master)
+    watcher = watcher_for(master, writer.index, [100.0])  # decision checks off: the confirmation is its own
+    await watcher.open()
+    try:
+        seq = writer.serve(PROMPT)
+        hashes = hash_token_blocks(PROMPT, BS)
+        assert await watcher.sweep() and writer.index.match(hashes).get("b") == WorkerMatch("b", 0, 0, 0, 20)
+        stamp = writer.index.open_journal_window()  # the decision
+        writer.store.remove([span_key(seq.block_hashes[0:16])])  # the master evicts, telling no one
+        assert writer.index.miss_cause("b", hashes, 0, 16, stamp) is None  # nothing explains it: "index"
+        assert await watcher.confirm_gone("m", hashes[4:16]) == 12  # the blocks worker b did not serve
+        assert (watcher.num_confirms, watcher.num_confirm_drops, watcher.num_checks) == (1, 12, 0)
+        assert writer.index.miss_cause("b", hashes, 4, 16, stamp) == "evicted"
+        assert await watcher.confirm_gone("m", hashes[16:20]) == 0  # still held: a wrong index it would stay
+        assert watcher.num_confirms == 2
+        writer.index.close_journal_window(stamp)
+    finally:
+        await watcher.close()
+        writer.close()
