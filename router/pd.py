@@ -274,6 +274,9 @@ class PDFlight:
                 key = record.get("session_key")
                 if ok and key is not None and outcome is not None and outcome.served_by is not None:
                     lc.remember_decode_owner(key, outcome.served_by.worker_id)
+            # The flight and its decode hooks refer to each other: without this the tickets (their journal stamps,
+            # ``IndexTicket.match``) would stay open until the cyclic collector found the flight.
+            ticket = self._ticket = self._decode_ticket = None
             if record:
                 record.pop("prefill_served_by_worker", None)
                 lc.router.recent.append(
