@@ -182,7 +182,7 @@ class IndexTicket:
         pending: the chosen worker's entries this request inserted, or ``None`` (none, or already withdrawn).
     """
 
-    __slots__ = ("_index", "_model", "_view", "_memo", "pending", "_journal_seq")
+    __slots__ = ("_index", "_model", "_view", "_memo", "pending", "_journal_seq", "_is_window_open")
 
     def __init__(self, index: IndexLike | None, model: ModelConfig, view: PromptView,
                  memo: dict[tuple[str, int, int], float]) -> None:
@@ -192,12 +192,20 @@ class IndexTicket:
         self._memo = memo
         self.pending: SlicedInsert | None = None
         self._journal_seq = -1
-        """The index's journal stamp at ``match``, held open until this ticket goes (``__del__``); -1 before."""
+        """The index's journal stamp at ``match``, held open until ``settle`` or until this ticket goes
+        (``__del__``); -1 before."""
+        self._is_window_open = False
 
     def __del__(self) -> None:
         # The request is answered or dropped: no mismatch is read against the stamp any more, so the index's
         # journals may drop what only it could read (``PrefixIndex.open_journal_window``).
-        if self._journal_seq >= 0 and self._index is not None:
+        self._close_window()
+
+    def _close_window(self) -> None:
+        """Release the stamp ``match`` held open, once (a retried request's plan can outlive its answer in a
+        traceback's reference cycle, until the cyclic collector runs)."""
+        if self._is_window_open and self._index is not None:
+            self._is_window_open = False
             self._index.close_journal_window(self._journal_seq)
 
     def match(self) -> MatchResult | None:
@@ -209,9 +217,9 @@ class IndexTicket:
         index = self._index
         if index is None:
             return None
-        if self._journal_seq >= 0:  # matched again: the newer stamp replaces the older
-            index.close_journal_window(self._journal_seq)
+        self._close_window()  # matched again: the newer stamp replaces the older
         self._journal_seq = index.open_journal_window()
+        self._is_window_open = True
         view = self._view
         if index.is_hybrid:
             return index.match(view.block_hashes[: view.num_cacheable_blocks])
@@ -290,7 +298,9 @@ class IndexTicket:
     def settle(self, chosen: WorkerRuntime, served_by: WorkerRuntime | None, is_ok: bool, now_s: float) -> None:
         """After the answer: unless ``chosen`` served the request with a success (``is_ok``: a status below 400),
         its pending entries are withdrawn so the next prediction for it is not inflated; the worker that served it
-        after a retry gets them instead."""
+        after a retry gets them instead. The journal stamp of ``match`` is released here: the mismatch check comes
+        before."""
+        self._close_window()
         index = self._index
         if index is None or (served_by is chosen and is_ok):
             return
