@@ -174,3 +174,25 @@ def test_bad_arguments_are_refused_before_anything_is_inserted() -> None:
     with pytest.raises(ValueError, match="max_new_blocks must be positive"):
         index.insert_approximate("a", chain(4), 0.0, max_new_blocks=0)
     assert index.num_blocks() == 0
+
+
+@pytest.mark.parametrize("slice_blocks", [100, pytest.param(3, marks=pytest.mark.xfail(
+    strict=True, reason="B's slices link positions 3-5 and 9 of the chain, and B's withdrawal drops them"))])
+def test_withdrawing_a_request_that_interleaved_leaves_the_blocks_of_the_one_before(slice_blocks: int) -> None:
+    """Requests A and B of one 10-block chain are routed to the same worker, B a second after A, between A's
+    slices; B is withdrawn (refused, or served elsewhere) while A was served. One whole insertion of A, then one of
+    B, leaves A's 10 blocks held after B's withdrawal (B added none); B's slices must not take those of A's that
+    B happened to link before A's next slice did."""
+    index = make_index()
+    a = chain(10)
+
+    async def main() -> SlicedInsert:
+        SlicedInsert(index, "a", a, 0.0, slice_blocks=slice_blocks)
+        second = SlicedInsert(index, "a", a, 1.0, slice_blocks=slice_blocks)
+        await _turns(6)
+        return second
+
+    second = asyncio.run(main())
+    second.withdraw()
+    assert gpu_depth(index, a) == 10
+    index.check_invariants()
