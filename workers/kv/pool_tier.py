@@ -198,9 +198,9 @@ class PoolTier:
         self.num_blocks_fetched = 0
         self.num_fetch_mismatches = 0
         self.num_fetch_lost = 0
+        """Reads that found an object gone which the lookup had found (its blocks announced removed)."""
         self.num_refreshes = 0
         """Existence checks made only to mark blocks served from GPU or CPU as used (``refresh``)."""
-        """Reads that found an object gone which the lookup had found (its blocks announced removed)."""
         self.num_reads = 0
         """Restore reads made (``fetch`` calls that read anything)."""
         self.read_wall_s = 0.0
