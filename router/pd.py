@@ -266,17 +266,14 @@ class PDFlight:
                 ok = outcome is not None and outcome.is_ok
                 if chosen is not None:
                     ticket.settle(chosen, served, ok, lc.clock())
-                decode_id = self.pair.decode.worker_id
-                decode_chosen = lc.router.fleet.workers.get(decode_id) if decode_id else None
+                decode_chosen = lc.router.fleet.workers.get(self.pair.decode.worker_id or "")  # "": no worker
                 if self._decode_ticket is not None and decode_chosen is not None:
                     decode_served = outcome.served_by if outcome is not None else None
                     self._decode_ticket.settle(decode_chosen, decode_served, ok, lc.clock())
                 key = record.get("session_key")
                 if ok and key is not None and outcome is not None and outcome.served_by is not None:
                     lc.remember_decode_owner(key, outcome.served_by.worker_id)
-            # The flight and its decode hooks refer to each other: without this the tickets (their journal stamps,
-            # ``IndexTicket.match``) would stay open until the cyclic collector found the flight.
-            ticket = self._ticket = self._decode_ticket = None
+            ticket = self._ticket = self._decode_ticket = None  # the flight and its hooks are a cycle: go now
             if record:
                 record.pop("prefill_served_by_worker", None)
                 lc.router.recent.append(

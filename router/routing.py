@@ -192,18 +192,14 @@ class IndexTicket:
         self._memo = memo
         self.pending: SlicedInsert | None = None
         self._journal_seq = -1
-        """The index's journal stamp at ``match``, held open until ``settle`` or until this ticket goes
-        (``__del__``); -1 before."""
+        """The index's journal stamp at ``match``, held open until ``settle`` or ``__del__``; -1 before."""
         self._is_window_open = False
 
     def __del__(self) -> None:
-        # The request is answered or dropped: no mismatch is read against the stamp any more, so the index's
-        # journals may drop what only it could read (``PrefixIndex.open_journal_window``).
-        self._close_window()
+        self._close_window()  # the request is answered or dropped (``PrefixIndex.open_journal_window``)
 
     def _close_window(self) -> None:
-        """Release the stamp ``match`` held open, once (a retried request's plan can outlive its answer in a
-        traceback's reference cycle, until the cyclic collector runs)."""
+        """Release the stamp ``match`` held open, once (a retried request's plan outlives it in a traceback)."""
         if self._is_window_open and self._index is not None:
             self._is_window_open = False
             self._index.close_journal_window(self._journal_seq)
