@@ -77,8 +77,8 @@ class RequestLifecycle:
     def count_mismatch(self, worker_id: str, ticket: IndexTicket, predicted: int, reported: int) -> None:
         """Count a cached-token mismatch under its cause (``IndexTicket.mismatch_cause``). A cause of ``"index"``
         with a pool watcher is counted once the watcher has asked the master about the blocks not served
-        (``PoolWatcher.confirm_gone``, in a task, off the answer's path): those the master evicted are journaled
-        and the mismatch counts as ``"evicted"``."""
+        (``PoolWatcher.confirm_gone``, in a task, off the answer's path): when the master evicted some, they leave
+        the index and the mismatch counts as ``"evicted"``."""
         cause = ticket.mismatch_cause(worker_id, predicted, reported)
         watcher = self.router.pool_watcher
         if cause != "index" or watcher is None:
@@ -94,7 +94,7 @@ class RequestLifecycle:
         cause = "index"
         try:
             if await watcher.confirm_gone(*ticket.missed_blocks(predicted, reported)):
-                cause = ticket.mismatch_cause(worker_id, predicted, reported)
+                cause = "evicted"  # the ticket's journal stamp may be closed by now (``IndexTicket.settle``)
         finally:
             self.metrics.worker(worker_id).num_mismatches[cause] += 1
 

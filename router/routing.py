@@ -11,10 +11,8 @@
 4. ``session_sticky`` with a session key: ``SessionOwnership.claim`` (``router.ownership``: inner best ->
    ``store.claim_or_touch(key, best)`` -> pure ``resolve`` -> ``store.move`` compare-and-set only when ownership
    changes; on a lost race, the owner the store returns wins); otherwise ``policy.select(view, snapshot)``;
-5. the chosen worker gets the request's blocks in the index (through the request's ``IndexTicket``, its one handle
-   on the index), root-first in slices, the first at the decision and one per turn of the event loop after it
-   (``router.sliced_insert``: a long prompt's insertion never holds the loop in one step): approximate-mode
-   workers with the index's TTL;
+5. the chosen worker gets the request's blocks in the index (through its ``IndexTicket``), root-first in slices,
+   one per turn of the event loop (``router.sliced_insert``): approximate-mode workers with the index's TTL;
    workers that publish events (one dp rank) as *pending* entries (``ModelConfig.enable_pending_blocks``,
    ``pending_blocks_ttl_s``) that its ``BlockStored`` events confirm. Pending rule: the prompt's full blocks in
    the worker's block size (engines cache full blocks only). A request routed behind it is scheduled FCFS and
@@ -191,12 +189,11 @@ class IndexTicket:
         self._view = view
         self._memo = memo
         self.pending: SlicedInsert | None = None
-        self._journal_seq = -1
-        """The index's journal stamp at ``match``, held open until ``settle`` or ``__del__``; -1 before."""
+        self._journal_seq = -1  # the journal stamp at ``match``, held open until ``settle`` or ``__del__``
         self._is_window_open = False
 
-    def __del__(self) -> None:
-        self._close_window()  # the request is answered or dropped (``PrefixIndex.open_journal_window``)
+    def __del__(self) -> None:  # the request is answered or dropped (``PrefixIndex.open_journal_window``)
+        self._close_window()
 
     def _close_window(self) -> None:
         """Release the stamp ``match`` held open, once (a retried request's plan outlives it in a traceback)."""
@@ -223,16 +220,14 @@ class IndexTicket:
 
     def missed_blocks(self, predicted_tokens: int, reported_tokens: int) -> tuple[str, Sequence[int]]:
         """The model and the block hashes a worker did not serve from cache though predicted."""
-        bs = self._view.block_size
-        return self._model.name, self._view.block_hashes[reported_tokens // bs : predicted_tokens // bs]
+        bs, hashes = self._view.block_size, self._view.block_hashes
+        return self._model.name, hashes[reported_tokens // bs : predicted_tokens // bs]
 
     def mismatch_cause(self, worker_id: str, predicted_tokens: int, reported_tokens: int) -> str:
-        """Why ``worker_id`` reported ``reported_tokens`` cached where ``predicted_tokens`` were predicted (they
-        differ; ``router.metrics.MISMATCH_CAUSES``): ``"late"`` when it held more than predicted; for the predicted
-        blocks it did not serve from cache (blocks ``reported // block_size`` up to ``predicted // block_size``),
-        ``"evicted"`` when it reported evicting one after the decision, ``"pending"`` when the first was at the
-        decision only a pending entry that a store confirmed afterwards (a request in flight was computing it, and
-        the worker admitted this one before that block was cached: a burst before the events); ``"index"``
+        """Why ``worker_id`` reported ``reported_tokens`` cached where ``predicted_tokens`` were predicted
+        (``router.metrics.MISMATCH_CAUSES``): ``"late"`` when it held more; for the predicted blocks it did not
+        serve (``missed_blocks``), ``"evicted"`` when it reported evicting one after the decision, ``"pending"``
+        when the first was then a pending entry a store confirmed since (a burst before the events); ``"index"``
         otherwise: it held fewer blocks than the index said, and nothing the worker reported explains it."""
         if reported_tokens > predicted_tokens:
             return "late"
@@ -292,10 +287,9 @@ class IndexTicket:
         return None
 
     def settle(self, chosen: WorkerRuntime, served_by: WorkerRuntime | None, is_ok: bool, now_s: float) -> None:
-        """After the answer: unless ``chosen`` served the request with a success (``is_ok``: a status below 400),
-        its pending entries are withdrawn so the next prediction for it is not inflated; the worker that served it
-        after a retry gets them instead. The journal stamp of ``match`` is released here: the mismatch check comes
-        before."""
+        """After the answer (and its mismatch check; the stamp of ``match`` is released): unless ``chosen`` served
+        it with a success (``is_ok``: status below 400), its pending entries are withdrawn, and the worker that
+        served it after a retry gets them instead."""
         self._close_window()
         index = self._index
         if index is None or (served_by is chosen and is_ok):

@@ -15,13 +15,13 @@ pytestmark = pytest.mark.unit
 
 
 class Ticket:
-    """An index ticket whose cause turns to ``evicted`` once the watcher dropped something."""
+    """An index ticket whose journals explain nothing."""
 
     def __init__(self, watcher: Watcher) -> None:
         self.watcher = watcher
 
     def mismatch_cause(self, worker_id: str, predicted: int, reported: int) -> str:
-        return "evicted" if self.watcher.dropped else "index"
+        return "index"
 
     def missed_blocks(self, predicted: int, reported: int) -> tuple[str, Sequence[int]]:
         return "m", list(range(reported // 4, predicted // 4))
