@@ -11,20 +11,17 @@ What the scheduler calls, per sequence (``SequenceKV``)::
     take_copies() / complete_store(job) / complete_restore(job)
     take_events()                                      KV events since the last call (swap)
 
-Cached tokens follow vLLM's rule (``workers.kv.sequence``: the last prompt token is always computed); a hit
-covers consecutive full blocks from the first found on GPU, continued on CPU, then in the shared pool (a restore).
+Cached tokens follow vLLM's rule (the last prompt token is always computed); a hit covers consecutive full blocks
+found on GPU, continued on CPU, then in the shared pool.
 
 Restores: the continuation found on CPU is copied into GPU blocks reserved by ``admit`` (counted against free
 blocks before anything is taken, so a restore is admitted only when its targets exist). When the copy lands,
 the blocks are registered in the GPU prefix index (``BlockStored`` GPU) so the next turn hits on GPU; a sequence
 freed meanwhile keeps its blocks until the copy lands. ``admit`` marks the pool copy of its GPU and CPU hit used.
 
-Pool reads off the step (``PoolTier`` with ``io_threads``): ``admit`` submits the read of the pool part and
-reserves its GPU blocks at once, counting the hit as found; the restore then has one more job, the read, that
-``take_finished_reads`` reports once its bytes are in host memory (the scheduler keeps the request restoring until
-every job landed). A read that comes back short (evicted or corrupt chunks) shortens the hit then: the blocks
-after the last intact one stay in the sequence's table, to be computed, and ``seq.num_cached_blocks`` drops to
-match (the scheduler reports the shorter hit as cached). Hybrid models read inline (checkpoints decide the hit).
+Pool reads off the step (``PoolTier`` with ``io_threads``): ``admit`` submits the read and reserves its GPU blocks,
+counting the hit as found; ``take_finished_reads`` reports the read once its bytes are in host memory. A short read
+(evicted or corrupt chunks) shortens the hit: the rest is computed and ``seq.num_cached_blocks`` drops to match.
 """
 
 from __future__ import annotations
@@ -205,7 +202,7 @@ class KVCacheManager:
         Returns:
             The hit, capped at ``max_cached_blocks(num_prompt_tokens)``.
         """
-        hashes = extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size, seq.block_payloads)
+        hashes = extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size, self._payloads(seq))
         limit = min(len(hashes), max_cached_blocks(num_prompt_tokens, self.block_size))
         gpu_ids: list[int] = []
         for h in hashes[:limit]:
@@ -234,9 +231,12 @@ class KVCacheManager:
             pool_objects=pool_objects,
         )
 
+    def _payloads(self, seq: SequenceKV) -> list[bytes] | None:  # packed for the pool tier's chunks alone
+        return seq.block_payloads if self.pool is not None else None
+
     def find_gpu_prefix(self, seq: SequenceKV, token_ids: Sequence[int], num_prompt_tokens: int) -> tuple[int, ...]:
         """The GPU blocks of ``find_prefix``'s leading hit alone (no lower tier is asked), capped the same way."""
-        hashes = extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size, seq.block_payloads)
+        hashes = extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size, self._payloads(seq))
         limit = min(len(hashes), max_cached_blocks(num_prompt_tokens, self.block_size))
         get = self.gpu.get_cached_block
         out: list[int] = []
@@ -397,7 +397,7 @@ class KVCacheManager:
         Returns:
             The ids of the store jobs issued (CPU tier, shared pool); they read ``seq``'s blocks until they land.
         """
-        extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size, seq.block_payloads)
+        extend_block_hashes(seq.block_hashes, seq.root, token_ids, self.block_size, self._payloads(seq))
         end = min(num_computed_tokens // self.block_size, len(seq.block_hashes), len(seq.block_ids))
         start = seq.num_cached_blocks
         if end <= start:
