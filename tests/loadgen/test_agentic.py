@@ -288,3 +288,10 @@ def test_the_shared_fleets_gateway_watches_the_pool_within_the_masters_lease():
     assert section == {"admin_url": "http://127.0.0.1:9003", "lease_ttl_s": 1.0, "interval_s": 0.5,
                        "entry_ttl_s": 1.0, "decision_check_budget_s": 0.002}  # fmt: skip
     assert msgspec.convert(section, PoolWatchConfig).entry_ttl_s == 1.0  # the gateway accepts it
+
+
+def test_a_slot_with_no_session_is_refused(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = kvgate(["demo", "--scenario", "agentic", "--out", str(out), "--no-progress", "--sessions-per-slot", "0"])
+    assert rc == 2 and not out.exists()
+    assert " ".join(capsys.readouterr().out.split()) == "error: --sessions-per-slot must be at least 1"
