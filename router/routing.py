@@ -57,12 +57,11 @@ from router.errors import InvalidFieldError, NoWorkerError
 from router.fleet import CircuitState, Fleet, WorkerRuntime
 from router.index.config import IndexConfig
 from router.index.result import MatchResult
-from router.index.upkeep import ApproxInsert
 from router.ownership import SessionOwnership
 from router.pool_watch import PoolWatcher
 from router.request_view import ParsedRequest, PromptView
 from router.sessions.base import SessionStore
-from router.sliced_insert import SlicedInsert
+from router.sliced_insert import ApproxIndex, SlicedInsert
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +119,8 @@ def scored_workers(
 """In-flight limit standing for "none" (``max_inflight`` 0)."""
 
 
-class IndexLike(Protocol):
-    """The part of ``router.index.PrefixIndex`` the request path uses."""
+class IndexLike(ApproxIndex, Protocol):
+    """The part of ``router.index.PrefixIndex`` the request path uses (with what ``SlicedInsert`` uses)."""
 
     @property
     def config(self) -> IndexConfig: ...
@@ -130,13 +129,6 @@ class IndexLike(Protocol):
 
     @property
     def is_hybrid(self) -> bool: ...
-
-    def insert_approximate(
-        self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0,
-        ttl_s: float | None = None, max_new_blocks: int | None = None,
-    ) -> ApproxInsert | None: ...
-
-    def withdraw_approximate(self, inserted: ApproxInsert) -> int: ...
 
     @property
     def journal_seq(self) -> int: ...

@@ -25,6 +25,27 @@ withdrawing one whole insertion does, ``join_inserts``), else each slice's, leaf
 the worker's slot goes (a removed worker must not come back through a late slice), and when a slice gets no further
 than the one before (its blocks were evicted meanwhile, over ``approx_max_blocks``). A slot with gaps is given the
 whole chain in one call (its insertion scans every position anyway).
+
+Insertions of one chain root for one worker run one after another. Two requests of one conversation routed to one
+worker while the first one's slices are in progress would otherwise interleave: the second's slices link positions
+the first had still to link, in the first's record, under the second's expiry, and withdrawing the second drops
+them (and with them the first's blocks below them). So the index keeps a registry, ``sliced_inserts``: (worker id,
+root block hash) -> the insertions of that worker and root not finished, oldest first. A new insertion whose key
+has one waits behind it (nothing inserted; withdrawn meanwhile, it leaves the queue having inserted nothing), and
+the next in the queue starts on the turn of the loop after the one before it finished (done, withdrawn, or stopped)::
+
+    A  c[0 .. s)  c[0 .. 2s)  ...  c[0 .. n)                          A routed first, its slices in progress
+    B             (waits)     ...  (waits)    c[0 .. n) (a refresh)   B routed while A's were, on the same worker
+
+The result of each step is that of whole insertions made in routing order (``A`` then ``B``), and a withdrawal
+is that of one whole insertion at that point: ``B`` withdrawn before its start drops nothing, ``A`` withdrawn
+before it finished drops what it had inserted and ``B`` then inserts the whole chain itself. Two chains with one
+root share at least the root block and may share any prefix; chains with different roots share no block (the hash
+is chained), so they never wait for each other. Chains that share only a system prompt wait too (one key per
+root keeps the check to one lookup); the wait is the slices still to come ahead (one per turn of the loop), and
+only an insertion of more than ``slice_blocks`` new blocks leaves any. When the worker's slot went while one ran,
+the ones queued behind it stop too (the removed worker does not come back). An insertion whose loop no longer runs
+the queue ahead of it (a synchronous caller, or another loop) first finishes that queue, then proceeds.
 """
 
 from __future__ import annotations
@@ -34,6 +55,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from router.index.approximate import ApproxInsert, join_inserts
+from router.index.slots import Slot
 
 INSERT_SLICE_BLOCKS = 1024
 """New blocks one ``insert_approximate`` call of a ``SlicedInsert`` links at most (16K tokens at 16 tokens a block):
@@ -43,6 +65,9 @@ INSERT_SLICE_BLOCKS = 1024
 class ApproxIndex(Protocol):
     """The part of ``router.index.PrefixIndex`` a ``SlicedInsert`` uses."""
 
+    @property
+    def sliced_inserts(self) -> dict[tuple[str, int], list[SlicedInsert]]: ...
+
     def insert_approximate(
         self, worker_id: str, block_hashes: Sequence[int], now_s: float, dp_rank: int = 0,
         ttl_s: float | None = None, max_new_blocks: int | None = None,
@@ -51,24 +76,35 @@ class ApproxIndex(Protocol):
     def withdraw_approximate(self, inserted: ApproxInsert) -> int: ...
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class SlicedInsert:
-    """One chain's approximate insertion for one worker, root-first in slices (module docstring).
+    """One chain's approximate insertion for one worker, root-first in slices, after the insertions of that worker
+    and chain root that were not finished when it was made (module docstring).
 
     Attributes:
         block_hashes: the whole chain, root-most first.
-        is_done: every slice is in, or the insertion stopped (withdrawn, or the worker's slot went).
+        is_done: every slice is in, or the insertion stopped (withdrawn, or the worker's slot went, maybe while it
+            waited).
+        is_waiting: queued behind an unfinished insertion of the same worker and root; nothing inserted yet.
     """
 
-    __slots__ = ("_end", "_handle", "_index", "_now_s", "_parts", "_slice_blocks", "_ttl_s", "_worker_id",
-                 "block_hashes", "is_done")
+    __slots__ = ("_end", "_handle", "_index", "_key", "_loop", "_now_s", "_parts", "_queue", "_slice_blocks",
+                 "_slot", "_ttl_s", "_worker_id", "block_hashes", "is_done", "is_waiting")
 
     def __init__(self, index: ApproxIndex, worker_id: str, block_hashes: Sequence[int], now_s: float,
                  ttl_s: float | None = None, slice_blocks: int = INSERT_SLICE_BLOCKS) -> None:
         """Insert the first slice now and schedule the rest on the running event loop, one slice per turn of it
-        (all of them now when no loop runs).
+        (all of them now when no loop runs); behind an unfinished insertion of the same worker and chain root,
+        wait for it instead (module docstring).
 
         Args:
-            index: the model's index.
+            index: the model's index (its ``sliced_inserts`` registry is this class's).
             worker_id: the chosen worker.
             block_hashes: ``[n]`` the request's block hashes, root-most first.
             now_s: monotonic time of the decision, in seconds (every slice's insertion time).
@@ -76,10 +112,12 @@ class SlicedInsert:
             slice_blocks: new blocks per call (> 0).
 
         Raises:
-            ValueError: ``ttl_s`` or ``slice_blocks`` is not positive.
+            ValueError: ``ttl_s`` or ``slice_blocks`` is not positive (before anything is inserted or queued).
         """
         if slice_blocks <= 0:
             raise ValueError(f"slice_blocks must be positive, got {slice_blocks}")
+        if ttl_s is not None and ttl_s <= 0.0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self._index = index
         self._worker_id = worker_id
         self.block_hashes = block_hashes
@@ -88,28 +126,63 @@ class SlicedInsert:
         self._slice_blocks = slice_blocks
         self._parts: list[ApproxInsert] = []
         self._handle: asyncio.Handle | None = None
-        self.is_done = False
+        self._loop = loop = _running_loop()
+        self._key = key = (worker_id, block_hashes[0]) if block_hashes else None
+        self._queue: list[SlicedInsert] | None = None
+        self._slot: Slot | None = None  # the worker's slot, once this insertion or the one before it made a part
         self._end = 0
-        self._insert_next()  # a bad ttl_s raises here, before anything is scheduled
+        self.is_done = False
+        self.is_waiting = False
+        registry = index.sliced_inserts
+        ahead = registry.get(key) if key is not None else None
+        if key is not None and ahead and ahead[0]._loop is not loop:  # left by a loop not running here: finish it
+            ahead[0]._finish_now()
+            ahead = registry.get(key)
+        if ahead:
+            ahead.append(self)
+            self._queue = ahead
+            self.is_waiting = True
+            return
+        self._start_now()
+
+    def _start_now(self) -> None:
+        """The first slice now; the rest on the loop (registered under the key meanwhile), or now without one."""
+        self.is_waiting = False
+        self._insert_next()
         if self.is_done:
+            self._leave()
             return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # a synchronous caller: the whole chain now
-            while not self.is_done:
-                self._insert_next()
+        loop = self._loop
+        if loop is None or loop is not _running_loop():  # a synchronous caller: the whole chain now
+            self._finish_now()
             return
+        if self._queue is None and self._key is not None:  # the first of its key: registered while in progress
+            self._queue = self._index.sliced_inserts[self._key] = [self]
         self._handle = loop.call_soon(self._step)
 
+    def _finish_now(self) -> None:
+        """Every slice still to come, now; then the next in the queue starts (so a whole queue runs now)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self.is_waiting = False
+        while not self.is_done:
+            self._insert_next()
+        self._leave()
+
+    def _is_slot_gone(self) -> bool:
+        return self._slot is not None and not self._slot.is_live
+
     def _insert_next(self) -> None:
-        parts = self._parts
-        if parts and not parts[0].slot.is_live:  # the worker was removed meanwhile
+        if self._is_slot_gone():  # the worker was removed (or the index cleared) meanwhile
             self.is_done = True
             return
         part = self._index.insert_approximate(self._worker_id, self.block_hashes, self._now_s, ttl_s=self._ttl_s,
                                               max_new_blocks=self._slice_blocks)
         if part is not None:
-            parts.append(part)
+            self._parts.append(part)
+            if self._slot is None:
+                self._slot = part.slot
         # Done unless this call added blocks up to its cap, short of the chain's end, and got further than the one
         # before (blocks evicted meanwhile, over ``approx_max_blocks``, must not make the slices go round forever).
         end = part.end if part is not None and part.record is not None else len(self.block_hashes)
@@ -118,15 +191,53 @@ class SlicedInsert:
 
     def _step(self) -> None:
         self._handle = None
+        if self.is_waiting:  # the one before finished: this one's turn
+            self._start_now()
+            return
         self._insert_next()
-        if not self.is_done:
+        if self.is_done:
+            self._leave()
+        else:
             self._handle = asyncio.get_running_loop().call_soon(self._step)
 
+    def _leave(self) -> None:
+        """Leave the queue, once; the head's successor starts on the next turn of the loop (or now, when that
+        loop does not run here), or, when the worker's slot went, every one queued stops with nothing inserted."""
+        queue, self._queue = self._queue, None
+        if queue is None:
+            return
+        is_head = queue[0] is self
+        queue.remove(self)
+        if not is_head:
+            return
+        if self._is_slot_gone():
+            for other in queue:
+                other._queue = None
+                other.is_waiting = False
+                other.is_done = True
+            queue.clear()
+        registry = self._index.sliced_inserts
+        if not queue:
+            if self._key is not None and registry.get(self._key) is queue:
+                del registry[self._key]
+            return
+        successor = queue[0]
+        successor._slot = self._slot
+        loop = successor._loop
+        if loop is not None and loop is _running_loop():
+            successor._handle = loop.call_soon(successor._step)
+        else:
+            successor._finish_now()
+
     def withdraw(self) -> int:
-        """Cancel the slices to come and undo the inserted ones (module docstring); returns how many blocks went."""
+        """Cancel the slices to come and undo the inserted ones (module docstring); returns how many blocks went.
+        One still waiting leaves its queue having inserted nothing (0)."""
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
         self.is_done = True
+        self.is_waiting = False
         parts, self._parts = self._parts, []
-        return sum(self._index.withdraw_approximate(p) for p in join_inserts(parts))
+        num_dropped = sum(self._index.withdraw_approximate(p) for p in join_inserts(parts))
+        self._leave()
+        return num_dropped

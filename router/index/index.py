@@ -28,6 +28,7 @@ per block (per-id lists and arrays; children lists only at branching blocks).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from events.types import EventBatch, Medium, Resync
 from router.index.config import GroupSpec, IndexConfig
@@ -58,6 +59,9 @@ class PrefixIndex:
         upkeep: ``Upkeep``, clearing, pruning and approximate mode.
         ingest: ``Ingest``, event application.
         query: ``Query``, ``match`` and introspection.
+        sliced_inserts: (worker id, chain's root block hash) -> the ``router.sliced_insert.SlicedInsert`` s of that
+            worker and root not finished, oldest first; kept here for that module, which alone reads and writes it
+            (one registry per index: the positions they link are this index's).
 
     Args:
         config: sizes, caps and TTLs.
@@ -82,6 +86,7 @@ class PrefixIndex:
         self.upkeep = Upkeep(self.state, self.holdings)
         self.ingest = Ingest(self.state, self.holdings, self.upkeep)
         self.query = Query(self.state)
+        self.sliced_inserts: dict[tuple[str, int], list[Any]] = {}
 
     # ------------------------------------------------------------------ events
 

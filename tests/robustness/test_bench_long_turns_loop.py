@@ -24,6 +24,9 @@ class _RecordingTokenizer:
 
 
 class _NullIndex:
+    def __init__(self):
+        self.sliced_inserts = {}
+
     def match(self, block_hashes):
         return None
 
