@@ -169,3 +169,24 @@ def test_a_run_check_stops_at_the_chunk_with_one_altered_byte(position: int, wit
     assert layout.check_run(data.data, VALUE_BYTES, scratch, hashes[1:], tokens[1:], True,
                             given and given[1:]) == 3  # fmt: skip
     assert layout.check_run(data.data, 0, scratch, hashes[:4], tokens[:4], True, given and given[:4]) == 4
+
+
+def test_a_run_from_payloads_alone_is_the_run_from_tokens_and_its_check_refuses_a_changed_digest():
+    layout = ChunkLayout(BS, GROUPS, VALUE_BYTES)
+    hashes, tokens, payloads = run_of(6)
+    from_tokens, from_payloads, scratch = (HostBuffer(6 * VALUE_BYTES) for _ in range(3))
+    layout.write_run(from_tokens, 0, hashes, tokens)
+    layout.write_run(from_payloads, 0, hashes, (), payloads)  # no token lists: the digests from the payloads
+    assert from_payloads.data == from_tokens.data
+    assert layout.check_run(from_tokens.data, 0, scratch, hashes, (), True, payloads) == 6
+    for group in (0, GROUPS - 1):
+        for byte in (0, 7):  # a digest's least and most significant byte (little-endian)
+            at = 3 * VALUE_BYTES + HEAD_BYTES + 8 * group + byte
+            from_tokens.data[at] ^= 0x80
+            assert layout.check_run(from_tokens.data, 0, scratch, hashes, (), True, payloads) == 3
+            assert layout.check_run(from_tokens.data, 0, scratch, hashes, (), False, payloads) == 3
+            from_tokens.data[at] ^= 0x80
+    other_hashes, _, other_payloads = run_of(7)  # another chain: its chunks are foreign to this one
+    assert layout.check_run(from_tokens.data, 0, scratch, other_hashes[1:], (), True, other_payloads[1:]) == 0
+    with pytest.raises(ValueError, match="one full block"):
+        layout.write_run(from_payloads, 0, hashes, (), payloads[:5])

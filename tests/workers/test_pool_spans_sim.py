@@ -12,6 +12,7 @@ from events.types import BlockRemoved, Medium
 from tests.workers.test_pool_tier import prefill, worker
 from workers.kv.block_pool import BlockMeta
 from workers.kv.hashing import extend_block_hashes, namespace_root, to_engine_hash
+from workers.kv.pool_spans import store_objects
 from workers.kv.pool_tier import PoolTier, SimPool, SimPoolClient, pool_key
 
 pytestmark = pytest.mark.unit
@@ -83,3 +84,26 @@ def test_a_lookup_is_one_existence_check_and_a_second_only_inside_a_missing_span
     client.checks.clear()
     assert tier.lookup(hashes[:40], 0, 40).num_blocks == 40 and len(client.checks) == 1
     assert tier.lookup(hashes, 45, 45).num_blocks == 0
+
+
+@pytest.mark.parametrize("first", [0, 5, 16])
+@pytest.mark.parametrize("span_len", [2, 16])
+def test_a_store_jobs_objects_are_its_spans_under_span_key_and_its_singles_under_pool_key(first: int, span_len: int):
+    tokens = [9000 + i for i in range(60 * BS)]
+    hashes = extend_block_hashes([], namespace_root(), tokens, BS)
+    metas = [BlockMeta(h, hashes[d - 1] if d else None, tuple(tokens[d * BS : (d + 1) * BS]), d)
+             for d, h in enumerate(hashes)][first:]  # fmt: skip
+    want: list[tuple[str, int, int]] = []
+    i = 0
+    while i < len(metas):
+        if (first + i) % span_len == 0 and i + span_len <= len(metas):
+            want.append((span_key(hashes[first + i : first + i + span_len]), i, i + span_len))
+            i += span_len
+        else:
+            want += [(pool_key(hashes[first + i]), i, i + 1)] if i >= 3 else []
+            i += 1
+    got = store_objects(metas, span_len, 3)
+    assert got == want
+    num_spans = sum(1 for k, _, _ in got if key_num_blocks(k) > 1)
+    counts = {(0, 16): (3, 12), (5, 16): (2, 20), (16, 16): (2, 12), (0, 2): (30, 0), (5, 2): (27, 0), (16, 2): (22, 0)}
+    assert (num_spans, len(got) - num_spans) == counts[first, span_len]

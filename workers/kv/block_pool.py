@@ -26,6 +26,7 @@ import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import msgspec
 
@@ -61,6 +62,14 @@ class BlockMeta(msgspec.Struct, frozen=True, gc=False):
 def engine_hash_of(meta: BlockMeta) -> EngineBlockHash:
     """The block's u64 wire hash (``meta.engine_hash`` when set)."""
     return to_engine_hash(meta.block_hash) if meta.engine_hash is None else EngineBlockHash(meta.engine_hash)
+
+
+def engine_hashes_of(metas: Sequence[BlockMeta]) -> tuple[EngineBlockHash, ...]:
+    """``engine_hash_of`` of each of ``metas``, in order (one attribute read per block when all are set)."""
+    hashes = tuple([m.engine_hash for m in metas])
+    if None in hashes:
+        return tuple(map(engine_hash_of, metas))
+    return cast("tuple[EngineBlockHash, ...]", hashes)
 
 
 _engine_hash = engine_hash_of

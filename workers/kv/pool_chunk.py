@@ -168,7 +168,10 @@ class ChunkLayout:
     ) -> None:
         """Build the chunks of ``len(hashes)`` blocks in consecutive slots from ``buffer.data[offset:]`` (slots whose
         padding is zero), exactly as ``write`` would one by one (module docstring, Runs). ``payloads``: each
-        block's tokens packed already (``workers.kv.hashing.extend_block_hashes``), used instead of ``tokens``.
+        block's tokens packed already (``workers.kv.hashing.extend_block_hashes``), used instead of ``tokens``
+        (which may then be empty). With ``payloads`` the digests are one ``xxh3_64_digest`` call per block, joined
+        and byte-reversed per row into the little-endian column (``xxh3_64_digest`` is the canonical big-endian
+        form of ``xxh3_64_intdigest``, python-xxhash's README), with no Python int per block.
 
         Raises:
             ValueError: a block that is not ``block_size`` tokens, or a hash that is not 32 bytes.
@@ -178,9 +181,8 @@ class ChunkLayout:
             return
         data, view, step = buffer.data, buffer.view, self.chunk_bytes
         head_bytes, n = self.header_bytes, self.payload_bytes
-        digest = xxhash.xxh3_64_intdigest
         joined = b"".join(hashes)
-        if len(joined) != 32 * num or len(tokens) != num:
+        if len(joined) != 32 * num or (payloads is None and len(tokens) != num):
             raise ValueError("a chunk holds one full block and its 32-byte hash")
         rows = self._rows(data, offset, num)
         if payloads is not None:
@@ -188,8 +190,10 @@ class ChunkLayout:
             if len(together) != n * num or len(payloads) != num:
                 raise ValueError("a chunk holds one full block and its 32-byte hash")
             rows[:, head_bytes : head_bytes + n] = np.frombuffer(together, np.uint8).reshape(num, n)
-            digests = list(map(digest, payloads))
+            canonical = np.frombuffer(b"".join(map(xxhash.xxh3_64_digest, payloads)), np.uint8).reshape(num, 8)
+            sums = canonical[:, ::-1]
         else:
+            digest = xxhash.xxh3_64_intdigest
             pack_into = self._tokens.pack_into
             digests = []
             at = offset + head_bytes
@@ -200,9 +204,9 @@ class ChunkLayout:
                     at += step
             except struct.error as exc:
                 raise ValueError("a chunk holds one full block and its 32-byte hash") from exc
+            sums = np.array(digests, "<u8").view(np.uint8).reshape(num, 8)
         rows[:, :16] = np.frombuffer(self._head, np.uint8)
         rows[:, 16:HEAD_BYTES] = np.frombuffer(joined, np.uint8).reshape(num, 32)
-        sums = np.array(digests, "<u8").view(np.uint8).reshape(num, 8)
         for i in range(self.num_pieces):
             rows[:, HEAD_BYTES + 8 * i : HEAD_BYTES + 8 * i + 8] = sums
         for start in self._piece_offsets[1:]:
@@ -222,7 +226,8 @@ class ChunkLayout:
         exactly what ``write_run`` builds for these blocks (as ``check`` one by one: manifest, hash, digests,
         payloads and, with ``check_padding``, the zero padding). Builds them into ``scratch`` (slot ``j`` at
         ``j × chunk_bytes``: a buffer only ever used for this layout's runs, so its padding is zero) and compares;
-        the scratch buffer holds at least ``len(hashes)`` chunks; ``payloads`` as for ``write_run``."""
+        the scratch buffer holds at least ``len(hashes)`` chunks; ``payloads`` as for ``write_run`` (``tokens``
+        then may be empty)."""
         num = len(hashes)
         if not num:
             return 0

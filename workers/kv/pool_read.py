@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from itertools import accumulate
+from itertools import accumulate, chain
 
 from common.pool_keys import PoolObject
 from workers.kv.block_pool import BlockMeta
@@ -125,15 +125,18 @@ def read_objects(
             last = batch[num_ok - 1]
             stop = min(last.first_depth + len(last.member_hashes), d_end)  # exclusive chain position
             lo = d0 + n - first  # the batch's slot of the restore's next block
-            planned = [h for o in batch[:num_ok] for h in o.member_hashes]
-            if planned[lo : stop - first] != hashes[n : stop - d0]:
+            planned = list(chain.from_iterable(o.member_hashes for o in batch[:num_ok]))
+            run_hashes = hashes[n : stop - d0]
+            if planned[lo : stop - first] != run_hashes:
                 raise RuntimeError(f"pool objects {batch[0].key} .. {last.key} do not hold blocks {n} .. "
                                    f"{stop - d0 - 1} of the restore")  # fmt: skip
-            run = metas[n : stop - d0]
-            num_intact = layout.check_run(buffer.data, lo * step, scratch, hashes[n : stop - d0],
-                                          [m.token_ids for m in run], check_padding,
-                                          None if payloads is None else payloads[n : stop - d0])  # fmt: skip
-            if num_intact < len(run):
+            if payloads is None:
+                num_intact = layout.check_run(buffer.data, lo * step, scratch, run_hashes,
+                                              [m.token_ids for m in metas[n : stop - d0]], check_padding)  # fmt: skip
+            else:  # the tokens packed already: no token list to build
+                num_intact = layout.check_run(buffer.data, lo * step, scratch, run_hashes, (), check_padding,
+                                              payloads[n : stop - d0])  # fmt: skip
+            if num_intact < len(run_hashes):
                 slot = lo + num_intact
                 k = next(i for i, end in enumerate(offsets[1:]) if end > slot * step)
                 return ReadResult(n + num_intact, time.perf_counter() - t0, bad=batch[k], bad_num_read=got[k])

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from common.pool_keys import KEY_PREFIX, PoolObject, pool_key, span_key
+from common.pool_keys import KEY_PREFIX, SPAN_PREFIX, PoolObject, pool_key, span_key
 from workers.kv.block_pool import BlockMeta
 from workers.kv.hashing import BlockHash
 
@@ -79,15 +79,19 @@ def store_objects(metas: Sequence[BlockMeta], span_len: int, num_context_blocks:
         raise ValueError("a pool store job is one run of consecutive chain positions")
     if span_len == 1:  # every block its own object
         return [(pool_key(m.block_hash), i, i + 1) for i, m in enumerate(metas)]
+    hashes = [m.block_hash for m in metas]
+    tags = ""  # every block's 16 hex digits in a span key (span_key: its hash's last 8 bytes), made once
     out: list[tuple[str, int, int]] = []
     i, n = 0, len(metas)
     while i < n:
-        if (d0 + i) % span_len == 0 and i + span_len <= n:  # a full span starts here
-            out.append((span_key([m.block_hash for m in metas[i : i + span_len]]), i, i + span_len))
+        if (d0 + i) % span_len == 0 and i + span_len <= n:  # a full span starts here: span_key of its members
+            tags = tags or b"".join([h[-8:] for h in hashes]).hex()
+            last = i + span_len - 1
+            out.append((SPAN_PREFIX + tags[16 * i : 16 * last] + "/" + hashes[last].hex(), i, i + span_len))
             i += span_len
             continue
         if i >= num_context_blocks:
-            out.append((pool_key(metas[i].block_hash), i, i + 1))
+            out.append((KEY_PREFIX + hashes[i].hex(), i, i + 1))
         i += 1
     return out
 

@@ -71,7 +71,7 @@ from typing import NamedTuple
 from common.pool_keys import KEY_PREFIX, MAX_BLOCKS_PER_SPAN, PoolObject, pool_key, span_key
 from events.types import BlockRemoved, KVEvent, Medium
 from workers.errors import KVCacheError
-from workers.kv.block_pool import BlockMeta, emit_tier_stored, engine_hash_of
+from workers.kv.block_pool import BlockMeta, emit_tier_stored, engine_hash_of, engine_hashes_of
 from workers.kv.hashing import BlockHash, to_engine_hash
 from workers.kv.pool_chunk import CHUNK_VERSION, ChunkLayout, HostBuffer
 from workers.kv.pool_known import KnownObjects
@@ -216,7 +216,7 @@ class PoolTier:
 
     def _announce_removed(self, metas: Sequence[BlockMeta]) -> None:
         if metas:
-            self._emit(BlockRemoved(block_hashes=tuple(map(engine_hash_of, metas)), medium=self.medium))
+            self._emit(BlockRemoved(block_hashes=engine_hashes_of(metas), medium=self.medium))
 
     def _forget(self, key: str) -> list[BlockMeta]:
         """Forget object ``key`` in both maps; the blocks this worker knew of and knows no object for now."""
@@ -365,7 +365,8 @@ class PoolTier:
         step = layout.chunk_bytes
         run = metas if len(positions) == len(metas) else [metas[i] for i in positions]  # slot j: positions[j]
         payloads = payloads if payloads is None or run is metas else [payloads[i] for i in positions]
-        layout.write_run(buffer, 0, [m.block_hash for m in run], [m.token_ids for m in run], payloads)
+        layout.write_run(buffer, 0, hashes if run is metas and len(hashes) == len(run) else [m.block_hash for m in run],
+                         () if payloads is not None else [m.token_ids for m in run], payloads)  # fmt: skip
         job_objects: list[tuple[str, tuple[BlockMeta, ...], int]] = []
         offset = 0
         for key, lo, hi in chosen:
@@ -425,8 +426,7 @@ class PoolTier:
 
     @property
     def num_io_in_flight(self) -> int:
-        """Reads and puts submitted to the I/O threads whose results were not applied yet (puts only: reads are
-        tracked by their ``PoolFetch``)."""
+        """Puts submitted to the I/O threads whose results were not applied yet (reads: their ``PoolFetch``)."""
         return len(self._puts)
 
     def _finish_store(self, job_id: int, ok: list[bool]) -> None:
@@ -445,7 +445,7 @@ class PoolTier:
         emit_tier_stored(
             self._emit,
             announce,
-            tuple(map(engine_hash_of, announce)),
+            engine_hashes_of(announce),
             self.block_size,
             self.medium,
             self._on_gpu is not None and self._on_gpu([m.block_hash for m in announce]),
