@@ -115,6 +115,9 @@ def test_a_short_turn_behind_a_long_cold_prefill_moves():
     assert rule.tail_s(100.0) == pytest.approx(1.0 + 0.01 * 15.6)  # the 99 at 1.0 s and the 16.6 s; 9.3 s pending
     assert (decision.worker_id, decision.reason, decision.detail) == ("idle", "sticky_moved", "owner_costlier")
     assert rule.num_moves_priced == 1
+    # The decision joined the window, served 0.5405 s after it on the chosen worker's clock: then the p99 of 101.
+    assert rule.tail_s(100.54) == pytest.approx(1.0 + 0.01 * 15.6)
+    assert rule.tail_s(100.55) == 1.0  # position 99 of 0.5405, 99 x 1.0, 16.6
     # The rule as it was (the maximum of every estimate in the window): 16.6 s, so the turn waited behind the prefill.
     old = build_policy(decode_policy_config({"name": "session_sticky", "move_tail_quantile": 1.0}))
     assert isinstance(old, SessionStickyPolicy) and old.move_cost is not None
