@@ -29,7 +29,8 @@ otherwise                                              owner       sticky
 
 "The move pays for what it loses" (``price_moves``, on by default) is the rule of ``policies/move_cost.py``: the
 owner's extra estimated TTFT must exceed the recompute of the prefix it holds and the alternative lacks, and when
-that recompute is not zero the owner must also be beyond the fleet's recent tail of estimated TTFT. Margins
+that recompute is not zero the owner must also be beyond the fleet's recent tail (the p99 of the estimated TTFT
+of the requests it has served lately). Margins
 (``max_extra_ttft_s``, ``max_ttft_ratio``; off by default) are further conditions. Both compare the inner policy's
 scores, so they apply only when those are estimated TTFT seconds (inner ``cache_aware``); with a baseline inside,
 only availability moves a session. Idle expiry is the store's (``sessions.idle_timeout_s`` in the gateway's
@@ -255,7 +256,7 @@ class SessionStickyPolicy:
         view: RequestView | None = None,
     ) -> Decision:
         """``resolve_sticky`` with this policy's config and move rule (which needs ``view``'s prompt length); the
-        chosen worker's estimate goes into the rule's window."""
+        chosen worker's estimate goes into the rule's window, with the decision time on that worker's clock."""
         move_cost = self.move_cost
         decision = resolve_sticky(
             self.config, owner_id, inner, snapshot, is_new=is_new, applies_margins=self.applies_margins,
@@ -263,8 +264,10 @@ class SessionStickyPolicy:
         )
         if decision.worker_id is not None:
             if move_cost is not None:
+                chosen = next((w for w in snapshot.workers if w.worker_id == decision.worker_id), None)
                 move_cost.observe(decision.scores.get(decision.worker_id),
-                                  is_new=owner_id is None or (is_new and owner_id == inner.worker_id))
+                                  is_new=owner_id is None or (is_new and owner_id == inner.worker_id),
+                                  clock_s=chosen.clock_s if chosen is not None else 0.0)
             if view is not None and view.session_key is not None:
                 self.residents.place(view.session_key, decision.worker_id, view.num_prompt_tokens, snapshot.now_s)
         return decision
