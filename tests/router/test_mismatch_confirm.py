@@ -15,13 +15,18 @@ pytestmark = pytest.mark.unit
 
 
 class Ticket:
-    """An index ticket whose journals explain nothing."""
+    """An index ticket whose journals explain nothing, or, read again after the master answered, ``later``."""
 
-    def __init__(self, watcher: Watcher) -> None:
+    def __init__(self, watcher: Watcher, later: str = "index") -> None:
         self.watcher = watcher
+        self.causes = ["index", later]
+        self.num_closes = 0
 
     def mismatch_cause(self, worker_id: str, predicted: int, reported: int) -> str:
-        return "index"
+        return self.causes.pop(0) if len(self.causes) > 1 else self.causes[0]
+
+    def close_window(self) -> None:
+        self.num_closes += 1
 
     def missed_blocks(self, predicted: int, reported: int) -> tuple[str, Sequence[int]]:
         return "m", list(range(reported // 4, predicted // 4))
@@ -56,11 +61,25 @@ async def settle() -> None:
 async def test_evicted_blocks_found_by_the_watcher_count_as_a_forecast_miss():
     watcher = Watcher(gone=3)
     lc, metrics = lifecycle(watcher)
-    lc.count_mismatch("w", Ticket(watcher), predicted=40, reported=28)  # type: ignore[arg-type]
+    ticket = Ticket(watcher)
+    assert lc.count_mismatch("w", ticket, predicted=40, reported=28)  # type: ignore[arg-type]
     assert metrics.worker("w").num_mismatches["evicted"] == 0  # not counted before the master answered
+    assert ticket.num_closes == 0  # its journal stamp held open for the confirmation
     await settle()
     assert watcher.asked == [("m", [7, 8, 9])]
     assert metrics.worker("w").num_mismatches["evicted"] == 1 and metrics.worker("w").num_mismatches["index"] == 0
+    assert ticket.num_closes == 1
+
+
+async def test_events_that_came_while_the_master_was_asked_give_the_cause_read_again():
+    for later, counts in (("evicted", (1, 0, 0)), ("pending", (0, 1, 0)), ("index", (0, 0, 1))):
+        watcher = Watcher(gone=0)  # the master holds every block (put back, say, by the worker before its answer)
+        lc, metrics = lifecycle(watcher)
+        ticket = Ticket(watcher, later=later)
+        assert lc.count_mismatch("w", ticket, predicted=40, reported=28)  # type: ignore[arg-type]
+        await settle()
+        num = metrics.worker("w").num_mismatches
+        assert (num["evicted"], num["pending"], num["index"]) == counts and ticket.num_closes == 1
 
 
 async def test_blocks_the_master_still_holds_stay_a_wrong_index_and_without_a_watcher_it_counts_at_once():
@@ -70,5 +89,5 @@ async def test_blocks_the_master_still_holds_stay_a_wrong_index_and_without_a_wa
     await settle()
     assert metrics.worker("w").num_mismatches["index"] == 1
     bare, counts = lifecycle(None)
-    bare.count_mismatch("w", Ticket(Watcher(0)), predicted=8, reported=0)  # type: ignore[arg-type]
+    assert not bare.count_mismatch("w", Ticket(Watcher(0)), predicted=8, reported=0)  # type: ignore[arg-type]
     assert counts.worker("w").num_mismatches["index"] == 1
