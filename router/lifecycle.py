@@ -54,6 +54,14 @@ from router.proxy import ClientHeaders, Proxy, ProxyOutcome
 from router.request_view import ParsedRequest, PromptView
 from router.routing import IndexTicket, RoutePlan, Router
 
+NUM_CAUSE_REREADS = 12
+"""Times a mismatch still unexplained once the pool watcher answered is read again, ``CAUSE_REREAD_S`` apart (about
+a quarter second in all, off the answer's path): a worker's answer can reach the gateway before the KV events it
+published before it (another socket; the event path applies batches in slices), and those events (a pending entry
+confirmed, a pool block put back: ``router.index.pool_restores``) are what explain the miss."""
+CAUSE_REREAD_S = 0.02
+"""Seconds between two readings of ``NUM_CAUSE_REREADS``."""
+
 
 class RequestLifecycle:
     """The parts every request's flight uses (one per gateway)."""
@@ -78,10 +86,10 @@ class RequestLifecycle:
         """Count a cached-token mismatch under its cause (``IndexTicket.mismatch_cause``). A cause of ``"index"``
         with a pool watcher is counted once the watcher has asked the master about the blocks not served
         (``PoolWatcher.confirm_gone``, in a task, off the answer's path): when the master evicted some, they leave
-        the index and the mismatch counts as ``"evicted"``; else the cause is read again then, from the events
-        that came meanwhile (a worker's put of the missed blocks back to the pool, after its answer:
-        ``router.index.pool_restores``). Returns whether that task holds the ticket's journal stamp open (the
-        caller then settles with ``keep_window=True``; the task closes it)."""
+        the index and the mismatch counts as ``"evicted"``; else the cause is read again then, and a few times more
+        while it stays ``"index"`` (``NUM_CAUSE_REREADS``), from the events that came meanwhile (a worker's put of
+        the missed blocks back to the pool: ``router.index.pool_restores``). Returns whether that task holds the
+        ticket's journal stamp open (the caller then settles with ``keep_window=True``; the task closes it)."""
         cause = ticket.mismatch_cause(worker_id, predicted, reported)
         watcher = self.router.pool_watcher
         if cause != "index" or watcher is None:
@@ -101,6 +109,11 @@ class RequestLifecycle:
                 cause = "evicted"
             else:
                 cause = ticket.mismatch_cause(worker_id, predicted, reported)
+                for _ in range(NUM_CAUSE_REREADS):
+                    if cause != "index":
+                        break
+                    await asyncio.sleep(CAUSE_REREAD_S)
+                    cause = ticket.mismatch_cause(worker_id, predicted, reported)
         finally:
             ticket.close_window()
             self.metrics.worker(worker_id).num_mismatches[cause] += 1
@@ -235,4 +248,5 @@ class RequestFlight:
                 await lc.router.ownership.follow_retry(key, chosen_id, served.worker_id)
         finally:
             lc.admission.release()
+
 
