@@ -54,6 +54,14 @@ from router.proxy import ClientHeaders, Proxy, ProxyOutcome
 from router.request_view import ParsedRequest, PromptView
 from router.routing import IndexTicket, RoutePlan, Router
 
+NUM_CAUSE_REREADS = 12
+"""Times a mismatch still unexplained once the pool watcher answered is read again, ``CAUSE_REREAD_S`` apart (about
+a quarter second in all, off the answer's path): a worker's answer can reach the gateway before the KV events it
+published before it (another socket; the event path applies batches in slices), and those events (a pending entry
+confirmed, a pool block put back: ``router.index.pool_restores``) are what explain the miss."""
+CAUSE_REREAD_S = 0.02
+"""Seconds between two readings of ``NUM_CAUSE_REREADS``."""
+
 
 class RequestLifecycle:
     """The parts every request's flight uses (one per gateway)."""
@@ -74,19 +82,23 @@ class RequestLifecycle:
         self._clock = clock
         self._confirming: set[asyncio.Task[None]] = set()
 
-    def count_mismatch(self, worker_id: str, ticket: IndexTicket, predicted: int, reported: int) -> None:
+    def count_mismatch(self, worker_id: str, ticket: IndexTicket, predicted: int, reported: int) -> bool:
         """Count a cached-token mismatch under its cause (``IndexTicket.mismatch_cause``). A cause of ``"index"``
         with a pool watcher is counted once the watcher has asked the master about the blocks not served
         (``PoolWatcher.confirm_gone``, in a task, off the answer's path): when the master evicted some, they leave
-        the index and the mismatch counts as ``"evicted"``."""
+        the index and the mismatch counts as ``"evicted"``; else the cause is read again then, and a few times more
+        while it stays ``"index"`` (``NUM_CAUSE_REREADS``), from the events that came meanwhile (a worker's put of
+        the missed blocks back to the pool: ``router.index.pool_restores``). Returns whether that task holds the
+        ticket's journal stamp open (the caller then settles with ``keep_window=True``; the task closes it)."""
         cause = ticket.mismatch_cause(worker_id, predicted, reported)
         watcher = self.router.pool_watcher
         if cause != "index" or watcher is None:
             self.metrics.worker(worker_id).num_mismatches[cause] += 1
-            return
+            return False
         task = asyncio.get_running_loop().create_task(self._confirm(watcher, worker_id, ticket, predicted, reported))
         self._confirming.add(task)
         task.add_done_callback(self._confirming.discard)
+        return True
 
     async def _confirm(
         self, watcher: PoolWatcher, worker_id: str, ticket: IndexTicket, predicted: int, reported: int
@@ -94,8 +106,16 @@ class RequestLifecycle:
         cause = "index"
         try:
             if await watcher.confirm_gone(*ticket.missed_blocks(predicted, reported)):
-                cause = "evicted"  # the ticket's journal stamp may be closed by now (``IndexTicket.settle``)
+                cause = "evicted"
+            else:
+                cause = ticket.mismatch_cause(worker_id, predicted, reported)
+                for _ in range(NUM_CAUSE_REREADS):
+                    if cause != "index":
+                        break
+                    await asyncio.sleep(CAUSE_REREAD_S)
+                    cause = ticket.mismatch_cause(worker_id, predicted, reported)
         finally:
+            ticket.close_window()
             self.metrics.worker(worker_id).num_mismatches[cause] += 1
 
     def start(self, request_id: str) -> RequestFlight:
@@ -213,12 +233,13 @@ class RequestFlight:
             served = outcome.served_by
             status = outcome.status
             reported = outcome.reported_cached_tokens
+            is_confirming = False
             if served is not None and reported is not None:
                 predicted = plan.predicted_cached_tokens.get(served.worker_id, 0)
                 if predicted != reported and plan.ticket is not None:  # the cause, before settle changes the index
-                    lc.count_mismatch(served.worker_id, plan.ticket, predicted, reported)
+                    is_confirming = lc.count_mismatch(served.worker_id, plan.ticket, predicted, reported)
             if plan.ticket is not None:
-                plan.ticket.settle(plan.chosen, served, outcome.is_ok, lc.now_s())
+                plan.ticket.settle(plan.chosen, served, outcome.is_ok, lc.now_s(), keep_window=is_confirming)
             key = plan.session_key
             chosen_id = plan.chosen.worker_id
             if (plan.is_session_sticky and key is not None and served is not None and not outcome.is_client_gone
@@ -227,3 +248,5 @@ class RequestFlight:
                 await lc.router.ownership.follow_retry(key, chosen_id, served.worker_id)
         finally:
             lc.admission.release()
+
+

@@ -185,10 +185,10 @@ class IndexTicket:
         self._is_window_open = False
 
     def __del__(self) -> None:  # the request is answered or dropped (``PrefixIndex.open_journal_window``)
-        self._close_window()
+        self.close_window()
 
-    def _close_window(self) -> None:
-        """Release the stamp ``match`` held open, once (a retried request's plan outlives it in a traceback)."""
+    def close_window(self) -> None:
+        """Release the stamp of ``match``, once (a retried request's plan outlives it in a traceback; ``settle``)."""
         if self._is_window_open and self._index is not None:
             self._is_window_open = False
             self._index.close_journal_window(self._journal_seq)
@@ -202,7 +202,7 @@ class IndexTicket:
         index = self._index
         if index is None:
             return None
-        self._close_window()  # matched again: the newer stamp replaces the older
+        self.close_window()  # matched again: the newer stamp replaces the older
         self._journal_seq = index.open_journal_window()
         self._is_window_open = True
         view = self._view
@@ -278,11 +278,12 @@ class IndexTicket:
                                 model.pending_blocks_ttl_s)
         return None
 
-    def settle(self, chosen: WorkerRuntime, served_by: WorkerRuntime | None, is_ok: bool, now_s: float) -> None:
-        """After the answer (and its mismatch check; the stamp of ``match`` is released): unless ``chosen`` served
-        it with a success (``is_ok``: status below 400), its pending entries are withdrawn, and the worker that
-        served it after a retry gets them instead."""
-        self._close_window()
+    def settle(self, chosen: WorkerRuntime, served_by: WorkerRuntime | None, is_ok: bool, now_s: float,
+               *, keep_window: bool = False) -> None:
+        """After the answer and its mismatch check (the stamp of ``match`` released, unless ``keep_window``): unless
+        ``chosen`` served it (``is_ok``: status < 400), its pending entries are withdrawn, or given to a retry's."""
+        if not keep_window:
+            self.close_window()
         index = self._index
         if index is None or (served_by is chosen and is_ok):
             return

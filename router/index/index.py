@@ -35,6 +35,7 @@ from router.index.config import GroupSpec, IndexConfig
 from router.index.holdings import Holdings
 from router.index.ingest import Ingest
 from router.index.invariants import check_invariants
+from router.index.pool_restores import restored_since
 from router.index.query import PoolHolding, Query
 from router.index.result import ChainDump, IndexStats, MatchResult
 from router.index.slots import LaneKey
@@ -213,7 +214,9 @@ class PrefixIndex:
         (the honesty check's mismatch cause, read once per mismatched answer): ``"evicted"`` when it reported
         evicting one of them (``any_evicted_since``) or, for a member of a shared pool, the pool lost one of them
         (a ``BlockRemoved`` of the pool's medium, ``IndexState.pool_evicted``), ``"pending"`` when
-        ``block_hashes[first]`` was a pending entry a store confirmed since (``confirmed_since``), else ``None``.
+        ``block_hashes[first]`` was a pending entry a store confirmed since (``confirmed_since``), ``"evicted"`` too
+        when the worker put ``block_hashes[first]`` to its shared pool since (``router.index.pool_restores``: the
+        pool had lost it), else ``None``.
         A worker whose journals are empty costs one test per slot."""
         if first >= end:
             return None
@@ -223,7 +226,7 @@ class PrefixIndex:
                 lost.get(block_hashes[i], 0) > seq for i in range(first, end)
             ):
                 return "evicted"
-        slots = [slot for slot in state.worker_slots(worker_id) if slot.evicted or slot.confirmed]
+        slots = [slot for slot in state.worker_slots(worker_id) if slot.evicted or slot.confirmed or slot.pool_stored]
         if not slots:
             return None
         for slot in slots:
@@ -233,6 +236,8 @@ class PrefixIndex:
         head = block_hashes[first]
         if any(slot.confirmed.get(head, 0) > seq for slot in slots):
             return "pending"
+        if restored_since(state, worker_id, head, seq):
+            return "evicted"  # the pool lacked it at the worker's put, after the decision (router.index.pool_restores)
         return None
 
     def confirmed_since(self, worker_id: str, block_hash: int, seq: int) -> bool:

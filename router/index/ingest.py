@@ -46,6 +46,7 @@ from router.block_hash import (
     tokens_to_bytes,
 )
 from router.index.holdings import Holdings
+from router.index.pool_restores import note_pool_stores
 from router.index.slots import LaneKey, Slot
 from router.index.state import GPU0, NULL_ID, ROOTED, IndexState
 from router.index.upkeep import Upkeep
@@ -233,6 +234,8 @@ class Ingest:
             slot.spans.update(zip(zip(repeat(event.medium), engine_hashes), repeat(factor)))
             slot.span_held.update((lane_key, h) for i, h in enumerate(ours) if i % factor != factor - 1)
         counters["num_blocks_stored"] += len(ours)
+        if event.medium in self.state.pool_members:
+            note_pool_stores(self.state, slot, event.medium, event.group_idx, ours)
         return engine_hashes
 
     def _num_without_reuse(self, slot: Slot, engine_hashes: Sequence[int], targets: Sequence[int]) -> int:
@@ -277,6 +280,9 @@ class Ingest:
             self.holdings.hold_one(slot, lane_key, entry_id)
             slot.span_held.add((lane_key, self.state.hash_of[entry_id]))
         self.state.counters["num_blocks_stored"] += len(targets) + len(span_marked)
+        if event.medium in self.state.pool_members and (targets or span_marked):
+            hashes = [self.state.hash_of[i] for i in targets + span_marked]
+            note_pool_stores(self.state, slot, event.medium, event.group_idx, hashes)
         return ()
 
     def _park(self, slot: Slot, event: BlockStored) -> None:

@@ -17,8 +17,8 @@ LaneKey = tuple[int, Medium]
 
 
 MAX_EVICTED = 65536
-"""Most blocks a journal (``Slot.evicted``, ``Slot.confirmed``, ``IndexState.pool_evicted``) remembers, whatever
-decisions are still open: past it the oldest half goes (``Journal.prune``)."""
+"""Most blocks a journal (``Slot.evicted``, ``Slot.confirmed``, ``Slot.pool_stored``, ``IndexState.pool_evicted``)
+remembers, whatever decisions are still open: past it the oldest half goes (``Journal.prune``)."""
 JOURNAL_PRUNE_MIN = 4096
 """Length at which a journal is first pruned of the entries no open decision can read (``Journal``)."""
 
@@ -135,6 +135,10 @@ class Slot:
             the honesty check reads it to tell an eviction after the decision from a wrong prediction.
         confirmed: our hash -> the journal sequence number when a ``BlockStored`` confirmed that block, held until
             then only as a pending entry of a routed request (a ``Journal`` too).
+        pool_stored: our hash -> the journal sequence number when this slot last announced putting that block to a
+            shared pool it is a member of (``BlockStored`` of the pool's medium, group 0; a ``Journal`` too): a
+            worker puts only an object the pool lacks, so a store after a decision that priced the block in the
+            pool says the pool lost it in between (``router.index.pool_restores``).
     """
 
     __slots__ = (
@@ -155,6 +159,7 @@ class Slot:
         "warned",
         "evicted",
         "confirmed",
+        "pool_stored",
     )
 
     def __init__(self, worker_id: str, dp_rank: int, bit: int) -> None:
@@ -175,6 +180,7 @@ class Slot:
         self.warned: set[str] = set()
         self.evicted = Journal()
         self.confirmed = Journal()
+        self.pool_stored = Journal()
 
     def note_evicted(self, block_hash: int, seq: int, floor: Callable[[], int]) -> None:
         """Journal one GPU eviction (``evicted``; ``floor``: ``IndexState.journal_floor``)."""
