@@ -1,6 +1,7 @@
 """Blocks served from GPU or CPU mark their pool copy as used: an admission's existence check of the objects that
 hold its GPU and CPU hit, which a real ``mooncake_master`` answers with a lease (objects leased latest are evicted
-last), so a session that keeps hitting on one worker's GPU is not the first the pool evicts."""
+last), so a session that keeps hitting on one worker's GPU is not the first the pool evicts; not while the pool
+refuses the worker's puts (every lease would pin). A put is not checked: the master ranks it by its own time."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.mooncake_master import running_master
 from tests.workers.test_pool_spans_sim import CountingClient
 from workers.config import KVCacheConfig
 from workers.kv.manager import KVCacheManager, SequenceKV
+from workers.kv.pool_chunk import HostBuffer
 from workers.kv.pool_tier import SimPool, pool_key
 
 BS = 4
@@ -45,6 +47,52 @@ def test_an_admission_checks_the_objects_of_its_gpu_hit_once():
     assert kv.pool.num_refreshes == 1
 
 
+class RefusingClient(CountingClient):
+    """A sim pool client whose puts the pool refuses while ``refuse`` is set (as a full Mooncake pool does)."""
+
+    refuse = False
+
+    def put_from(self, keys, buffer: HostBuffer, offsets, sizes) -> list[bool]:  # type: ignore[no-untyped-def]
+        return [False] * len(keys) if self.refuse else super().put_from(keys, buffer, offsets, sizes)
+
+
+@pytest.mark.unit
+def test_no_refresh_for_the_pause_after_the_pool_refused_a_put_of_the_worker():
+    client = RefusingClient(SimPool(256))
+    kv = KVCacheManager(KVCacheConfig(num_gpu_blocks=128, block_size=BS), pool_store=client)
+    assert kv.pool is not None
+    now = [100.0]
+    kv.pool.uses.clock = lambda: now[0]
+    assert kv.pool.uses.pause_s == 10.0
+
+    def serve(name: str, tokens: list[int]) -> list[str]:
+        """The request admitted, computed, its new blocks put, freed; the keys of its first 8 blocks."""
+        seq = SequenceKV(name)
+        assert kv.admit(seq, kv.find_prefix(seq, tokens, len(tokens)), len(tokens))
+        kv.cache_computed(seq, tokens, len(tokens), len(tokens))
+        for job in kv.take_pool_copies()[0]:
+            kv.complete_store(job.job_id)
+        kv.free(seq)
+        return [pool_key(h) for h in seq.block_hashes[:8]]
+
+    base = [6000 + i for i in range(8 * BS)]
+    serve("a", base)  # 8 blocks put
+    client.refuse = True
+    serve("b", base + [7000 + i for i in range(2 * BS)])  # a GPU hit (refreshed), then 2 blocks refused
+    assert kv.pool.num_refreshes == 1 and kv.pool.num_stores_failed == 2 and kv.pool.uses.refused_at == 100.0
+    client.refuse = False
+    now[0] = 105.0
+    serve("c", base + [8000 + i for i in range(2 * BS)])  # a GPU hit: no refresh (paused); its 2 blocks land
+    assert kv.pool.num_refreshes == 1 and kv.pool.uses.num_skipped == 1 and kv.pool.num_stores_failed == 2
+    now[0] = 109.9
+    serve("d", base + [9000 + i for i in range(2 * BS)])  # still paused: a landed put does not end it
+    assert kv.pool.num_refreshes == 1 and kv.pool.uses.num_skipped == 2
+    now[0] = 110.0
+    client.checks.clear()
+    keys = serve("e", base + [9500 + i for i in range(2 * BS)])  # 10 s after the refusal: refreshed again
+    assert kv.pool.num_refreshes == 2 and keys in client.checks
+
+
 @pytest.fixture
 def master_address() -> Iterator[str]:
     pytest.importorskip("mooncake.store")
@@ -63,8 +111,8 @@ def test_a_refresh_leases_the_objects_of_the_hit_on_a_real_master(master_address
         hashes, metas = chain(40)
         store_all(tier, hashes, metas)
         raw = store._store
-        # a put grants no lease: the worker checks what it put, so a just-written object ranks as just used
-        assert raw.remove(pool_key(hashes[39])) == OBJECT_HAS_LEASE
+        # what the worker put it does not check: no lease pins it (the master ranks it by the put's own time)
+        assert raw.remove(pool_key(hashes[39])) == 0
         time.sleep(0.7)  # the 500 ms lease runs out
         tier.refresh(hashes, 20)  # blocks 0..19: spans 0 and 1 (16..31 holds 16..19)
         assert raw.remove(span_key(hashes[0:16])) == OBJECT_HAS_LEASE
@@ -101,3 +149,36 @@ def test_a_lookup_announces_what_the_master_evicted_of_its_own_objects(master_ad
         assert other.lookup(hashes, 0, 40).num_blocks == 0 and events == []  # not its objects to announce
     finally:
         store.close()
+
+
+@pytest.mark.integration
+def test_a_master_evicts_a_just_put_object_after_older_ones_used_or_not():
+    """A put needs no check to rank as just used: ``PutEnd`` sets the object's lease time to the put's own
+    (``workers.kv.pool_use``), so objects put earlier go first, then those leased before the put, then it."""
+    pytest.importorskip("mooncake.store")
+    from workers.kv.pool_tier import MooncakePoolStore
+
+    with running_master(500, ("--eviction_high_watermark_ratio=0.8", "--eviction_ratio=0.1")) as master:
+        store = MooncakePoolStore(master.address, global_segment_size=16 << 20, local_buffer_size=8 << 20)
+        try:
+            value = b"x" * (512 << 10)  # 32 fill the pool, eviction starts past 25
+            old, new = [f"old{i}" for i in range(10)], [f"new{i}" for i in range(10)]
+            for key in old:
+                assert store.put([key], [value]) == [True]
+            store.exists(old[:5])  # used: leased until now + 500 ms
+            time.sleep(0.6)
+            for key in new:
+                assert store.put([key], [value]) == [True]
+            fills = [f"fill{i}" for i in range(60)]
+            for key in fills:  # more puts, until the master has evicted 12 keys
+                store.put([key], [value])
+                time.sleep(0.02)
+                if master.metric("master_evicted_key_count") >= 12:
+                    break
+            assert master.metric("master_evicted_key_count") >= 12
+            present = set(master.keys())
+            assert not present & set(old)  # the 10 older objects all went first, the 5 used ones with them
+            gone = [key for key in new if key not in present]
+            assert 0 < len(gone) < len(new) and gone == new[: len(gone)]  # then the oldest of the just-put ones
+        finally:
+            store.close()

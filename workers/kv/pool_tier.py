@@ -56,8 +56,8 @@ layout) unless another member did, and raises ``PoolLayoutError`` when the marke
 Buffers: staging buffers (one per store job in flight; at most ``max_free_staging_bytes`` kept idle) and restore
 buffers (one per read in flight, one per read thread kept idle), from ``PoolStore.new_buffer`` (registered with
 Mooncake: no copy on our side). A restore reads in one ``get_into`` batch up to ``max_read_bytes`` (64 MiB).
-Use order (``workers.kv.pool_use``): what GPU or CPU served and what was just put is checked once, so the
-master's lease-ordered eviction sees those uses.
+Use order (``workers.kv.pool_use``): what GPU or CPU served is checked once (not for a while after the pool refused
+a put of this worker), so the master's lease-ordered eviction sees that use; a put's own time ranks it unchecked.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ from workers.kv.pool_store import (
     build_pool_store,
     sim_pool,
 )
-from workers.kv.pool_use import put_as_used, used_keys
+from workers.kv.pool_use import UseOrder
 
 __all__ = [
     "KEY_PREFIX",
@@ -201,6 +201,7 @@ class PoolTier:
         """Reads that found an object gone which the lookup had found (its blocks announced removed)."""
         self.num_refreshes = 0
         """Existence checks made only to mark blocks served from GPU or CPU as used (``refresh``)."""
+        self.uses = UseOrder(self.span_len)
         self.num_reads = 0
         """Restore reads made (``fetch`` calls that read anything)."""
         self.read_wall_s = 0.0
@@ -290,7 +291,7 @@ class PoolTier:
     def refresh(self, hashes: Sequence[BlockHash], end: int) -> None:
         """The chain's first ``end`` blocks were used, from GPU or CPU: one existence check of their objects
         (``workers.kv.pool_use``), on the read threads when there are any (not waited for); ``num_refreshes``."""
-        keys = used_keys(hashes, end, self.span_len)
+        keys = self.uses.refresh_keys(hashes, end)
         if not keys:
             return
         self.num_refreshes += 1
@@ -393,13 +394,13 @@ class PoolTier:
         sizes = [len(members) * step for _, members, _ in job.objects]
         if self._writer is None:
             try:
-                ok = put_as_used(self.store, keys, job.buffer, offsets, sizes)
+                ok = self.store.put_from(keys, job.buffer, offsets, sizes)
             except BaseException:
                 self._finish_store(job_id, [False] * len(keys))
                 raise
             self._finish_store(job_id, ok)
             return
-        future = self._writer.submit(put_as_used, self.store, keys, job.buffer, offsets, sizes)
+        future = self._writer.submit(self.store.put_from, keys, job.buffer, offsets, sizes)
         self._puts.append((job_id, future))
         if self.wake is not None:
             future.add_done_callback(lambda _: self._wake())
@@ -432,6 +433,7 @@ class PoolTier:
     def _finish_store(self, job_id: int, ok: list[bool]) -> None:
         job = self._jobs.pop(job_id)
         self._give_back(job.buffer)
+        self.uses.put_landed(ok)
         announce: list[BlockMeta] = []
         for (key, members, _), good in zip(job.objects, ok, strict=True):
             self._in_flight.discard(key)
@@ -442,14 +444,8 @@ class PoolTier:
             announce += self._stored.add(key, members)
         if not announce:
             return
-        emit_tier_stored(
-            self._emit,
-            announce,
-            engine_hashes_of(announce),
-            self.block_size,
-            self.medium,
-            self._on_gpu is not None and self._on_gpu([m.block_hash for m in announce]),
-        )
+        on_gpu = self._on_gpu is not None and self._on_gpu([m.block_hash for m in announce])
+        emit_tier_stored(self._emit, announce, engine_hashes_of(announce), self.block_size, self.medium, on_gpu)
 
     # ------------------------------------------------------------------ restores
 

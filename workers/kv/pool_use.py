@@ -1,28 +1,29 @@
 """The pool's use order: which existence checks tell a Mooncake master that objects were used.
 
-A ``mooncake_master`` past its high watermark evicts the objects whose lease ran out earliest (``BatchEvict``,
-``mooncake-store/src/master_service.cpp``), and grants a lease on ``ExistKey`` / ``GetReplicaList`` only, never on
-a put (``../shared/reference/mooncake-vllm-triton.md``, measured). Its eviction order follows the last existence
-check or read, then, and two uses of a block would never reach it:
+A ``mooncake_master`` past its high watermark evicts the objects whose ``lease_timeout`` is earliest, among those
+whose lease ran out (``BatchEvict``, ``mooncake-store/src/master_service.cpp``); ``ExistKey`` / ``GetReplicaList``
+grant a lease (``lease_timeout`` = now + the lease TTL) and a put's ``PutEnd`` sets it to the put's own time
+(``GrantLease(0, ...)``: "no lease at beginning"). So a block just put already ranks after every object whose
+last use ended before the put (measured on a real master: ``tests/workers/test_pool_refresh.py``), and a check
+after a put would only pin it for a whole TTL: a fleet writing more than the pool holds within one TTL then
+leaves nothing evictable, and the master refuses puts for space. Puts are not checked.
 
-* a block served from GPU or CPU: the worker reads nothing from the pool, so a session that keeps hitting on one
-  worker's GPU leaves its pool copy the oldest in the pool, evicted while the session is live (LMCache's vLLM
-  connector has the use reach the pool anyway: its ``get_num_new_matched_tokens`` looks up the whole prompt, from
-  its first token, whatever vLLM's own prefix cache holds, ``lmcache/integration/vllm/vllm_v1_adapter.py``);
-* a block just put: it ranks with the never-used objects, the first to go.
-
-So each is followed by one batched existence check whose answer is not needed (``PoolTier.refresh``, and the
-write thread's ``put_as_used``).
+One use never reaches the master, though: a block served from GPU or CPU. The worker reads nothing from the pool,
+so a session that keeps hitting on one worker's GPU leaves its pool copy the oldest in the pool, evicted while the
+session is live (LMCache's vLLM connector has the use reach the pool anyway: its ``get_num_new_matched_tokens``
+looks up the whole prompt, from its first token, whatever vLLM's own prefix cache holds,
+``lmcache/integration/vllm/vllm_v1_adapter.py``). So an admission's GPU and CPU hit is followed by one batched
+existence check whose answer is not needed (``PoolTier.refresh``), except for a while after the pool refused a
+put of this worker (``UseOrder``): then a lease costs the pool room for new blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from workers.kv.hashing import BlockHash
-from workers.kv.pool_chunk import HostBuffer
 from workers.kv.pool_spans import lookup_objects
-from workers.kv.pool_store import PoolStore
 
 
 def used_keys(hashes: Sequence[BlockHash], end: int, span_len: int) -> list[str]:
@@ -33,13 +34,46 @@ def used_keys(hashes: Sequence[BlockHash], end: int, span_len: int) -> list[str]
     return [o.key for o in spans] + [o.key for o in singles]
 
 
-def put_as_used(
-    store: PoolStore, keys: Sequence[str], buffer: HostBuffer, offsets: Sequence[int], sizes: Sequence[int]
-) -> list[bool]:
-    """``store.put_from``, then one existence check of the objects put (module docstring); per key, whether it was
-    put."""
-    ok = store.put_from(keys, buffer, offsets, sizes)
-    put = [k for k, done in zip(keys, ok, strict=True) if done]
-    if put:
-        store.exists(put)
-    return ok
+REFRESH_PAUSE_S = 10.0
+"""How long after a put of this worker was refused it makes no refresh: Mooncake's default lease
+(``DEFAULT_DEFAULT_KV_LEASE_TTL``, 10,000 ms, ``mooncake-store/include/types.h``), so the pins granted before the
+refusal have run out when refreshes resume."""
+
+
+class UseOrder:
+    """One worker's use marks (module docstring): the objects of a GPU and CPU hit to check, none for
+    ``pause_s`` after the pool refused a put of this worker. A check leases what it finds for a whole TTL and the
+    master never evicts a leased object: a live working set larger than the pool, refreshed within one TTL, leaves
+    nothing to evict and every put is refused (the churn test's rounds, ``benchmarks.pool_churn``, on a 2-core host:
+    34-169 keys evicted a round with every hit refreshed, 39-619 with refreshes paused only until a put landed
+    whole, 440-1788 with this pause, 5 runs each)."""
+
+    def __init__(self, span_len: int, pause_s: float = REFRESH_PAUSE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.span_len = span_len
+        self.pause_s = pause_s
+        self.clock = clock
+        """The time source, seconds (``time.monotonic``)."""
+        self.refused_at: float | None = None
+        """When a put of this worker was last refused (``put_landed``), ``clock`` seconds; ``None``: never."""
+        self.num_skipped = 0
+        """Refreshes skipped in a pause."""
+
+    def put_landed(self, ok: Sequence[bool]) -> None:
+        """A put batch finished with ``ok`` per object (``False``: refused, for space or an outage)."""
+        if not all(ok):
+            self.refused_at = self.clock()
+
+    def paused(self) -> bool:
+        """Whether refreshes are paused now (a put of this worker was refused less than ``pause_s`` ago)."""
+        return self.refused_at is not None and self.clock() - self.refused_at < self.pause_s
+
+    def refresh_keys(self, hashes: Sequence[BlockHash], end: int) -> list[str]:
+        """The keys to check for the chain's first ``end`` blocks, used from GPU or CPU (``used_keys``); none in a
+        pause."""
+        if end <= 0:
+            return []
+        if self.paused():
+            self.num_skipped += 1
+            return []
+        return used_keys(hashes, end, self.span_len)
