@@ -49,25 +49,17 @@ from router.errors import GatewayError
 from router.fleet import Fleet, WorkerRuntime
 from router.lease import WorkerLease
 from router.metrics import GatewayMetrics
-from router.pool_watch import PoolWatcher
+from router.mismatch import MismatchCounter
 from router.proxy import ClientHeaders, Proxy, ProxyOutcome
 from router.request_view import ParsedRequest, PromptView
 from router.routing import IndexTicket, RoutePlan, Router
-
-NUM_CAUSE_REREADS = 12
-"""Times a mismatch still unexplained once the pool watcher answered is read again, ``CAUSE_REREAD_S`` apart (about
-a quarter second in all, off the answer's path): a worker's answer can reach the gateway before the KV events it
-published before it (another socket; the event path applies batches in slices), and those events (a pending entry
-confirmed, a pool block put back: ``router.index.pool_restores``) are what explain the miss."""
-CAUSE_REREAD_S = 0.02
-"""Seconds between two readings of ``NUM_CAUSE_REREADS``."""
 
 
 class RequestLifecycle:
     """The parts every request's flight uses (one per gateway)."""
 
     __slots__ = ("router", "proxy", "fleet", "admission", "metrics", "max_inflight_per_worker", "_clock",
-                 "_confirming")
+                 "mismatches")
 
     def __init__(
         self, router: Router, proxy: Proxy, fleet: Fleet, admission: Admission, metrics: GatewayMetrics,
@@ -80,43 +72,11 @@ class RequestLifecycle:
         self.metrics = metrics
         self.max_inflight_per_worker = max_inflight_per_worker
         self._clock = clock
-        self._confirming: set[asyncio.Task[None]] = set()
+        self.mismatches = MismatchCounter(router, metrics)
 
     def count_mismatch(self, worker_id: str, ticket: IndexTicket, predicted: int, reported: int) -> bool:
-        """Count a cached-token mismatch under its cause (``IndexTicket.mismatch_cause``). A cause of ``"index"``
-        with a pool watcher is counted once the watcher has asked the master about the blocks not served
-        (``PoolWatcher.confirm_gone``, in a task, off the answer's path): when the master evicted some, they leave
-        the index and the mismatch counts as ``"evicted"``; else the cause is read again then, and a few times more
-        while it stays ``"index"`` (``NUM_CAUSE_REREADS``), from the events that came meanwhile (a worker's put of
-        the missed blocks back to the pool: ``router.index.pool_restores``). Returns whether that task holds the
-        ticket's journal stamp open (the caller then settles with ``keep_window=True``; the task closes it)."""
-        cause = ticket.mismatch_cause(worker_id, predicted, reported)
-        watcher = self.router.pool_watcher
-        if cause != "index" or watcher is None:
-            self.metrics.worker(worker_id).num_mismatches[cause] += 1
-            return False
-        task = asyncio.get_running_loop().create_task(self._confirm(watcher, worker_id, ticket, predicted, reported))
-        self._confirming.add(task)
-        task.add_done_callback(self._confirming.discard)
-        return True
-
-    async def _confirm(
-        self, watcher: PoolWatcher, worker_id: str, ticket: IndexTicket, predicted: int, reported: int
-    ) -> None:
-        cause = "index"
-        try:
-            if await watcher.confirm_gone(*ticket.missed_blocks(predicted, reported)):
-                cause = "evicted"
-            else:
-                cause = ticket.mismatch_cause(worker_id, predicted, reported)
-                for _ in range(NUM_CAUSE_REREADS):
-                    if cause != "index":
-                        break
-                    await asyncio.sleep(CAUSE_REREAD_S)
-                    cause = ticket.mismatch_cause(worker_id, predicted, reported)
-        finally:
-            ticket.close_window()
-            self.metrics.worker(worker_id).num_mismatches[cause] += 1
+        """``MismatchCounter.count`` (``router.mismatch``): whether the ticket's journal stamp stays open."""
+        return self.mismatches.count(worker_id, ticket, predicted, reported)
 
     def start(self, request_id: str) -> RequestFlight:
         """The flight of a request that holds an admission slot (its ``finish`` gives the slot back)."""

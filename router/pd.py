@@ -72,6 +72,7 @@ from router.errors import (
 from router.fleet import WorkerRuntime
 from router.lease import WorkerLease
 from router.metrics import GatewayMetrics
+from router.mismatch import MismatchCounter
 from router.pd_candidates import decode_candidates, ranking, split_roles
 from router.pd_errors import prefill_refusal, too_large_error
 from router.pd_ledger import DecodeLedger
@@ -137,6 +138,7 @@ class PDLifecycle:
         self.transport = transport
         self.metrics = metrics
         self.admission = admission
+        self.mismatches = MismatchCounter(router, metrics)
         self.ledger = ledger if ledger is not None else DecodeLedger()
         self.clock = clock
         self.rng = rng if rng is not None else random.Random()
@@ -265,7 +267,7 @@ class PDFlight:
                 chosen = lc.router.fleet.workers.get(prefill_id) if prefill_id else None
                 ok = outcome is not None and outcome.is_ok
                 if chosen is not None:
-                    ticket.settle(chosen, served, ok, lc.clock())
+                    ticket.settle(chosen, served, ok, lc.clock(), keep_window=bool(record.pop("prefill_confirming", 0)))
                 decode_chosen = lc.router.fleet.workers.get(self.pair.decode.worker_id or "")  # "": no worker
                 if self._decode_ticket is not None and decode_chosen is not None:
                     decode_served = outcome.served_by if outcome is not None else None
@@ -364,8 +366,7 @@ class PDFlight:
         lc.ledger.reserve(self.request_id, pair.decode.worker_id, pair.num_reserved_blocks, pair.num_transfer_bytes)
         by_id = {w.worker_id: w for w in workers}
         ticket.insert_for(by_id[pair.prefill.worker_id], match, now_s)
-        # the decode worker registers the prompt's blocks once they landed: pending entries there too, so a request
-        # routed right behind this one predicts its local hit (settled, like the prefill's, after the answer)
+        # pending entries on the decode worker too (it registers the blocks once landed), settled after the answer
         self._decode_ticket = router.ticket(model, view)
         self._decode_ticket.insert_for(by_id[pair.decode.worker_id], match, now_s)
         prefill_rank = [by_id[w] for w in ranking(pair.prefill) if w in by_id and w in predicted]
@@ -479,9 +480,8 @@ class PDFlight:
                     usage = usage_from_sse_tail(answer[-SSE_TAIL_BYTES:]) if is_sse else usage_from_body(answer)
                     guess = predicted.get(worker.worker_id, 0)
                     reported = lc.proxy.check_honesty(worker, lease.metrics, guess, usage)
-                    if reported is not None and reported != guess and self._ticket is not None:  # before settle
-                        cause = self._ticket.mismatch_cause(worker.worker_id, guess, reported)
-                        lease.metrics.num_mismatches[cause] += 1
+                    if reported is not None and reported != guess and (ticket := self._ticket) is not None:  # unsettled
+                        record["prefill_confirming"] = lc.mismatches.count(worker.worker_id, ticket, guess, reported)
                     record["reported_cached_tokens"] = reported
                 record["prefill_served_by"] = worker.worker_id
                 record["prefill_served_by_worker"] = worker

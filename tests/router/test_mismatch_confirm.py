@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from router.lifecycle import NUM_CAUSE_REREADS, RequestLifecycle
+from router.lifecycle import RequestLifecycle
 from router.metrics import GatewayMetrics
+from router.mismatch import NUM_CAUSE_REREADS
 
 pytestmark = pytest.mark.unit
 
@@ -55,7 +56,7 @@ def lifecycle(watcher: Watcher | None) -> tuple[RequestLifecycle, GatewayMetrics
 
 
 async def settle(lc: RequestLifecycle) -> None:
-    await asyncio.gather(*lc._confirming)
+    await asyncio.gather(*lc.mismatches._confirming)
 
 
 async def test_evicted_blocks_found_by_the_watcher_count_as_a_forecast_miss():
@@ -98,3 +99,15 @@ async def test_blocks_the_master_still_holds_stay_a_wrong_index_and_without_a_wa
     bare, counts = lifecycle(None)
     assert not bare.count_mismatch("w", Ticket(Watcher(0)), predicted=8, reported=0)  # type: ignore[arg-type]
     assert counts.worker("w").num_mismatches["index"] == 1
+
+
+async def test_the_pd_prefill_legs_mismatches_count_through_the_same_confirmation():
+    from router.pd import PDLifecycle
+
+    metrics, watcher = GatewayMetrics(), Watcher(gone=2)
+    pd = PDLifecycle(Router(watcher), None, None, metrics, None)  # type: ignore[arg-type]
+    ticket = Ticket(watcher)
+    assert pd.mismatches.count("w", ticket, predicted=40, reported=28)  # type: ignore[arg-type]
+    await asyncio.gather(*pd.mismatches._confirming)
+    assert watcher.asked == [("m", [7, 8, 9])] and ticket.num_closes == 1
+    assert metrics.worker("w").num_mismatches["evicted"] == 1 and metrics.worker("w").num_mismatches["index"] == 0

@@ -140,7 +140,7 @@ class Gateway:
 
     async def counted(self) -> None:
         """Wait for the mismatch confirmations in flight."""
-        await until(lambda: not self.lifecycle._confirming)
+        await until(lambda: not self.lifecycle.mismatches._confirming)
 
     async def close(self) -> None:
         await self.pool_watcher.close()
