@@ -79,9 +79,12 @@ UNSCALED_SUFFIX = "@unscaled"
 EXTRA_POLICIES: dict[str, dict[str, Any]] = {
     "session_sticky_margins+cache_aware": {"name": "session_sticky", "price_moves": False, "max_extra_ttft_s": 0.5,
                                            "max_ttft_ratio": 2.0, "inner": {"name": "cache_aware"}},
+    "session_sticky_uncharged+cache_aware": {"name": "session_sticky", "charge_returning_sessions": False,
+                                             "inner": {"name": "cache_aware"}},
 }
 """kvgate runs besides the demo's, on request (``--routers``): the default policy as it was before its move rule
-(fixed margins: a session moves when its owner is 0.5 s and 2x costlier than the best)."""
+(fixed margins: a session moves when its owner is 0.5 s and 2x costlier than the best), and the default policy
+without its charge for the returning sessions a new session's prefill holds up (``policies/returning.py``)."""
 AGENTIC_TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "kv-cache-tester"
 """The agentic coding sessions, beside the checkout (``../shared/traces/kv-cache-tester``)."""
 

@@ -28,6 +28,9 @@ class RequestView(msgspec.Struct, frozen=True, gc=False):
             (``policies.residents.SessionResidents.projected_growth_tokens``; 0 without a session).
         is_new_session: the request opens a session this gateway has not placed yet (``session_sticky`` sets it for
             its inner policy): whatever it finds cached is a head shared with other sessions, not state of its own.
+        session_return_probability: the chance that a live session returns once more (``policies.returning``), the
+            weight of ``cache_aware``'s charge for the turns a placement holds up (``WorkerState.returning_in_s``); 0
+            charges none.
     """
 
     request_id: str
@@ -38,6 +41,7 @@ class RequestView(msgspec.Struct, frozen=True, gc=False):
     session_key: str | None = None
     num_expected_growth_tokens: int = 0
     is_new_session: bool = False
+    session_return_probability: float = 0.0
 
 
 PendingPrefill = tuple[float, int, int]
@@ -81,6 +85,9 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
             clock; the requests still pending were not served before then (0.0: none yet).
         clock_s: the decision time on the worker's clock (seconds; the gateway's clock over the worker's
             ``time_scale``).
+        returning_in_s: for each live session it owns, seconds from ``clock_s`` until its next turn is expected
+            (``policies.returning.ReturningSessions``, filled by ``session_sticky`` for a new session's request);
+            empty: none counted.
     """
 
     worker_id: str
@@ -101,6 +108,7 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
     pending_prefills: tuple[PendingPrefill, ...] = ()
     prefill_done_at_s: float = 0.0
     clock_s: float = 0.0
+    returning_in_s: tuple[float, ...] = ()
 
     @property
     def num_cached_tokens(self) -> int:

@@ -10,9 +10,9 @@ Per request:
    compete and the reason says so).
 4. Order the rest by the tie-break rule below; temperature 0 takes the first, otherwise a seeded softmax draw.
 
-Ranking cost: ``ttft + recompute_penalty * prefill + decode_penalty * decode_load + memory`` where ``prefill`` is the
-(speed-scaled) prefill time of the tokens the worker lacks and ``decode_load`` the (speed-scaled) decode time that
-sharing the worker's batch adds to this request and to those already running there
+Ranking cost: ``ttft + recompute_penalty * prefill + decode_penalty * decode_load + memory + returning`` where
+``prefill`` is the (speed-scaled) prefill time of the tokens the worker lacks and ``decode_load`` the (speed-scaled)
+decode time that sharing the worker's batch adds to this request and to those already running there
 (``TTFTCostModel.decode_load_s``). With both penalties at 0 the policy is greedy on this request's TTFT; the
 recompute penalty also charges the work a recompute adds to the fleet: every request queued behind this one on
 that worker waits for the recomputed tokens, and a conversation moved off the worker holding its prefix loses that
@@ -29,7 +29,11 @@ out; ``policies.residents``), and ``m = n + g`` this session's projected prompt 
 ``RequestView.num_expected_growth_tokens``), the ``min(m, max(0, R + m - C))`` tokens that do not fit evict as many
 of theirs, each recomputed at a session's next turn: ``memory = that * (1 / r_lin)`` (speed-scaled; 0 while ``C``
 is unknown). It spreads sessions by the memory
-their conversations take, which no instantaneous load shows. ``Decision.scores`` stay the estimated TTFT (the calibrator
+their conversations take, which no instantaneous load shows. ``returning`` (when ``session_sticky`` fills
+``WorkerState.returning_in_s`` for a new session's request) is the wait the request's prefill imposes on the
+worker's live sessions expected back while it runs, weighted by the chance that a session returns
+(``policies/returning.py``): a long cold prefill goes where fewer owned sessions are about to return.
+``Decision.scores`` stay the estimated TTFT (the calibrator
 compares them with observed TTFTs; ``session_sticky``'s margins compare them).
 
 Tie-break rule (deterministic): ranking costs are compared at microsecond resolution (``round(cost * 1e6)``);
@@ -60,6 +64,7 @@ from policies.base import Decision, RequestView, Snapshot, WorkerState
 from policies.candidates import eligible_workers, no_worker_decision
 from policies.config import CacheAwareConfig
 from policies.cost_model import TTFTBreakdown, TTFTCalibrator, TTFTCostModel, drained_prefill_s
+from policies.returning import returning_delay_s
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +83,7 @@ class CostTerms(msgspec.Struct, frozen=True, gc=False):
         recompute_penalty_s: ``recompute_penalty * prefill_s``.
         decode_load_penalty_s: ``decode_penalty`` times the decode load (``TTFTCostModel.decode_load_s``).
         cost_s: what the candidates are ranked by: ``ttft_s + recompute_penalty_s + decode_load_penalty_s +
-            memory_penalty_s``.
+            memory_penalty_s + returning_penalty_s``.
         speed_factor: the worker's online speed factor.
         num_computed_tokens: prompt tokens the worker would compute.
         is_saturated: over a busy threshold (competes only when every candidate is).
@@ -97,6 +102,9 @@ class CostTerms(msgspec.Struct, frozen=True, gc=False):
     is_saturated: bool
     memory_penalty_s: float = 0.0
     """The recompute that the prompt's overflow of the worker's GPU capacity costs its resident sessions."""
+    returning_penalty_s: float = 0.0
+    """The wait the request's prefill imposes on the worker's sessions expected back during it
+    (``RequestView.session_return_probability`` times ``policies.returning.returning_delay_s``)."""
 
 _SCORE_RESOLUTION_PER_S = 1e6
 """Scores closer than one microsecond tie."""
@@ -186,11 +194,16 @@ class CacheAwarePolicy:
             recompute = (0.0 if view.is_new_session else config.recompute_penalty) * f * b.prefill_s
             decode = config.decode_penalty * f * b.decode_load_s
             memory = f * self.memory_s(w, view.num_prompt_tokens + view.num_expected_growth_tokens)
+            returning = 0.0
+            if view.session_return_probability and w.returning_in_s:
+                returning = view.session_return_probability * returning_delay_s(w.returning_in_s, b.ttft_s,
+                                                                                f * b.prefill_s)
             out[w.worker_id] = CostTerms(
                 queue_s=f * b.queue_s, prefill_s=f * b.prefill_s, restore_s=f * b.restore_s, overhead_s=b.overhead_s,
                 ttft_s=b.ttft_s, recompute_penalty_s=recompute, decode_load_penalty_s=decode,
-                cost_s=b.ttft_s + recompute + decode + memory, speed_factor=f,
+                cost_s=b.ttft_s + recompute + decode + memory + returning, speed_factor=f,
                 num_computed_tokens=b.num_computed_tokens, is_saturated=self.is_saturated(w), memory_penalty_s=memory,
+                returning_penalty_s=returning,
             )
         return out
 
@@ -202,6 +215,7 @@ class CacheAwarePolicy:
          decode_s_per_two_sequences, decode_horizon_tokens) = self._constants
         if view.is_new_session:
             recompute_penalty = 0.0
+        return_probability = view.session_return_probability
         n = view.num_prompt_tokens
         n_sq = n * n
         projected = n + view.num_expected_growth_tokens
@@ -276,6 +290,8 @@ class CacheAwarePolicy:
             score = overhead_s + work
             scores[worker_id] = score
             cost = score + recompute_penalty * prefill + decode
+            if return_probability and w.returning_in_s:
+                cost += return_probability * returning_delay_s(w.returning_in_s, score, prefill)
             key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, running + waiting, pending,
                    w.num_resident_tokens, w.num_recent_assignments, index, cost, worker_id)
             if has_thresholds and (

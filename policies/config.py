@@ -204,6 +204,9 @@ class SessionStickyConfig(_PolicyConfigBase, frozen=True, tag="session_sticky"):
         move_tail_window: how many recent decisions that quantile is taken over.
         resident_idle_s: a session unseen this long no longer counts among its owner's resident prompts (the
             memory term of ``cache_aware``, ``policies/residents.py``), seconds.
+        charge_returning_sessions: rank a new session's first request (inner ``cache_aware``) with the wait its
+            prefill imposes on each worker's live sessions expected back during it (``policies/returning.py``).
+        return_gap_window: how many recent gaps between a session's turns the fleet's expected gap is taken over.
         max_extra_ttft_s: the owner may be at most this many seconds costlier than the best alternative.
         max_ttft_ratio: the owner may be at most this many times costlier than the best alternative.
     """
@@ -216,6 +219,8 @@ class SessionStickyConfig(_PolicyConfigBase, frozen=True, tag="session_sticky"):
     move_tail_quantile: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.99
     move_tail_window: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1024
     resident_idle_s: Annotated[float, msgspec.Meta(gt=0.0, le=86_400.0)] = 300.0
+    charge_returning_sessions: bool = True
+    return_gap_window: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 256
 
     def __post_init__(self) -> None:
         if not self.key_sources:

@@ -50,6 +50,7 @@ from policies.cache_aware import CacheAwarePolicy
 from policies.config import CacheAwareConfig, KeySource, SessionStickyConfig
 from policies.move_cost import SessionMoveCost
 from policies.residents import SessionResidents
+from policies.returning import ReturningSessions, return_probability
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +230,9 @@ class SessionStickyPolicy:
         move_cost: the move rule with its window and session statistics (``None``: ``price_moves`` off, or an inner
             policy that does not score in seconds).
         residents: each session's owner and latest prompt tokens (the snapshot's ``num_resident_tokens``).
+        returning: each session's owner, latest placement and gaps between turns (``WorkerState.returning_in_s``
+            of a new session's request; ``None``: ``charge_returning_sessions`` off, or an inner policy that does
+            not score in seconds).
     """
 
     name = "session_sticky"
@@ -239,6 +243,9 @@ class SessionStickyPolicy:
         self.applies_margins = isinstance(config.inner, CacheAwareConfig)
         self.move_cost: SessionMoveCost | None = None
         self.residents = SessionResidents(config.resident_idle_s)
+        self.returning: ReturningSessions | None = None
+        if config.charge_returning_sessions and isinstance(inner, CacheAwarePolicy):
+            self.returning = ReturningSessions(config.resident_idle_s, config.return_gap_window)
         if config.price_moves and isinstance(inner, CacheAwarePolicy):
             self.move_cost = SessionMoveCost(inner.cost_model, inner.speed_factor,
                                              tail_quantile=config.move_tail_quantile,
@@ -246,9 +253,23 @@ class SessionStickyPolicy:
 
     def select_inner(self, view: RequestView, snapshot: Snapshot) -> Decision:
         """The inner policy's decision: the worker to propose to ``claim_or_touch``; a session not placed yet is
-        marked ``is_new_session`` for it."""
+        marked ``is_new_session`` for it, and, when no worker holds any of its prompt (a cold prefill, the same work
+        wherever it goes), with ``returning`` each worker's sessions expected back and the chance that one returns
+        (``policies/returning.py``). A prompt whose head some worker holds is left to the cost model alone: charging
+        the head's holder for its many sessions sent new sessions away from the head (Mooncake slice: hit ratio
+        0.981 of the ceiling against 0.998)."""
         if view.session_key is not None and view.session_key not in self.residents:
             view = msgspec.structs.replace(view, is_new_session=True)
+            returning = self.returning
+            if returning is not None and not any(w.num_cached_tokens for w in snapshot.workers):
+                residents = self.residents
+                back = returning.returning_in_s(snapshot.workers)
+                probability = return_probability(residents.num_new_sessions, residents.num_returning_turns)
+                if back and probability:
+                    view = msgspec.structs.replace(view, session_return_probability=probability)
+                    snapshot = msgspec.structs.replace(snapshot, workers=tuple(
+                        msgspec.structs.replace(w, returning_in_s=back[w.worker_id]) if w.worker_id in back else w
+                        for w in snapshot.workers))
         return self.inner.select(view, snapshot)
 
     def resolve(
@@ -270,7 +291,19 @@ class SessionStickyPolicy:
                                   clock_s=chosen.clock_s if chosen is not None else 0.0)
             if view is not None and view.session_key is not None:
                 self.residents.place(view.session_key, decision.worker_id, view.num_prompt_tokens, snapshot.now_s)
+                if self.returning is not None:
+                    chosen_state = next((w for w in snapshot.workers if w.worker_id == decision.worker_id), None)
+                    self.returning.place(view.session_key, decision.worker_id,
+                                         chosen_state.clock_s if chosen_state is not None else snapshot.now_s,
+                                         snapshot.now_s)
         return decision
+
+    def forget_worker(self, worker_id: str) -> int:
+        """Forget the sessions counted on ``worker_id`` (removed from the fleet) in ``residents`` and ``returning``;
+        returns how many ``residents`` dropped."""
+        if self.returning is not None:
+            self.returning.forget_worker(worker_id)
+        return self.residents.forget_worker(worker_id)
 
     def select(self, view: RequestView, snapshot: Snapshot) -> Decision:
         """Inner decision, then keep or move ``snapshot.session_owner``; without a session key, the inner one."""

@@ -372,7 +372,7 @@ class Router:
             del memo[key]
         sticky = self.holder.sticky
         if sticky is not None:
-            sticky.residents.forget_worker(worker_id)
+            sticky.forget_worker(worker_id)
 
     def ticket(self, model: ModelConfig, view: PromptView) -> IndexTicket:
         """A request's handle on its model's index, for a route decided outside ``route`` (``router.pd``)."""
