@@ -394,7 +394,7 @@ async def put_policy(request: web.Request) -> web.StreamResponse:
 
 async def recent_decisions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    records = list(gw.router.recent)[-_limit(request):]
+    records = gw.router.recent.latest(_limit(request))
     records.reverse()
     now_s = gw.clock()
     decisions = []
