@@ -106,3 +106,18 @@ def test_jemalloc_bins_is_none_under_another_allocator() -> None:
     assert _run("import json; from common.process_stats import jemalloc_bins; print(json.dumps(jemalloc_bins()))",
                 {}) is None
 
+
+SLABS = """
+import json
+from common.process_stats import jemalloc_bins
+print(json.dumps({b["region_bytes"]: b["slab_bytes"] // b["num_slabs"] for b in jemalloc_bins(64) if b["num_slabs"]}))
+"""
+
+
+@pytest.mark.skipif(find_jemalloc() is None, reason="libjemalloc.so.2 not installed (libjemalloc2)")
+def test_kvgate_jemalloc_conf_gives_the_small_classes_one_page_slabs() -> None:
+    ours = _run(SLABS, allocator_env("jemalloc"))
+    default = _run(SLABS, allocator_env("jemalloc", "tcache:false"))
+    assert [ours[k] for k in ("48", "80", "112", "160")] == [4096] * 4
+    assert [default[k] for k in ("48", "80", "112", "160")] == [12288, 20480, 28672, 20480]
+    assert ours["3072"] == default["3072"] == 12288  # above 160 bytes jemalloc's own sizes stay
