@@ -14,6 +14,9 @@ from common.allocator import JEMALLOC_CONF
 INDEX_BENCH_BYTES_PER_HOLDING = 143
 """``benchmarks.index``'s published memory figure (its docstring), bytes per (block, worker) holding."""
 
+SURVIVOR_SITES = 1000
+"""Allocation sites a traced soak lists at the baseline and after the clears (``survivors`` diffs the two)."""
+
 
 class SoakConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
     """Settings of one soak run (module docstring; the flags of the same names)."""
@@ -96,6 +99,25 @@ def write_plot(samples: dict[str, list[ProcessSample]], path: Path) -> None:
     plt.close(fig)
 
 
+def _site_key(site: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(site["stack"]) if site.get("stack") else (f"{site['file']}:{site['line']}",)
+
+
+def survivors(baseline: dict[str, Any], cleared: dict[str, Any], limit: int = 12) -> list[dict[str, Any]]:
+    """The allocation sites that grew most from ``baseline`` to ``cleared`` (two ``memory_report`` bodies of one
+    traced process), as ``{"size_bytes", "num_blocks"`` (both the growth), ``"site"`` (the cleared report's
+    entry)``}``, largest growth first, at most ``limit``; a site absent from the baseline's list counts from 0
+    (its ``SURVIVOR_SITES`` largest only, so a growth is exact for a site listed in both)."""
+    before = {_site_key(s): s for s in baseline.get("sites", [])}
+    grown = []
+    for site in cleared.get("sites", []):
+        old = before.get(_site_key(site), {"size_bytes": 0, "num_blocks": 0})
+        grown.append({"size_bytes": site["size_bytes"] - old["size_bytes"],
+                      "num_blocks": site["num_blocks"] - old["num_blocks"], "site": site})
+    grown.sort(key=lambda g: -g["size_bytes"])
+    return grown[:limit]
+
+
 def report(config: SoakConfig, result: SoakResult) -> None:
     """Print the curve, the bytes per holding, the top sites and the checks; write ``soak.json`` and the plot."""
     print(f"requests: {result.num_requests} sent, {result.num_failed} failed {result.error_kinds}; trace covered "
@@ -121,11 +143,22 @@ def report(config: SoakConfig, result: SoakResult) -> None:
         if isinstance(heap, dict) and heap.get("malloc"):
             print(f"gateway C heap, {label}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in heap["malloc"].items()
                                                            if k != "releasable_bytes"), flush=True)
-    for label in ("baseline", "plateau", "cleared"):
+    for label in ("baseline", "plateau", "cleared", "collected"):
         heap = result.top_sites.get(label, {}).get("gateway", {})
         if isinstance(heap, dict) and heap.get("jemalloc"):
             print(f"gateway jemalloc heap, {label}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB"
                                                                   for k, v in heap["jemalloc"].items()), flush=True)
+    collected = result.top_sites.get("collected", {}).get("gateway", {})
+    after_gc = [s.rss_bytes for s in result.samples.get("gateway", []) if s.phase == "collected"]
+    if isinstance(collected, dict) and collected.get("num_collected") is not None and after_gc:
+        print(f"gateway after a full garbage collection (past the checks): {collected['num_collected']} unreachable "
+              f"objects freed, RSS {after_gc[-1] / 2**20:.1f} MiB", flush=True)
+    for label in ("baseline", "cleared"):
+        bins = result.top_sites.get(label, {}).get("gateway", {}).get("jemalloc_bins")
+        if bins:
+            print(f"gateway jemalloc size classes with the most idle slab bytes, {label}: " + ", ".join(
+                f"{b['region_bytes']} B: {b['idle_bytes'] / 2**20:.1f} of {b['slab_bytes'] / 2**20:.1f} MiB"
+                for b in bins[:6]), flush=True)
     for label in ("plateau", "cleared"):
         for name, rep in result.top_sites.get(label, {}).items():
             if not isinstance(rep, dict) or not rep.get("sites"):
@@ -136,6 +169,17 @@ def report(config: SoakConfig, result: SoakResult) -> None:
                       f"{site['file']}:{site['line']}")
                 for frame in site.get("stack", [])[1:]:
                     print(f"        {frame}")
+    for name, rep in result.top_sites.get("cleared", {}).items():
+        base = result.top_sites.get("baseline", {}).get(name)
+        if not isinstance(rep, dict) or not rep.get("sites") or not isinstance(base, dict):
+            continue
+        print(f"survivors, {name} (traced {base['traced_bytes'] / 2**20:.1f} MiB at the baseline, "
+              f"{rep['traced_bytes'] / 2**20:.1f} after the clears): the sites that grew most")
+        for g in survivors(base, rep):
+            print(f"  {g['size_bytes'] / 2**20:+8.2f} MiB {g['num_blocks']:>+9} blocks  {g['site']['file']}:"
+                  f"{g['site']['line']}")
+            for frame in g["site"].get("stack", [])[1:]:
+                print(f"        {frame}")
     for name, ok, detail in result.checks:
         print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
     out = Path(config.out)

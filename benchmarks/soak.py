@@ -118,6 +118,26 @@ rise and fall with the churn's bursts. With ``dirty_decay_ms:0`` besides (``--ma
 requests, 2,398 s of trace): 110.1 / 158.5-173.6 / 126.8 MiB (1.096 / 1.152), unpurged pages at the plateau 7 MB
 (resident 133.8 against 126.7 active), the slabs after the clears as before (allocated 79.3, active 91.1 MB): a flatter
 plateau on one run, not yet made the default.
+
+Then the survivors themselves (a 2-core host at load 2-5; ``--tracemalloc gateway``, whose baseline and after-clears
+reports list 1,000 sites each and the report prints the sites that grew most between them; ``collect=true`` on the
+debug endpoint, a full garbage collection first; jemalloc's per size class regions and slabs, ``jemalloc_bins``):
+a traced gateway that is not overloaded (``--quick --time-scale 10 --max-in-flight 6 --max-duration-s 200``, 556
+requests, none failed) holds 1.1 MB (20,316 blocks) of Python values more than at its baseline after the clears,
+almost all the decision ring's records (``num_recent_decisions`` 1,024 in ``loadgen.fleet``: some 40 ints, floats
+and short tuples a record) and nothing of the index, the sessions or the prompt caches; a traced run that overloads
+the gateway (failed requests, a tokenizer backlog) shows its requests still in flight instead. Reference cycles
+hold 156-218 objects. So the 11.5-12 MB were jemalloc's slabs in the 32-, 48- and 64-byte classes kept active by
+those records' values (after a 300 s run: 2-3 MB of idle slab bytes in each). The ring now keeps a record as one
+msgpack buffer (``router.decisions.DecisionRing``) and jemalloc's slabs up to 160 bytes are one page
+(``common.allocator.JEMALLOC_CONF``). ``python -m benchmarks soak --max-duration-s 300``, before (10,891 requests
+in 247 s, 40 churn steps): 110.4 / 176.9-192.5 / 129.2 MiB (flat 1.088, back 1.170), allocated 76.3 -> 79.4 MB and
+active 77.0 -> 93.2 after the clears; after (2 runs, the host busier: 10,834 and 8,889 requests in 305 s, 48 and 45
+churn steps): 111.0 / 166.1-196.3 and 165.5-187.9 / 123.0 and 122.4 MiB (flat 1.182 and 1.135, back 1.108 and
+1.103), allocated 79.7 and active 85.3-85.7 MB after the clears (6 MB of idle slabs, from 14). The back check is
+0.3-0.8% short of 10%; the flat check now fails: the plateau sits lower (median 177.8-183.2 MiB against 185.7) with
+deeper dips (24-27 MB of freed pages not yet purged at the plateau, against 18), on runs at a different pace.
+``--quick`` after: 110.6 / 155.6-168.1 / 117.2 MiB (1.080 / 1.060).
 """
 
 from __future__ import annotations
@@ -149,7 +169,7 @@ from benchmarks._probe import (
     total,
     wait_for,
 )
-from benchmarks._soak_report import SoakConfig, SoakResult, report
+from benchmarks._soak_report import SURVIVOR_SITES, SoakConfig, SoakResult, report
 from common.allocator import ALLOCATORS, allocator_env, find_jemalloc
 from loadgen.demo_config import DemoConfig, find_default_trace, gateway_policy, worker_profile
 from loadgen.fleet import Fleet, ManagedProcess, WorkerSpec
@@ -280,13 +300,17 @@ class Soak:
                 logger.warning("churn %s of %s failed: %s", action, entry["id"], exc)
                 self.churn_counts[action + "_failed"] = self.churn_counts.get(action + "_failed", 0) + 1
 
-    async def memory(self, session: aiohttp.ClientSession, label: str, limit: int = 12) -> dict[str, Any]:
-        """Top ``limit`` allocation sites (0: none, no snapshot) and traced bytes of every process."""
+    async def memory(
+        self, session: aiohttp.ClientSession, label: str, limit: int = 12, *, collect: bool = False
+    ) -> dict[str, Any]:
+        """Top ``limit`` allocation sites (0: none, no snapshot) and traced bytes of every process (after a full
+        garbage collection there with ``collect``)."""
         out: dict[str, Any] = {}
         if self.config.tracemalloc == "none":
             limit = 0  # the C heap's figures only (``malloc``)
         try:
             query = f"limit={limit}" + ("&group_by=traceback" if self.config.tracemalloc_frames > 1 else "")
+            query += "&collect=true" if collect else ""
             out["gateway"] = await get_json(session, f"{self.gateway.url}/admin/debug/memory?{query}",
                                             MEMORY_TIMEOUT_S)
             for w in self.fleet.workers if self.config.tracemalloc == "all" else ():
@@ -415,7 +439,7 @@ async def run_soak(config: SoakConfig) -> SoakResult:
             for _ in range(3):
                 await soak.sample(session)
                 await asyncio.sleep(0.5)
-            memory["baseline"] = await soak.memory(session, "baseline", limit=0)
+            memory["baseline"] = await soak.memory(session, "baseline", limit=SURVIVOR_SITES)
             _say(soak.t0, "baseline taken; load starts")
             soak.phase = "load"
             stop = asyncio.Event()
@@ -459,7 +483,12 @@ async def run_soak(config: SoakConfig) -> SoakResult:
             for _ in range(3):
                 await soak.sample(session)
                 await asyncio.sleep(1.0)
-            memory["cleared"] = await soak.memory(session, "cleared", limit=25)
+            memory["cleared"] = await soak.memory(session, "cleared", limit=SURVIVOR_SITES)
+            # What reference cycles still held (freed by a full collection), apart from the checks' figures.
+            memory["collected"] = await soak.memory(session, "collected", limit=0, collect=True)
+            await asyncio.sleep(2.0)
+            soak.phase = "collected"
+            await soak.sample(session)
             _say(soak.t0, "after-clear samples taken")
     finally:
         fleet.stop()

@@ -30,7 +30,7 @@ import os
 import sys
 import tracemalloc
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -131,6 +131,56 @@ def jemalloc_stats() -> dict[str, int] | None:
     return out
 
 
+JEMALLOC_MAX_BINS = 64
+"""Size classes ``memory_report`` lists (jemalloc 5 has 36 small ones with 4 KiB pages: every one)."""
+
+_ARENAS_ALL = 4096
+"""jemalloc's ``MALLCTL_ARENAS_ALL``: the arena index whose ``stats.arenas.<i>.*`` merge every arena."""
+
+
+def _mallctl_read(mallctl: Any, name: str, ctype: Any) -> int | None:
+    value = ctype(0)
+    size = ctypes.c_size_t(ctypes.sizeof(value))
+    if mallctl(name.encode(), ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+        return None
+    return int(value.value)
+
+
+def jemalloc_bins(limit: int = 8) -> list[dict[str, int]] | None:
+    """jemalloc's small size classes (``man jemalloc``: ``arenas.bin.<j>.*``, ``stats.arenas.<i>.bins.<j>.*``,
+    every arena merged) with the most bytes in slabs but not allocated: where freed regions are kept because a
+    live region shares their slab (its pages stay active). ``None`` unless ``ALLOCATOR`` is ``"jemalloc"`` or
+    when a figure cannot be read (a build without statistics).
+
+    Returns:
+        At most ``limit`` items, most idle bytes first: ``{"region_bytes"`` (the class's size), ``"num_regions"``
+        (allocated now), ``"num_slabs"`` (slabs now), ``"slab_bytes"`` (``num_slabs`` times a slab's size),
+        ``"idle_bytes"`` (``slab_bytes`` less the allocated regions' bytes)``}``.
+    """
+    if ALLOCATOR != "jemalloc":
+        return None
+    mallctl = ctypes.CDLL(None).mallctl
+    mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
+                        ctypes.c_size_t]
+    mallctl.restype = ctypes.c_int
+    epoch = ctypes.c_uint64(1)
+    num_bins = _mallctl_read(mallctl, "arenas.nbins", ctypes.c_uint)
+    if mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch)) != 0 or num_bins is None:
+        return None
+    out = []
+    for j in range(num_bins):
+        figures = [_mallctl_read(mallctl, name, ctypes.c_size_t) for name in (
+            f"arenas.bin.{j}.size", f"arenas.bin.{j}.slab_size", f"stats.arenas.{_ARENAS_ALL}.bins.{j}.curregs",
+            f"stats.arenas.{_ARENAS_ALL}.bins.{j}.curslabs")]
+        if any(f is None for f in figures):
+            return None
+        region, slab, num_regions, num_slabs = cast(list[int], figures)
+        out.append({"region_bytes": region, "num_regions": num_regions, "num_slabs": num_slabs,
+                    "slab_bytes": num_slabs * slab, "idle_bytes": num_slabs * slab - num_regions * region})
+    out.sort(key=lambda b: -b["idle_bytes"])
+    return out[:max(0, limit)]
+
+
 def malloc_trim() -> bool:
     """Return glibc's free heap pages to the kernel (``malloc_trim(0)``: every arena, not only the top of the main
     one); ``True`` when some memory was released, ``False`` when none was or glibc is not the process's
@@ -164,7 +214,9 @@ def register_process_collectors(registry: CollectorRegistry) -> None:
     registry.register(AsyncioTasksCollector())
 
 
-def memory_report(limit: int = 25, *, group_by: str = "lineno", trim: bool = False) -> dict[str, Any]:
+def memory_report(
+    limit: int = 25, *, group_by: str = "lineno", trim: bool = False, collect: bool = False
+) -> dict[str, Any]:
     """The top ``limit`` allocation sites of a ``tracemalloc`` snapshot, largest first, and the C heap's state.
 
     Args:
@@ -173,10 +225,14 @@ def memory_report(limit: int = 25, *, group_by: str = "lineno", trim: bool = Fal
         group_by: ``"lineno"`` (a site is the line that allocated) or ``"traceback"`` (the whole traced stack: the
             process must trace more than one frame, ``PYTHONTRACEMALLOC=N``).
         trim: ``malloc_trim`` before reading the heap (``malloc`` then shows what trimming could not return).
+        collect: a full garbage collection (``gc.collect()``) first, its unreachable objects in
+            ``num_collected``: what reference cycles held until the collector's next oldest-generation pass (an idle
+            process allocates too little to reach one), told apart from what is still referenced.
 
     Returns:
-        ``{"is_tracing", "traced_bytes", "peak_traced_bytes", "num_gc_objects", "allocator": ALLOCATOR,
-        "malloc": malloc_stats() | None, "jemalloc": jemalloc_stats() | None,
+        ``{"is_tracing", "traced_bytes", "peak_traced_bytes", "num_gc_objects", "num_collected" (``None``
+        without ``collect``), "allocator": ALLOCATOR,
+        "malloc": malloc_stats() | None, "jemalloc": jemalloc_stats() | None, "jemalloc_bins": jemalloc_bins() | None,
         "trimmed": bool, "sites": [{"file", "line", "size_bytes", "num_blocks", "stack": [...]}, ...]}``; ``sites``
         is empty and the traced byte counts 0 when tracing is off; ``stack`` (``"file:line"`` items, innermost
         first) only with ``group_by="traceback"``. Frames of ``tracemalloc`` and of this module's snapshot are
@@ -188,15 +244,18 @@ def memory_report(limit: int = 25, *, group_by: str = "lineno", trim: bool = Fal
     if group_by not in GROUP_BYS:
         raise ValueError(f"group_by must be 'lineno' or 'traceback', got {group_by[:40]!r}")
     limit = max(0, min(MAX_REPORT_SITES, limit))
+    num_collected = gc.collect() if collect else None
     trimmed = malloc_trim() if trim else False
     report: dict[str, Any] = {
         "is_tracing": tracemalloc.is_tracing(),
         "traced_bytes": 0,
         "peak_traced_bytes": 0,
         "num_gc_objects": len(gc.get_objects()),
+        "num_collected": num_collected,
         "allocator": ALLOCATOR,
         "malloc": malloc_stats(),
         "jemalloc": jemalloc_stats(),
+        "jemalloc_bins": jemalloc_bins(JEMALLOC_MAX_BINS),
         "trimmed": trimmed,
         "sites": [],
     }
@@ -212,7 +271,7 @@ def memory_report(limit: int = 25, *, group_by: str = "lineno", trim: bool = Fal
     by_stack = group_by == "traceback"
     sites = []
     for stat in snapshot.statistics("traceback" if by_stack else "lineno")[:limit]:
-        frame = stat.traceback[0]
+        frame = stat.traceback[-1]  # the innermost frame (a ``Traceback`` runs oldest to most recent)
         site: dict[str, Any] = {"file": frame.filename, "line": frame.lineno, "size_bytes": stat.size,
                                 "num_blocks": stat.count}
         if by_stack:
@@ -227,7 +286,7 @@ class MemoryQueryError(ValueError):
     """A debug memory endpoint's query parameter that is not one it accepts.
 
     Attributes:
-        param: the parameter's name (``"limit"``, ``"group_by"`` or ``"trim"``).
+        param: the parameter's name (``"limit"``, ``"group_by"``, ``"trim"`` or ``"collect"``).
     """
 
     def __init__(self, message: str, param: str) -> None:
@@ -239,13 +298,14 @@ GROUP_BYS = ("lineno", "traceback")
 """``group_by`` values ``memory_report`` accepts."""
 
 TRIM_VALUES = {"true": True, "1": True, "false": False, "0": False}
-"""``trim`` values the debug memory endpoints accept (case-insensitive)."""
+"""``trim`` and ``collect`` values the debug memory endpoints accept (case-insensitive)."""
 
 
-def parse_memory_query(query: Mapping[str, str], default_limit: int = 25) -> tuple[int, str, bool]:
-    """``(limit, group_by, trim)`` of a debug memory endpoint's query (``GET /admin/debug/memory`` on the gateway,
-    ``GET /debug/memory`` on the worker): ``limit`` a decimal integer (``default_limit`` when absent), ``group_by``
-    one of ``GROUP_BYS`` (``lineno`` when absent), ``trim`` one of ``TRIM_VALUES`` (false when absent).
+def parse_memory_query(query: Mapping[str, str], default_limit: int = 25) -> tuple[int, str, bool, bool]:
+    """``(limit, group_by, trim, collect)`` of a debug memory endpoint's query (``GET /admin/debug/memory`` on the
+    gateway, ``GET /debug/memory`` on the worker): ``limit`` a decimal integer (``default_limit`` when absent),
+    ``group_by`` one of ``GROUP_BYS`` (``lineno`` when absent), ``trim`` and ``collect`` each one of
+    ``TRIM_VALUES`` (false when absent).
 
     Raises:
         MemoryQueryError: a parameter present with any other value (its ``param`` names it).
@@ -264,17 +324,21 @@ def parse_memory_query(query: Mapping[str, str], default_limit: int = 25) -> tup
     trim = TRIM_VALUES.get(raw_trim.lower())
     if trim is None:
         raise MemoryQueryError(f"trim must be true or false, got {raw_trim[:40]!r}", "trim")
-    return limit, group_by, trim
+    raw_collect = query.get("collect", "false")
+    collect = TRIM_VALUES.get(raw_collect.lower())
+    if collect is None:
+        raise MemoryQueryError(f"collect must be true or false, got {raw_collect[:40]!r}", "collect")
+    return limit, group_by, trim, collect
 
 
 def memory_report_for_query(query: Mapping[str, str], default_limit: int = 25) -> dict[str, Any]:
     """``memory_report`` for a debug endpoint's query (``parse_memory_query``).
 
     Raises:
-        MemoryQueryError: a bad ``limit``, ``group_by`` or ``trim``.
+        MemoryQueryError: a bad ``limit``, ``group_by``, ``trim`` or ``collect``.
     """
-    limit, group_by, trim = parse_memory_query(query, default_limit)
-    return memory_report(limit, group_by=group_by, trim=trim)
+    limit, group_by, trim, collect = parse_memory_query(query, default_limit)
+    return memory_report(limit, group_by=group_by, trim=trim, collect=collect)
 
 
 def resident_bytes() -> int | None:

@@ -394,7 +394,7 @@ async def put_policy(request: web.Request) -> web.StreamResponse:
 
 async def recent_decisions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    records = list(gw.router.recent)[-_limit(request):]
+    records = gw.router.recent.latest(_limit(request))
     records.reverse()
     now_s = gw.clock()
     decisions = []
@@ -409,9 +409,10 @@ async def recent_decisions(request: web.Request) -> web.StreamResponse:
 
 
 async def debug_memory(request: web.Request) -> web.StreamResponse:
-    """``GET /admin/debug/memory?limit=N&group_by=lineno|traceback&trim=true``: ``common.process_stats.memory_report``
-    (25 sites by default, by line, no trim); a ``limit`` not an integer, a ``group_by`` not one of the two or a
-    ``trim`` not ``true``/``false`` (``1``/``0``) is a 400 naming it."""
+    """``GET /admin/debug/memory?limit=N&group_by=lineno|traceback&trim=true&collect=true``:
+    ``common.process_stats.memory_report`` (25 sites by default, by line, no trim, no collection); a ``limit`` not
+    an integer, a ``group_by`` not one of the two or a ``trim`` or ``collect`` not ``true``/``false`` (``1``/``0``)
+    is a 400 naming it."""
     try:
         report = memory_report_for_query(request.query)
     except MemoryQueryError as exc:

@@ -5,14 +5,15 @@ each worker, the policies' last tie-break), and the entries of ``/admin/decision
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import msgspec
 
 from policies import cost_terms
 from policies.base import RequestView, Snapshot
 
-__all__ = ["DecisionRecord", "PDRecord", "RecentAssignments"]
+__all__ = ["DecisionRecord", "DecisionRing", "PDRecord", "RecentAssignments"]
 
 
 class RecentAssignments:
@@ -124,3 +125,65 @@ class PDRecord(msgspec.Struct, frozen=True, gc=False):
     decode_served_by: str | None = None
     outcome: str = "ok"
     kind: str = "pd"
+
+
+def _drop_policy(obj: Any) -> None:
+    """``enc_hook`` of ``DecisionRing``: the one field msgpack cannot carry, ``DecisionRecord.policy``, goes as nil
+    (the ring keeps the object beside the buffer)."""
+    return None
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_drop_policy)
+_DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {
+    DecisionRecord: msgspec.msgpack.Decoder(DecisionRecord), PDRecord: msgspec.msgpack.Decoder(PDRecord)}
+
+
+class DecisionRing:
+    """The latest decisions, oldest first, at most ``maxlen`` (``/admin/decisions``; the oldest goes first).
+
+    Each is kept as one msgpack buffer (``DecisionRecord.policy``, an object shared by every decision of a policy,
+    beside it) and decoded when read, an equal record. A record as built is some 40 small values (its
+    candidates' ``WorkerState`` items, scores and pending prefills: ints, floats, short tuples); the last
+    ``maxlen`` of them outlive a load peak, each in a page of the allocator's small size classes that the peak's
+    transient values shared, so 1,024 records (``loadgen.fleet``'s gateway) kept about 10 MB of those pages
+    resident after the peak's values were freed (``benchmarks.soak``'s docstring). One buffer a record (1-2 KiB,
+    a size class the ring alone fills) keeps none of them. Encoding costs a few microseconds a decision.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, maxlen: int) -> None:
+        self._items: deque[tuple[type, object, bytes]] = deque(maxlen=maxlen)
+
+    @property
+    def maxlen(self) -> int:
+        """Records kept."""
+        return self._items.maxlen or 0
+
+    def append(self, record: DecisionRecord | PDRecord) -> None:
+        """Keep ``record`` as the newest, dropping the oldest past ``maxlen``. O(the record's size)."""
+        policy = record.policy if isinstance(record, DecisionRecord) else None
+        self._items.append((type(record), policy, _ENCODER.encode(record)))
+
+    @staticmethod
+    def _decode(item: tuple[type, object, bytes]) -> DecisionRecord | PDRecord:
+        kind, policy, blob = item
+        record: DecisionRecord | PDRecord = _DECODERS[kind].decode(blob)
+        if isinstance(record, DecisionRecord) and policy is not None:
+            record = msgspec.structs.replace(record, policy=policy)
+        return record
+
+    def latest(self, limit: int) -> list[DecisionRecord | PDRecord]:
+        """The newest ``limit`` records (``limit <= 0``: none), oldest first; decodes only those."""
+        items = self._items
+        num = max(0, min(limit, len(items)))
+        return [self._decode(items[i]) for i in range(len(items) - num, len(items))]
+
+    def __getitem__(self, i: int) -> DecisionRecord | PDRecord:
+        return self._decode(self._items[i])
+
+    def __iter__(self) -> Iterator[DecisionRecord | PDRecord]:
+        return (self._decode(item) for item in list(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)

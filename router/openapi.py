@@ -181,12 +181,16 @@ _HAND_SCHEMAS: dict[str, Any] = {
         "type": "object", "required": ["is_tracing", "traced_bytes", "peak_traced_bytes", "num_gc_objects", "sites"],
         "properties": {"is_tracing": {"type": "boolean"}, "traced_bytes": {"type": "integer"},
                        "peak_traced_bytes": {"type": "integer"}, "num_gc_objects": {"type": "integer"},
+                       "num_collected": {"type": ["integer", "null"]},
                        "malloc": {"type": ["object", "null"], "properties": {k: {"type": "integer"} for k in (
                            "arena_bytes", "mmap_bytes", "in_use_bytes", "free_bytes", "releasable_bytes")}},
                        "allocator": {"type": "string", "enum": ["glibc", "jemalloc", "other"]},
                        "jemalloc": {"type": ["object", "null"], "properties": {
                            f"{k}_bytes": {"type": "integer"} for k in (
                                "allocated", "active", "resident", "mapped", "retained")}},
+                       "jemalloc_bins": {"type": ["array", "null"], "items": {"type": "object", "properties": {
+                           k: {"type": "integer"} for k in (
+                               "region_bytes", "num_regions", "num_slabs", "slab_bytes", "idle_bytes")}}},
                        "trimmed": {"type": "boolean"},
                        "sites": {"type": "array", "items": {
                            "type": "object", "required": ["file", "line", "size_bytes", "num_blocks"],
@@ -239,6 +243,7 @@ _MEMORY_QUERY: dict[str, dict[str, Any]] = {
     "limit": {"type": "integer", "description": "sites, clamped to 0..1,000 (default 25)"},
     "group_by": {"type": "string", "enum": ["lineno", "traceback"]},
     "trim": {"type": "boolean", "description": "return glibc's free heap pages first (malloc_trim)"},
+    "collect": {"type": "boolean", "description": "a full garbage collection first (gc.collect)"},
 }
 _ROUTED_ERRORS = (400, 404, 408, 413, 429, 502, 503, 504)
 

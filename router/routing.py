@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from itertools import islice
 from typing import Protocol
@@ -52,7 +51,7 @@ from policies.base import Decision, Policy, RequestView, Snapshot, WorkerState
 from policies.config import KeySource, PolicyConfig
 from policies.cost_model import TTFTCalibrator
 from router.config import ModelConfig
-from router.decisions import DecisionRecord, PDRecord, RecentAssignments
+from router.decisions import DecisionRecord, DecisionRing, RecentAssignments
 from router.errors import InvalidFieldError, NoWorkerError
 from router.fleet import CircuitState, Fleet, WorkerRuntime
 from router.index.config import IndexConfig
@@ -353,7 +352,7 @@ class Router:
         self.ownership = SessionOwnership(sessions)
         self.holder = holder
         self._clock = clock
-        self.recent: deque[DecisionRecord | PDRecord] = deque(maxlen=num_recent_decisions)
+        self.recent = DecisionRing(num_recent_decisions)
         self._num_decisions = 0
         """Decisions in fleets over ``MAX_SCORED_WORKERS`` (moves the load sample's window)."""
         self._inserted_at_s: dict[tuple[str, int, int], float] = {}

@@ -146,9 +146,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def debug_memory(request: web.Request) -> web.Response:
-    """``GET /debug/memory?limit=N&group_by=lineno|traceback&trim=true``: the top ``N`` (25) allocation sites and the
-    C heap (``common.process_stats.memory_report_for_query``); a ``limit`` not an integer, a ``group_by`` not one of
-    the two or a ``trim`` not ``true``/``false`` (``1``/``0``) is a 400 naming it, as on the gateway."""
+    """``GET /debug/memory?limit=N&group_by=lineno|traceback&trim=true&collect=true``: the top ``N`` (25) allocation
+    sites and the C heap (``common.process_stats.memory_report_for_query``); a ``limit`` not an integer, a
+    ``group_by`` not one of the two or a ``trim`` or ``collect`` not ``true``/``false`` (``1``/``0``) is a 400
+    naming it, as on the gateway."""
     try:
         report = memory_report_for_query(request.query)
     except MemoryQueryError as exc:

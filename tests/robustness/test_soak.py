@@ -77,3 +77,20 @@ def test_gateway_rss_back_to_baseline(soak: SoakResult) -> None:
     curve = rss_curve(series)
     assert max(plateau) / min(plateau) <= 1 + GATEWAY_TOLERANCE, curve
     assert after / base <= 1 + GATEWAY_TOLERANCE, curve
+
+
+def test_survivors_are_the_sites_that_grew_by_stack() -> None:
+    from benchmarks._soak_report import survivors
+
+    def site(stack: list[str], size: int, count: int) -> dict[str, object]:
+        file, line = stack[0].rsplit(":", 1)
+        return {"file": file, "line": int(line), "size_bytes": size, "num_blocks": count, "stack": stack}
+
+    baseline = {"sites": [site(["a.py:1", "b.py:2"], 1000, 10), site(["a.py:1", "c.py:3"], 500, 5)]}
+    cleared = {"sites": [site(["a.py:1", "b.py:2"], 1200, 12), site(["a.py:1", "c.py:3"], 100, 1),
+                         site(["d.py:4"], 4096, 1)]}
+    grown = survivors(baseline, cleared, limit=2)
+    assert [(g["site"]["file"], g["size_bytes"], g["num_blocks"]) for g in grown] == [("d.py", 4096, 1),
+                                                                                      ("a.py", 200, 2)]
+    assert grown[1]["site"]["stack"] == ["a.py:1", "b.py:2"]  # the same line reached another way is another site
+    assert [g["size_bytes"] for g in survivors(baseline, cleared)] == [4096, 200, -400]

@@ -115,7 +115,7 @@ async def test_worker_metrics_and_debug_memory(start_worker):
 
 
 async def test_worker_debug_memory_refuses_bad_params_by_name(start_worker):
-    """A bad ``limit``, ``group_by`` or ``trim`` is a 400 naming it (as the gateway's ``/admin/debug/memory``);
+    """A bad ``limit``, ``group_by``, ``trim`` or ``collect`` is a 400 naming it (as the gateway's ``/admin/debug/memory``);
     the accepted spellings still answer."""
     w = await start_worker()
     async with aiohttp.ClientSession() as s:
@@ -126,6 +126,7 @@ async def test_worker_debug_memory_refuses_bad_params_by_name(start_worker):
             ("trim=", "trim", "trim must be true or false, got ''"),
             ("limit=x", "limit", "limit must be an integer, got 'x'"),
             ("limit=3&trim=yes", "trim", "trim must be true or false, got 'yes'"),
+            ("collect=2", "collect", "collect must be true or false, got '2'"),
         ):
             async with s.get(f"{w.base_url}/debug/memory?{query}") as resp:
                 assert (resp.status, await resp.json()) == (400, {"error": {
@@ -135,6 +136,9 @@ async def test_worker_debug_memory_refuses_bad_params_by_name(start_worker):
                 assert resp.status == 200, query
                 body = await resp.json()
             assert body["sites"] == [] and isinstance(body["trimmed"], bool), query
+            assert body["num_collected"] is None, query
+        async with s.get(f"{w.base_url}/debug/memory?limit=0&collect=TRUE") as resp:
+            assert resp.status == 200 and isinstance((await resp.json())["num_collected"], int)
         async with s.get(w.base_url + "/metrics") as resp:
             metrics = parse_metrics(await resp.text())
-    assert total(metrics, "kvgate_worker_bad_requests_total") == 6
+    assert total(metrics, "kvgate_worker_bad_requests_total") == 7
