@@ -115,8 +115,8 @@ async def test_worker_metrics_and_debug_memory(start_worker):
 
 
 async def test_worker_debug_memory_refuses_bad_params_by_name(start_worker):
-    """A bad ``limit``, ``group_by``, ``trim`` or ``collect`` is a 400 naming it (as the gateway's ``/admin/debug/memory``);
-    the accepted spellings still answer."""
+    """A bad ``limit``, ``group_by``, ``trim`` or ``collect`` is a 400 naming it (as the gateway's
+    ``/admin/debug/memory``); the accepted spellings still answer."""
     w = await start_worker()
     async with aiohttp.ClientSession() as s:
         for query, param, message in (
