@@ -108,18 +108,27 @@ JEMALLOC_STATS = ("allocated", "active", "resident", "mapped", "retained")
 in active pages, resident (data and metadata), mapped, and retained (unmapped from RSS, kept as address space)."""
 
 
-def jemalloc_stats() -> dict[str, int] | None:
-    """jemalloc's view of the C heap (``mallctl("stats.<name>")`` after an ``epoch`` refresh), ``<name>_bytes`` for
-    each of ``JEMALLOC_STATS``; ``None`` unless ``ALLOCATOR`` is ``"jemalloc"`` (a build without statistics
-    answers an error, also ``None``)."""
-    if ALLOCATOR != "jemalloc":
-        return None
+def _mallctl_refreshed() -> Any:
+    """jemalloc's ``mallctl`` with its statistics refreshed (an ``epoch`` write, ``man jemalloc``); ``None`` when
+    the refresh fails (a build without statistics)."""
     mallctl = ctypes.CDLL(None).mallctl
     mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
                         ctypes.c_size_t]
     mallctl.restype = ctypes.c_int
     epoch = ctypes.c_uint64(1)
     if mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch)) != 0:
+        return None
+    return mallctl
+
+
+def jemalloc_stats() -> dict[str, int] | None:
+    """jemalloc's view of the C heap (``mallctl("stats.<name>")`` after an ``epoch`` refresh), ``<name>_bytes`` for
+    each of ``JEMALLOC_STATS``; ``None`` unless ``ALLOCATOR`` is ``"jemalloc"`` (a build without statistics
+    answers an error, also ``None``)."""
+    if ALLOCATOR != "jemalloc":
+        return None
+    mallctl = _mallctl_refreshed()
+    if mallctl is None:
         return None
     out: dict[str, int] = {}
     for name in JEMALLOC_STATS:
@@ -159,13 +168,9 @@ def jemalloc_bins(limit: int = 8) -> list[dict[str, int]] | None:
     """
     if ALLOCATOR != "jemalloc":
         return None
-    mallctl = ctypes.CDLL(None).mallctl
-    mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
-                        ctypes.c_size_t]
-    mallctl.restype = ctypes.c_int
-    epoch = ctypes.c_uint64(1)
-    num_bins = _mallctl_read(mallctl, "arenas.nbins", ctypes.c_uint)
-    if mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch)) != 0 or num_bins is None:
+    mallctl = _mallctl_refreshed()
+    num_bins = None if mallctl is None else _mallctl_read(mallctl, "arenas.nbins", ctypes.c_uint)
+    if mallctl is None or num_bins is None:
         return None
     out = []
     for j in range(num_bins):
