@@ -284,18 +284,16 @@ class SessionStickyPolicy:
             num_prompt_tokens=view.num_prompt_tokens if view is not None else None, move_cost=move_cost,
         )
         if decision.worker_id is not None:
+            chosen = next((w for w in snapshot.workers if w.worker_id == decision.worker_id), None)
             if move_cost is not None:
-                chosen = next((w for w in snapshot.workers if w.worker_id == decision.worker_id), None)
                 move_cost.observe(decision.scores.get(decision.worker_id),
                                   is_new=owner_id is None or (is_new and owner_id == inner.worker_id),
                                   clock_s=chosen.clock_s if chosen is not None else 0.0)
             if view is not None and view.session_key is not None:
                 self.residents.place(view.session_key, decision.worker_id, view.num_prompt_tokens, snapshot.now_s)
                 if self.returning is not None:
-                    chosen_state = next((w for w in snapshot.workers if w.worker_id == decision.worker_id), None)
                     self.returning.place(view.session_key, decision.worker_id,
-                                         chosen_state.clock_s if chosen_state is not None else snapshot.now_s,
-                                         snapshot.now_s)
+                                         chosen.clock_s if chosen is not None else snapshot.now_s, snapshot.now_s)
         return decision
 
     def forget_worker(self, worker_id: str) -> int:
