@@ -13,7 +13,7 @@ import pytest
 
 from policies import SessionStickyPolicy, build_policy, decode_policy_config
 from policies.cache_aware import CacheAwarePolicy
-from policies.config import CacheAwareConfig
+from policies.config import CacheAwareConfig, SessionStickyConfig
 from policies.returning import ReturningSessions, return_probability, returning_delay_s
 from tests.policies.builders import make_snapshot, make_view, make_worker
 
@@ -156,3 +156,10 @@ def test_a_new_session_whose_head_a_worker_holds_is_not_charged():
     assert _place(policy, "d", N_COLD, 1.2, owner=None, cached={"w0": 4096}) == "w0"
     # w1 holds them: the head goes with it.
     assert _place(policy, "e", N_COLD, 1.2, owner=None, cached={"w1": 4096}) == "w1"
+
+
+@pytest.mark.parametrize(("key", "value"), [("return_gap_window", 0), ("return_gap_window", "many"),
+                                            ("charge_returning_sessions", "yes")])
+def test_a_bad_returning_key_is_refused_naming_it(key, value):
+    with pytest.raises(msgspec.ValidationError, match=key):
+        msgspec.convert({key: value}, SessionStickyConfig)
