@@ -142,7 +142,8 @@ class IndexLike(ApproxIndex, Protocol):
 
     def confirmed_since(self, worker_id: str, block_hash: int, seq: int) -> bool: ...
 
-    def miss_cause(self, worker_id: str, block_hashes: Sequence[int], first: int, end: int, seq: int) -> str | None: ...
+    def miss_cause(self, worker_id: str, block_hashes: Sequence[int], first: int, end: int, seq: int, *,
+                   pending_end: int | None = None) -> str | None: ...
 
 
 class PolicyHolder:
@@ -171,7 +172,7 @@ class IndexTicket:
         pending: the chosen worker's entries this request inserted, or ``None`` (none, or already withdrawn).
     """
 
-    __slots__ = ("_index", "_model", "_view", "_memo", "pending", "_journal_seq", "_is_window_open")
+    __slots__ = ("_index", "_model", "_view", "_memo", "pending", "_journal_seq", "_is_window_open", "_gpu_depth")
 
     def __init__(self, index: IndexLike | None, model: ModelConfig, view: PromptView,
                  memo: dict[tuple[str, int, int], float]) -> None:
@@ -182,6 +183,7 @@ class IndexTicket:
         self.pending: SlicedInsert | None = None
         self._journal_seq = -1  # the journal stamp at ``match``, held open until ``settle`` or ``__del__``
         self._is_window_open = False
+        self._gpu_depth: tuple[str, int] | None = None  # the chosen worker, its blocks on GPU at ``insert_for``
 
     def __del__(self) -> None:  # the request is answered or dropped (``PrefixIndex.open_journal_window``)
         self.close_window()
@@ -219,15 +221,19 @@ class IndexTicket:
         (``router.metrics.MISMATCH_CAUSES``): ``"late"`` when it held more; for the predicted blocks it did not
         serve (``missed_blocks``), ``"evicted"`` when it reported evicting one after the decision, ``"pending"``
         when the first was then a pending entry a store confirmed since (a burst before the events); ``"index"``
-        otherwise: it held fewer blocks than the index said, and nothing the worker reported explains it."""
+        otherwise: it held fewer blocks than the index said, and nothing the worker reported explains it.
+        A store confirming a block the decision credited below GPU (CPU, pool) confirms this request's own entry
+        (``insert_for``): no ``"pending"`` (a pool object gone without a word is a wrong index, not a burst)."""
         if reported_tokens > predicted_tokens:
             return "late"
         index = self._index
         if index is not None and index.journal_seq != self._journal_seq:  # else nothing was evicted or confirmed since
             bs = self._view.block_size
             hashes = self._view.block_hashes
+            depth = self._gpu_depth
             cause = index.miss_cause(worker_id, hashes, reported_tokens // bs, min(predicted_tokens // bs, len(hashes)),
-                                     self._journal_seq)
+                                     self._journal_seq,
+                                     pending_end=depth[1] if depth is not None and depth[0] == worker_id else None)
             if cause is not None:
                 return cause
         return "index"
@@ -235,6 +241,8 @@ class IndexTicket:
     def insert_for(self, worker: WorkerRuntime, match: MatchResult | None, now_s: float) -> None:
         """The chosen worker's entries for the request (module doc, step 5), kept as ``pending``."""
         if self._index is not None:
+            held = match.workers.get(worker.worker_id) if match is not None else None
+            self._gpu_depth = (worker.worker_id, held.num_gpu_blocks if held is not None else 0)
             self.pending = self._insert_for(self._index, worker, match, now_s)
 
     def _insert(

@@ -209,14 +209,16 @@ class PrefixIndex:
                 return True
         return False
 
-    def miss_cause(self, worker_id: str, block_hashes: Sequence[int], first: int, end: int, seq: int) -> str | None:
+    def miss_cause(self, worker_id: str, block_hashes: Sequence[int], first: int, end: int, seq: int, *,
+                   pending_end: int | None = None) -> str | None:
         """Why ``worker_id`` did not serve ``block_hashes[first:end]`` from cache, from its journals since ``seq``
         (the honesty check's mismatch cause, read once per mismatched answer): ``"evicted"`` when it reported
         evicting one of them (``any_evicted_since``) or, for a member of a shared pool, the pool lost one of them
         (a ``BlockRemoved`` of the pool's medium, ``IndexState.pool_evicted``), ``"pending"`` when
         ``block_hashes[first]`` was a pending entry a store confirmed since (``confirmed_since``), ``"evicted"`` too
         when the worker put ``block_hashes[first]`` to its shared pool since (``router.index.pool_restores``: the
-        pool had lost it), else ``None``.
+        pool had lost it), else ``None``. With ``pending_end`` (the blocks the decision credited on GPU), a confirm
+        of a block at or past it is no ``"pending"`` cause: that entry was the request's own.
         A worker whose journals are empty costs one test per slot."""
         if first >= end:
             return None
@@ -234,7 +236,7 @@ class PrefixIndex:
             if evicted and any(evicted.get(block_hashes[i], 0) > seq for i in range(first, end)):
                 return "evicted"
         head = block_hashes[first]
-        if any(slot.confirmed.get(head, 0) > seq for slot in slots):
+        if (pending_end is None or first < pending_end) and any(slot.confirmed.get(head, 0) > seq for slot in slots):
             return "pending"
         if restored_since(state, worker_id, head, seq):
             return "evicted"  # the pool lacked it at the worker's put, after the decision (router.index.pool_restores)

@@ -6,10 +6,12 @@ import pytest
 
 from events.types import BlockRemoved, BlockStored, EventBatch, Medium
 from router.block_hash import hash_token_blocks
-from router.config import ModelConfig
+from router.config import CircuitBreakerConfig, ModelConfig
+from router.fleet import WorkerRuntime
 from router.index import IndexConfig, PrefixIndex
 from router.request_view import PromptView
 from router.routing import IndexTicket
+from router.worker_config import WorkerConfig
 
 pytestmark = pytest.mark.unit
 
@@ -98,6 +100,37 @@ def test_a_block_pending_at_the_decision_and_stored_after_it_is_a_pending_miss()
     later = ticket(index)
     later.match()
     assert later.mismatch_cause("w0", 20, 8) == "index"  # confirmed before this decision: the index was right
+
+
+def test_a_confirm_of_the_requests_own_pending_entry_is_no_pending_miss():
+    """The decision credited w0 with blocks 0..1 on GPU and 2..5 on its CPU tier; the request's own pending entries
+    (``insert_for``) cover all six. The worker lost 2..5 without a word, recomputed and stored them: the confirms are
+    of the request's own entries, so the miss is the index's. The same store of blocks that were another request's
+    pending entries at the decision stays a pending miss."""
+    index = PrefixIndex(IndexConfig(block_size=BS))
+    index.apply(batch("w0", stored(0, 2), BlockStored(block_hashes=(1002, 1003, 1004, 1005), parent_block_hash=1001,
+                                                      token_ids=TOKENS[8:24], block_size=BS, medium=Medium.CPU)))
+    worker = WorkerRuntime(WorkerConfig(id="w0", url="http://127.0.0.1:9000", model="m",
+                                        events_endpoint="tcp://127.0.0.1:5557"), BS, CircuitBreakerConfig())
+    assert not worker.is_approximate
+    t = ticket(index)
+    match = t.match()
+    assert match is not None and (match.workers["w0"].num_gpu_blocks, match.workers["w0"].num_cpu_blocks) == (2, 4)
+    t.insert_for(worker, match, 0.0)
+    assert t.pending is not None and index.match(HASHES).workers["w0"].num_gpu_blocks == 6
+    index.apply(batch("w0", stored(2, 6)))  # the request's own blocks, recomputed
+    assert index.journal_seq == 4  # its four pending entries confirmed
+    assert t.mismatch_cause("w0", 24, 8) == "index"
+    # Another request's pending entries at the decision: the same confirms explain the miss.
+    other = PrefixIndex(IndexConfig(block_size=BS))
+    other.apply(batch("w0", stored(0, 2)))
+    other.insert_approximate("w0", HASHES[:6], 0.0, ttl_s=60.0)
+    u = ticket(other)
+    u_match = u.match()
+    assert u_match is not None and u_match.workers["w0"].num_gpu_blocks == 6
+    u.insert_for(worker, u_match, 0.0)
+    other.apply(batch("w0", stored(2, 6)))
+    assert u.mismatch_cause("w0", 24, 8) == "pending"
 
 
 def test_a_pool_block_lost_after_the_decision_is_an_evicted_miss_for_every_pool_member():
