@@ -403,6 +403,7 @@ async def recent_decisions(request: web.Request) -> web.StreamResponse:
         item = msgspec.to_builtins({f: getattr(record, f) for f in record.__struct_fields__ if f not in hidden})
         if isinstance(record, DecisionRecord):  # a prefill/decode pair's record has no candidate costs
             item["cost_terms"] = record.cost_terms()
+            item["answer"] = gw.router.recent.answer(record.request_id)  # None while in flight
         item["age_s"] = round(max(0.0, now_s - record.at_s), 3)
         decisions.append(item)
     return _json({"decisions": decisions})

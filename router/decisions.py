@@ -4,9 +4,9 @@ each worker, the policies' last tie-break), and the entries of ``/admin/decision
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -127,6 +127,32 @@ class PDRecord(msgspec.Struct, frozen=True, gc=False):
     kind: str = "pd"
 
 
+class FinishedRequest(Protocol):
+    """What ``outcome_name`` reads of a finished request (``router.proxy.ProxyOutcome``)."""
+
+    @property
+    def error(self) -> object: ...
+    @property
+    def is_client_gone(self) -> bool: ...
+    @property
+    def status(self) -> int | None: ...
+
+
+def outcome_name(outcome: FinishedRequest | None) -> str:
+    """The outcome a record keeps of a finished request (``PDRecord.outcome``, ``DecisionRing.settle``):
+    ``client_gone`` (it left, or nothing was decided), the error's class name, ``status_<N>`` for a worker's error
+    answer (N >= 400) relayed as it was, else ``ok``."""
+    if outcome is None:
+        return "client_gone"
+    if outcome.error is not None:
+        return type(outcome.error).__name__
+    if outcome.is_client_gone:
+        return "client_gone"
+    if outcome.status is not None and outcome.status >= 400:
+        return f"status_{outcome.status}"
+    return "ok"
+
+
 def _drop_policy(obj: Any) -> None:
     """``enc_hook`` of ``DecisionRing``: the one field msgpack cannot carry, ``DecisionRecord.policy``, goes as nil
     (the ring keeps the object beside the buffer)."""
@@ -150,10 +176,12 @@ class DecisionRing:
     a size class the ring alone fills) keeps none of them. Encoding costs a few microseconds a decision.
     """
 
-    __slots__ = ("_items",)
+    __slots__ = ("_items", "_answers")
 
     def __init__(self, maxlen: int) -> None:
         self._items: deque[tuple[type, object, bytes]] = deque(maxlen=maxlen)
+        self._answers: OrderedDict[str, bytes] = OrderedDict()
+        """An aggregated decision's answer by request id (``settle``), the latest ``maxlen``, one buffer each."""
 
     @property
     def maxlen(self) -> int:
@@ -164,6 +192,25 @@ class DecisionRing:
         """Keep ``record`` as the newest, dropping the oldest past ``maxlen``. O(the record's size)."""
         policy = record.policy if isinstance(record, DecisionRecord) else None
         self._items.append((type(record), policy, _ENCODER.encode(record)))
+
+    def settle(self, request_id: str, served_by: str | None, reported_cached_tokens: int | None,
+               outcome: str) -> None:
+        """Keep the answer of an aggregated decision's request (``answer``): the worker that served it after retries
+        (or ``None``), the cached tokens it reported (or ``None``: no usage), and the outcome (``ok``,
+        ``client_gone``, ``status_<N>`` or the error's class name). O(1); the oldest answer goes past ``maxlen``."""
+        answers = self._answers
+        answers[request_id] = _ENCODER.encode((served_by, reported_cached_tokens, outcome))
+        if len(answers) > self.maxlen:
+            answers.popitem(last=False)
+
+    def answer(self, request_id: str) -> dict[str, str | int | None] | None:
+        """``{"served_by", "reported_cached_tokens", "outcome"}`` as ``settle`` kept them, or ``None`` (in flight,
+        or a prefill/decode pair, whose record holds its own)."""
+        blob = self._answers.get(request_id)
+        if blob is None:
+            return None
+        served_by, reported, outcome = msgspec.msgpack.decode(blob)
+        return {"served_by": served_by, "reported_cached_tokens": reported, "outcome": outcome}
 
     @staticmethod
     def _decode(item: tuple[type, object, bytes]) -> DecisionRecord | PDRecord:

@@ -45,6 +45,7 @@ from aiohttp import web
 
 from router.admission import Admission
 from router.config import ModelConfig
+from router.decisions import outcome_name
 from router.errors import GatewayError
 from router.fleet import Fleet, WorkerRuntime
 from router.lease import WorkerLease
@@ -200,6 +201,8 @@ class RequestFlight:
                     is_confirming = lc.count_mismatch(served.worker_id, plan.ticket, predicted, reported)
             if plan.ticket is not None:
                 plan.ticket.settle(plan.chosen, served, outcome.is_ok, lc.now_s(), keep_window=is_confirming)
+            lc.router.recent.settle(self.request_id, served.worker_id if served is not None else None, reported,
+                                    outcome_name(outcome))
             key = plan.session_key
             chosen_id = plan.chosen.worker_id
             if (plan.is_session_sticky and key is not None and served is not None and not outcome.is_client_gone

@@ -176,7 +176,11 @@ _HAND_SCHEMAS: dict[str, Any] = {
                            "num_prompt_tokens": {"type": "integer"}, "decision_s": {"type": "number"},
                            "at_s": {"type": "number"}, "age_s": {"type": "number", "minimum": 0},
                            "scores": {"type": "object", "additionalProperties": {"type": "number"}},
-                           "cached_tokens": _STR_MAP_INT, "cost_terms": _OBJECT}}}}},
+                           "cached_tokens": _STR_MAP_INT, "cost_terms": _OBJECT,
+                           "answer": {"type": ["object", "null"], "properties": {
+                               "served_by": {"type": ["string", "null"]},
+                               "reported_cached_tokens": {"type": ["integer", "null"]},
+                               "outcome": {"type": "string"}}}}}}}},
     "MemoryReport": {
         "type": "object", "required": ["is_tracing", "traced_bytes", "peak_traced_bytes", "num_gc_objects", "sites"],
         "properties": {"is_tracing": {"type": "boolean"}, "traced_bytes": {"type": "integer"},

@@ -59,7 +59,7 @@ from policies.cost_model import TTFTCostModel
 from policies.pd import DecodeCandidate, PDPairDecision, PDPolicy
 from router.admission import Admission
 from router.config import ModelConfig
-from router.decisions import PDRecord
+from router.decisions import PDRecord, outcome_name
 from router.errors import (
     GatewayError,
     NoWorkerError,
@@ -76,7 +76,7 @@ from router.mismatch import MismatchCounter
 from router.pd_candidates import decode_candidates, ranking, split_roles
 from router.pd_errors import prefill_refusal, too_large_error
 from router.pd_ledger import DecodeLedger
-from router.pd_retry import DecodeRetry, answer_params, outcome_name, unusable_answer
+from router.pd_retry import DecodeRetry, answer_params, unusable_answer
 from router.proxy import REQUEST_ID_HEADER, ClientHeaders, Proxy, ProxyOutcome, RetryBody
 from router.request_view import ParsedRequest, PromptView
 from router.routing import IndexTicket, RoutePlan, Router

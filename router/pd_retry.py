@@ -17,7 +17,6 @@ from typing import Any
 from common.pd_protocol import remote_prefill_cached_tokens, unusable_prefill_params
 from router.errors import GatewayError, TransportUnreachedError
 from router.fleet import WorkerRuntime
-from router.proxy import ProxyOutcome
 from router.routing import RoutePlan
 
 logger = logging.getLogger(__name__)
@@ -67,20 +66,6 @@ class DecodeRetry:
             self.plan.predicted_cached_tokens[worker.worker_id] = remote
         self.body = self._decode_body(params)
         return self.body
-
-
-def outcome_name(outcome: ProxyOutcome | None) -> str:
-    """The ``PDRecord.outcome`` of a finished request: ``client_gone`` (it left, or nothing was decided), the
-    error's class name, ``status_<N>`` for a worker's error answer (N >= 400) relayed as it was, else ``ok``."""
-    if outcome is None:
-        return "client_gone"
-    if outcome.error is not None:
-        return type(outcome.error).__name__
-    if outcome.is_client_gone:
-        return "client_gone"
-    if outcome.status is not None and outcome.status >= 400:
-        return f"status_{outcome.status}"
-    return "ok"
 
 
 def answer_params(answer: dict[str, Any]) -> dict[str, Any] | None:

@@ -73,3 +73,15 @@ def test_a_kept_record_holds_two_allocations_not_its_values() -> None:
     # (of 64 slots) past its first.
     assert len(grown) == 1 and list(grown.values()) == [2 * 256 + 4]
     assert next(iter(grown)).startswith("decisions.py:")
+
+
+def test_answers_are_kept_for_the_latest_maxlen_requests() -> None:
+    ring = DecisionRing(2)
+    ring.settle("r0", "w0", 64, "ok")
+    ring.settle("r1", None, None, "NoWorkerError")
+    assert ring.answer("r0") == {"served_by": "w0", "reported_cached_tokens": 64, "outcome": "ok"}
+    ring.settle("r2", "w1", 0, "status_503")
+    assert ring.answer("r0") is None  # the oldest went
+    assert ring.answer("r1") == {"served_by": None, "reported_cached_tokens": None, "outcome": "NoWorkerError"}
+    assert ring.answer("r2") == {"served_by": "w1", "reported_cached_tokens": 0, "outcome": "status_503"}
+    assert ring.answer("r9") is None

@@ -229,6 +229,12 @@ async def test_approximate_mode_worker_without_events(approx_workers):
         assert headers["x-kvgate-worker"] == first
         assert int(headers["x-kvgate-predicted-cached-tokens"]) == 36
         assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == 36
+        _, decisions = await h.admin("GET", "/admin/decisions?limit=2")
+        answers = [(d["worker_id"], d["predicted_cached_tokens"], d["answer"]) for d in decisions["decisions"]]
+        assert answers == [  # newest first: each decision with the answer of its request
+            (first, 36, {"served_by": first, "reported_cached_tokens": 36, "outcome": "ok"}),
+            (first, 0, {"served_by": first, "reported_cached_tokens": 0, "outcome": "ok"}),
+        ]
 
 
 async def test_remove_worker_clears_index_and_sessions(workers):
