@@ -192,6 +192,8 @@ class LevelResult(msgspec.Struct):
     errors_by_kind: dict[str, int] = msgspec.field(default_factory=dict)
     """The level's failed requests by kind (``loadgen.client``: ``timeout``, ``http_<status>``, ``stream``,
     ``connect``...), so a reader sees which level failed and how."""
+    error_examples: dict[str, str] = msgspec.field(default_factory=dict)
+    """The first failed request of each kind: request id and message (``loadgen.report.RunSummary``)."""
     steady: SteadyState | None = None
     """Throughput while every slot was busy, and the turn's time split into think, TTFT and the rest
     (``loadgen.agentic_steady``); ``None`` when not measured."""
@@ -549,4 +551,5 @@ def level_result(
         mean_pool_read_wall_s=delta["pool_read_wall_s"] / delta["pool_reads"] if delta["pool_reads"] else None,
         num_pool_short_reads=int(delta.get("pool_short_reads", 0.0)),
         errors_by_kind=dict(sorted(summary.errors_by_kind.items())),
+        error_examples=dict(sorted(summary.error_examples.items())),
     )

@@ -132,6 +132,12 @@ def targets(results: Sequence[LevelResult]) -> list[tuple[str, bool, str]]:
     return out
 
 
+def failure_lines(results: Sequence[LevelResult]) -> list[str]:
+    """One line per configuration, level and error kind: the first such request's id and message."""
+    return [f"- {r.config} @ {r.level}, {kind}: {example}" for r in results
+            for kind, example in r.error_examples.items()]
+
+
 def explain(results: Sequence[LevelResult], sizing: Sizing, time_scale: float) -> list[str]:
     """Why a shared pool's throughput at the top level is not 1.5× its split twin's, from the run's numbers.
 
@@ -306,6 +312,9 @@ def report(
     console.print(table, markup=False, highlight=False, soft_wrap=True)
     for name, ok, value in checks:
         console.print(f"{'[green]PASS[/green]' if ok else '[red]FAIL[/red]'} {name}: {value}")
+    failures = failure_lines(results)
+    for line in failures:
+        console.print(line, markup=False, highlight=False)
     why = explain(results, sizing, config.time_scale)
     for line in why:
         console.print(line, markup=False, highlight=False)
@@ -315,6 +324,7 @@ def report(
     md = out / "agentic.md"
     md.write_text(
         table + "\n" + "\n".join(f"- {'PASS' if ok else 'FAIL'} {n}: {v}" for n, ok, v in checks) + "\n\n"
+        + "".join(line + "\n" for line in failures) + ("\n" if failures else "")
         + "".join(line + "\n\n" for line in why)
         + "Seeds' figures:\n" + seeds + "\n\n" + SEEDS_NOTE + "\n",
         encoding="utf-8",

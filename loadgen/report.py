@@ -86,6 +86,17 @@ class RunSummary(msgspec.Struct):
     cached_mismatch_pending_ratio: float | None = None
     cached_mismatch_late_ratio: float | None = None
     ttft_outside_engine_p50_s: float | None = None
+    error_examples: dict[str, str] = msgspec.field(default_factory=dict)
+    """The first failed request of each error kind: its request id (``x-request-id``, the gateway's log key) and
+    the start of its error message, so a reader can look a failure up."""
+
+
+def error_examples(failed: Sequence[RequestRecord]) -> dict[str, str]:
+    """``RunSummary.error_examples`` of the failed records, in their order."""
+    out: dict[str, str] = {}
+    for r in failed:
+        out.setdefault(r.error_kind or "", f"{r.request_id or '?'}: {r.error_message}"[:240])
+    return out
 
 
 def simulated_ttft_s(record: RequestRecord, time_scale: float) -> float | None:
@@ -198,6 +209,7 @@ def summarize(
         cached_tokens_mismatch_ratio=mismatched / len(compared) if compared else None,
         num_unpredicted=len(ok) - len(compared),
         errors_by_kind=dict(Counter(r.error_kind or "" for r in failed)),
+        error_examples=error_examples(failed),
         requests_by_worker=dict(sorted(requests_by_worker.items())),
         prompt_tokens_by_worker=dict(sorted(prompt_by_worker.items())),
         num_prompt_tokens=prompt_tokens,

@@ -22,7 +22,7 @@ from loadgen.agentic import (
     with_copies,
     worker_roles,
 )
-from loadgen.agentic_report import explain, markdown, targets, turn_markdown
+from loadgen.agentic_report import explain, failure_lines, markdown, targets, turn_markdown
 from loadgen.agentic_steady import SteadyState
 from loadgen.client import RequestRecord
 from loadgen.errors import LoadgenError
@@ -158,7 +158,7 @@ def test_a_level_with_failures_shows_its_error_kinds_in_its_row_and_the_targets(
     records = [
         RequestRecord(index=i, session_id="s", start_s=0.0, num_prompt_tokens=1000, num_reported_prompt_tokens=1000,
                       num_output_tokens=10, num_cached_tokens=0, num_predicted_cached_tokens=0, worker="w",
-                      ttft_s=0.1, e2e_s=1.0, error_kind=kind)
+                      ttft_s=0.1, e2e_s=1.0, error_kind=kind, request_id=f"r{i}", error_message=f"m{i}")
         for i, kind in enumerate([None, "timeout", "http_502", "timeout", None, "timeout"])
     ]  # fmt: skip
     summary = summarize(records, policy="pd-split @ 64", ceiling_hit_ratio=0.95, duration_s=2.0, time_scale=10.0)
@@ -171,6 +171,8 @@ def test_a_level_with_failures_shows_its_error_kinds_in_its_row_and_the_targets(
     assert table[2].startswith("| pd-split | 16 | 10 | 0 | – |")
     assert table[3].startswith("| pd-split | 64 | 2 | 4 | timeout 3, http_502 1 |")
     assert targets([fine, failing])[-1] == ("no failed request", False, "4 (pd-split @ 64: timeout 3, http_502 1)")
+    assert failing.error_examples == {"http_502": "r2: m2", "timeout": "r1: m1"}  # the first of each kind
+    assert failure_lines([fine, failing]) == ["- pd-split @ 64, http_502: r2: m2", "- pd-split @ 64, timeout: r1: m1"]
 
 
 def test_explain_gives_the_model_bound_ratio_and_what_waited():
