@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Sequence
 
@@ -39,6 +40,8 @@ from router.fleet import WorkerRuntime
 from router.gateway import GATEWAY
 from router.proxy import REQUEST_ID_HEADER
 from router.request_view import ModelTokenizer, ParsedRequest, PromptView, RequestKind, parse_request
+
+logger = logging.getLogger(__name__)
 
 
 def error_response(exc: GatewayError, request_id: str | None = None) -> web.Response:
@@ -170,7 +173,7 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
         if trace is not None:
             trace.request_id = request_id
             trace.fail(exc)
-        return error_response(exc, request_id)
+        return _answer_error(exc, request_id)
     # From here the flight holds the admission slot and settles the request, whatever happens (router.lifecycle).
     if model.pd is not None:  # disaggregated: a prefill leg and a decode leg (router.pd; not traced)
         outcome = await gw.pd.start(request_id).run(request, body, parsed, model, view, client_headers,
@@ -181,8 +184,16 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
     if outcome.response is None:
         error = outcome.error if outcome.error is not None else GatewayError("the request got no answer")
         gw.metrics.rejected_total.labels(type(error).__name__).inc()
-        return error_response(error, request_id)
+        return _answer_error(error, request_id)
     return outcome.response
+
+
+def _answer_error(exc: GatewayError, request_id: str) -> web.Response:
+    """``error_response``; an error of the gateway's own with a 5xx status (no worker, every attempt failed) is
+    logged once, at WARNING, with the request id (a client's error and a worker's relayed answer are not)."""
+    if exc.status >= 500:
+        logger.warning("request %s answered %d (%s): %s", request_id, exc.status, type(exc).__name__, exc.message)
+    return error_response(exc, request_id)
 
 
 def _may_proceed(candidates: Sequence[WorkerRuntime], max_inflight_per_worker: int) -> bool:

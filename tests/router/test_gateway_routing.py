@@ -272,3 +272,15 @@ async def test_new_sessions_on_an_idle_fleet_spread_and_requests_without_one_kee
         assert t["cost_s"] == pytest.approx(t["ttft_s"] + t["recompute_penalty_s"] + t["decode_load_penalty_s"])
         assert t["ttft_s"] == pytest.approx(t["overhead_s"] + t["queue_s"] + t["prefill_s"] + t["restore_s"])
         assert t["num_computed_tokens"] == 40
+
+
+async def test_a_503_of_the_gateways_own_is_logged_once_with_the_request_id(workers, caplog):
+    async with GatewayHarness(make_config(workers[:1]), workers=workers[:1]) as h:
+        status, _ = await h.admin("POST", "/admin/workers/w0/drain")
+        assert status == 200
+        with caplog.at_level("WARNING", logger="router.api"):
+            status, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": PREFIX})
+        assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable"
+        lines = [r.getMessage() for r in caplog.records if r.name == "router.api"]
+        assert lines == [f"request {headers['X-Request-ID']} answered 503 (NoWorkerError): "
+                         "no worker available for model 'm': all_workers_draining"]
