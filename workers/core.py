@@ -59,6 +59,10 @@ class EngineCore:
         self.time_scale = time_scale
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()
+        self._freed = asyncio.Event()
+        """Set after a step that finished a request or freed GPU blocks (a finished store's hold included), and by
+        ``finish_request``: what ``add_receiving_within`` waits for."""
+        self._num_free_blocks = 0
         self.num_steps = 0
         self.last_published_seq = -1
         self.num_events_published = 0
@@ -83,6 +87,31 @@ class EngineCore:
         self._streams[request.request_id] = stream
         return stream
 
+    async def add_receiving_within(self, request: Request, wait_s: float) -> RequestStream | None:
+        """``add_receiving``, tried again each time a request finishes, for at most ``wait_s`` seconds (wall).
+
+        Returns:
+            Its stream, or ``None`` when the blocks could not be reserved within ``wait_s`` (nothing is held).
+        """
+        stream = self.add_receiving(request)
+        if stream is not None or wait_s <= 0:
+            return stream
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        freed = self._freed
+        while stream is None:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            freed.clear()
+            try:
+                async with asyncio.timeout(remaining):
+                    await freed.wait()
+            except TimeoutError:
+                return None
+            stream = self.add_receiving(request)
+        return stream
+
     def finish_receiving(self, request_id: str) -> bool:
         """The request's KV landed: it runs from the next step (``Scheduler.finish_receiving``)."""
         ok = self.scheduler.finish_receiving(request_id)
@@ -102,6 +131,7 @@ class EngineCore:
         self._streams.pop(request_id, None)
         if self.scheduler.finish_request(request_id, reason):
             self._wakeup.set()
+            self._freed.set()
 
     def flush_events(self) -> list[KVEvent]:
         """Publish pending KV events as one batch (if any) and return them."""
@@ -129,6 +159,10 @@ class EngineCore:
         """The step has ended: hand its tokens to the request streams and publish its KV events."""
         self._dispatch(outputs)
         self.flush_events()
+        num_free = self.kv.gpu.num_free_blocks
+        if num_free > self._num_free_blocks or any(out.finish_reason is not None for out in outputs):
+            self._freed.set()
+        self._num_free_blocks = num_free
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
         streams = self._streams

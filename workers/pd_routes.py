@@ -45,13 +45,15 @@ async def receive(worker: Worker, req: Request, body: SamplingFields, leg: Leg) 
         The request's stream, ready to run, or the error response (503 refused, 502 pull failed).
     """
     core = worker.core
-    stream = core.add_receiving(req)
+    wait_s = worker.config.kv_transfer.receive_wait_s
+    stream = await core.add_receiving_within(req, wait_s)
     if stream is None:
         worker.decode_handoff.num_refused += 1
         sched = core.scheduler
+        when = f"within {wait_s:g} s" if wait_s > 0 else "now"
         msg = (
             f"decode worker {worker.config.worker_id} cannot reserve KV blocks for a {req.num_prompt_tokens}-token "
-            f"prompt now ({core.kv.gpu.num_free_blocks} free blocks, {sched.num_running} of "
+            f"prompt {when} ({core.kv.gpu.num_free_blocks} free blocks, {sched.num_running} of "
             f"{sched.config.max_num_seqs} sequences running)"
         )
         resp = error_response(worker, 503, msg, None, "kv_transfer_refused")

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.integration]
 async def test_a_relayed_decode_refusal_is_recorded_with_its_status_not_as_ok():
     """The only decode worker refuses the transfer (503 ``kv_transfer_refused``, relayed to the client as the last
     attempt's answer): the decision record's outcome names that status; the request was not served."""
-    fleet = [pd_worker("p0", "prefill", **{"abort-request-timeout-s": 1.0}), pd_worker("d0", "decode")]
+    fleet = [pd_worker("p0", "prefill", **{"abort-request-timeout-s": 1.0}),
+             pd_worker("d0", "decode", **{"receive-wait-s": 0.0})]  # refuses at once
     fleet[1].raw["scheduler"]["max-num-seqs"] = 1
     async with running(*fleet) as ws, Gw(pd_config(ws)) as g:
         await connected(g, ws)

@@ -50,7 +50,8 @@ async def test_a_decode_worker_refusing_every_transfer_is_a_clean_503_and_the_pa
     """The only decode worker refuses every transfer (its one sequence slot is held): the client gets the refusal
     as an OpenAI error, the gateway holds no reservation or slot, and the prefill worker's parked KV is freed by its
     abort timer (vLLM's ``abort-request-timeout-s``) since no decode worker will pull it."""
-    fleet = [pd_worker("p0", "prefill", **{"abort-request-timeout-s": 1.0}), pd_worker("d0", "decode")]
+    fleet = [pd_worker("p0", "prefill", **{"abort-request-timeout-s": 1.0}),
+             pd_worker("d0", "decode", **{"receive-wait-s": 0.0})]  # refuses at once
     fleet[1].raw["scheduler"]["max-num-seqs"] = 1
     async with running(*fleet) as ws, Gw(pd_config(ws)) as g:
         await connected(g, ws)

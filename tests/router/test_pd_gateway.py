@@ -109,9 +109,9 @@ async def test_two_plus_two_both_legs_recorded_and_the_prefill_leg_honest(protoc
 
 
 async def test_one_plus_three_a_refusing_decode_worker_is_retried_on_another():
-    fleet = [pd_worker("p0", "prefill"), pd_worker("d0", "decode"), pd_worker("d1", "decode"),
-             pd_worker("d2", "decode")]
-    fleet[1].raw["scheduler"]["max-num-seqs"] = 1
+    fleet = [pd_worker("p0", "prefill"), pd_worker("d0", "decode", **{"receive-wait-s": 0.0}),
+             pd_worker("d1", "decode"), pd_worker("d2", "decode")]
+    fleet[1].raw["scheduler"]["max-num-seqs"] = 1  # refuses at once (an engine that does not queue)
     async with running(*fleet) as ws, Gw(pd_config(ws)) as g:
         await connected(g, ws)
         # d0's one sequence slot is held, so d0 refuses the gateway's transfer (503) and the gateway retries d1

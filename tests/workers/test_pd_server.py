@@ -169,7 +169,8 @@ async def test_decode_refuses_past_its_free_blocks_and_a_failed_pull_releases_th
         pd_config(
             "decode",
             "d0",
-            **{"kv-cache": {"num-gpu-blocks": 12, "block-size": 4}, "kv-transfer": {"pull-timeout-s": 0.5}},
+            **{"kv-cache": {"num-gpu-blocks": 12, "block-size": 4},
+               "kv-transfer": {"pull-timeout-s": 0.5, "receive-wait-s": 0.0}},
         )
     )
     port = int(pre.base_url.rsplit(":", 1)[1])
@@ -199,6 +200,41 @@ async def test_decode_refuses_past_its_free_blocks_and_a_failed_pull_releases_th
         d = await load(dec.base_url)
         assert d["kv_transfer"]["num_reserved_transfer_blocks"] == 0 and d["num_free_blocks"]["GPU"] == 12
         assert d["kv_transfer"]["num_refused_transfers"] == 1 and d["kv_transfer"]["num_failed_pulls"] == 1
+    finally:
+        await c_dec.close()
+
+
+async def test_a_decode_leg_past_the_free_blocks_waits_for_them_instead_of_being_refused(start_worker):
+    """As vLLM and SGLang queue a decode request until its blocks can be allocated: room 1 holds 9 of the 12 blocks
+    until its pull times out (0.5 s); room 2's leg, sent meanwhile, waits, is admitted once they are free, and fails
+    only by its own pull's timeout. Nothing was refused; every block is free at the end."""
+    pre = await start_worker(pd_config("prefill", "p0"))
+    dec = await start_worker(
+        pd_config(
+            "decode",
+            "d0",
+            **{"kv-cache": {"num-gpu-blocks": 12, "block-size": 4},
+               "kv-transfer": {"pull-timeout-s": 0.5, "receive-wait-s": 5.0}},
+        )
+    )
+    port = int(pre.base_url.rsplit(":", 1)[1])
+    c_dec = client(dec.base_url)
+    try:
+        legs = []
+        for room in (1, 2):
+            extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
+            legs.append(asyncio.create_task(
+                c_dec.completions.create(model="sim-model", prompt=PROMPT, max_tokens=2, extra_body=extra)))
+            await asyncio.sleep(0.1)
+        d = await load(dec.base_url)
+        assert d["kv_transfer"]["num_receiving_requests"] == 1 and d["kv_transfer"]["num_refused_transfers"] == 0
+        for leg in legs:
+            with pytest.raises(openai.APIStatusError) as failed:
+                await leg
+            assert failed.value.status_code == 504 and "timed out after 0.5 s" in str(failed.value.message)
+        d = await load(dec.base_url)
+        assert d["kv_transfer"]["num_refused_transfers"] == 0 and d["kv_transfer"]["num_failed_pulls"] == 2
+        assert d["kv_transfer"]["num_reserved_transfer_blocks"] == 0 and d["num_free_blocks"]["GPU"] == 12
     finally:
         await c_dec.close()
 
