@@ -70,6 +70,7 @@ from typing import NamedTuple
 
 from common.pool_keys import KEY_PREFIX, MAX_BLOCKS_PER_SPAN, PoolObject, pool_key, span_key
 from events.types import BlockRemoved, KVEvent, Medium
+from workers.config import MOONCAKE_DEFAULT_LEASE_TTL_S
 from workers.errors import KVCacheError
 from workers.kv.block_pool import BlockMeta, emit_tier_stored, engine_hash_of, engine_hashes_of
 from workers.kv.hashing import BlockHash, to_engine_hash
@@ -135,6 +136,7 @@ class PoolTier:
         num_read_threads: int = 1,
         blocks_per_span: int = 16,
         read_ahead: bool = True,
+        lease_ttl_s: float = MOONCAKE_DEFAULT_LEASE_TTL_S,
     ) -> None:
         """Wrap ``store``; events go to ``emit``; ``on_gpu`` picks the store event's shape; ``max_known_fetched``
         bounds the fetched blocks kept for snapshots; chunks hold ``num_layer_groups`` pieces and are padded to
@@ -143,11 +145,12 @@ class PoolTier:
         threads (module docstring), ``num_read_threads`` reads at a time; ``blocks_per_span``: blocks per object
         along a chain (``common.pool_keys``; 1: one object per block); ``read_ahead``: a restore of
         ``2 × READ_AHEAD_MIN_BATCH_BYTES`` or more reads its next batch on a thread of its own while it checks
-        one (``workers.kv.pool_read``), so its checks hide behind its reads.
+        one (``workers.kv.pool_read``), so its checks hide behind its reads; ``lease_ttl_s``: the master's lease,
+        how long no refresh follows a refused put (``PoolConfig.lease_ttl_s``, ``workers.kv.pool_use``).
 
         Raises:
             ValueError: ``max_read_bytes`` or ``num_read_threads`` not positive, ``blocks_per_span`` not in
-                ``[1, MAX_BLOCKS_PER_SPAN]``.
+                ``[1, MAX_BLOCKS_PER_SPAN]``, ``lease_ttl_s`` not positive and finite.
             PoolLayoutError: the pool's other members use another span length or chunk layout
                 (``workers.kv.pool_layout``; a ``ConfigError``): this worker does not attach.
         """
@@ -198,7 +201,7 @@ class PoolTier:
         """Reads that found an object gone which the lookup had found (its blocks announced removed)."""
         self.num_refreshes = 0
         """Existence checks made only to mark blocks served from GPU or CPU as used (``refresh``)."""
-        self.uses = UseOrder(self.span_len)
+        self.uses = UseOrder(self.span_len, lease_ttl_s)  # ValueError: a bad lease
         self.num_reads = 0
         """Restore reads made (``fetch`` calls that read anything)."""
         self.read_wall_s = 0.0
