@@ -51,37 +51,37 @@
    best of 9, two interleaved process pairs): restore 1.29-1.30 us per block, 0.32-0.33 of the raw call; store
    2.22-2.39 us, 0.28-0.30.
    Real block sizes: the sim timing profile's KV is 131,072 bytes per token (``TimingProfile.kv_bytes_per_token``,
-   Llama-3-8B in bf16: 2 × 32 layers × 8 KV heads × 128 × 2 bytes), so a GPU worker's chunk is 2 MiB at the
-   default 16-token blocks and 8 MiB at the agentic scenario's 64: ``--num-blocks 128 --block-size 16
-   --value-bytes 2097152`` and ``--num-blocks 32 --block-size 64 --value-bytes 8388608`` (256 MiB a batch; the
-   master's segment is sized to 12 batches: every contender's copy, and a large put fails for space below about
-   that), at the default 16 blocks per span (objects of 32 and 128 MiB) and at ``--blocks-per-span 1`` (per-object
-   costs are nothing beside such chunks). There the raw calls are copies over loopback TCP (6-10 GB/s on the
-   2-core host) and the store keeps up with them (its build writes only each chunk's manifest and payload: the
-   padding stays zero in the staging buffer): 0.93-1.06 of the raw put before and after. The restore was 0.26-0.53:
-   ``check_run`` rebuilt every chunk in a scratch buffer and compared the two, two reads and a write of every
-   byte. Now a chunk of 64 KiB or more is checked in one read of its bytes (the manifests and payloads compared
-   with the ones expected, each padding range's ``xxh3_128`` against the digest of as many zeros: 19 GB/s over
-   32 MiB here, against 8.5 for numpy's ``any`` and 4.4 for a ``memcmp`` with zeros), and a restore of 16 MiB or
-   more is read in batches of about an eighth (at least 8 MiB), the next read on a thread of its own while one
-   is checked (``PoolTier``'s ``read_ahead``; the reader is started before the check holds the GIL,
-   ``pool_read.submit_started``, else it started up to a switch interval late). Figures (loaded 2-core host,
-   load 6.1-8.8, the code before and after run in turn, two pairs, best of 5; before → after, worker ÷ raw on
-   its own objects): 2 MiB chunks store 1.06 / 1.00 → 0.93 / 0.95, restore 0.46 / 0.53 → 0.59 / 0.62 (worker
-   3.7-4.0 GB/s against 6.2-6.5); 8 MiB chunks store 1.00 / 0.97 → 0.98 / 0.97, restore 0.26 / 0.39 → 0.57 /
-   0.51 (5.1-5.2 GB/s against 9.1-10.1); 8 MiB, one block per object, store 0.93 / 1.00 → 0.97 / 0.96, restore
-   0.51 / 0.48 → 0.61 / 0.62. The restore stays short of 0.9 on this host: checking every byte reads them once
-   more at about the speed the loopback copy writes them, and the read ahead overlaps the two only where a core
-   is free (on the loaded host the next read slows from 5.7 to 8.5 ms per 32 MiB while a batch is checked; the
-   last batch's check, an eighth, is never hidden). Short chunks are still rebuilt and compared in one
-   ``memcmp`` (faster there than columns: 80 against 120-180 us for 558 chunks of 889 bytes), so the 889-byte
-   figures are unchanged within the noise (same pairs, best of 9: store 0.32 / 0.33 → 0.33 / 0.35, restore
-   0.36 / 0.39 → 0.34 / 0.33; a hot restore of the same 48 objects 447-484 us before, 466-475 after, beside a
-   raw read of 237-268). The store makes one existence call (store rule 2); the master's own check in the put
-   cannot stand in for it (``batch_put_from`` of a key already there returns 0, in 70-400 us, no transfer: the
-   worker could not tell its blocks from another worker's), and running the check on a thread while the chunks
-   are built was slower on this host (1.92 against 1.76 ms best for 558 blocks: the handoff costs more than
-   the build it hides).
+   Llama-3-8B in bf16: 2 × 32 layers × 8 KV heads × 128 × 2 bytes), so a GPU worker's chunk is 2 MiB at the default
+   16-token blocks and 8 MiB at the agentic scenario's 64: ``--num-blocks 128 --block-size 16 --value-bytes 2097152``
+   and ``--num-blocks 32 --block-size 64 --value-bytes 8388608`` (256 MiB a batch; the master's segment is sized to
+   12 batches: every contender's copy, and a large put fails for space below about that), at the default 16 blocks
+   per span (objects of 32 and 128 MiB) and at ``--blocks-per-span 1`` (per-object costs are nothing beside such
+   chunks). There the raw calls are copies over loopback TCP (6-10 GB/s on the 2-core host) and the store keeps up
+   with them (its build writes only each chunk's manifest and payload: the padding stays zero in the staging buffer):
+   0.87-1.06 of the raw put before and after. The restore was 0.26-0.53: ``check_run`` rebuilt every chunk in a
+   scratch buffer and compared the two, two reads and a write of every byte. Now a chunk of 64 KiB or more is checked
+   in one read of its bytes (the manifests and payloads compared with the ones expected, each padding range's
+   ``xxh3_128`` against the digest of as many zeros: 19 GB/s over 32 MiB here, against 8.5 for numpy's ``any`` and
+   4.4 for a ``memcmp`` with zeros), and a restore of 16 MiB or more is read in batches of about an eighth (at least
+   8 MiB), the next read on a thread of its own while one is checked (``PoolTier``'s ``read_ahead``; the reader is
+   started before the check holds the GIL, ``pool_read.submit_started``, else it started up to a switch interval
+   late). Figures (loaded 2-core host, load 2.8-8.8, the code before and after run in turn, three or four pairs, best
+   of 5; before → after, worker ÷ raw on its own objects): 2 MiB chunks store 0.98-1.06 → 0.93-0.98, restore
+   0.46-0.53 → 0.59-0.63 (worker 3.7-4.2 GB/s against 6.2-6.6); 8 MiB chunks store 0.97-1.00 → 0.87-0.98, restore
+   0.26-0.40 → 0.30-0.57 (3.4-5.2 GB/s against 7.4-10.1: two 128 MiB objects, so only the first one's check is
+   hidden, and the runs at load 5-7 swing most: 0.30 and 0.35 in two where the raw put ran at half its speed); 8 MiB,
+   one block per object, store 0.90-1.00 → 0.94-0.97, restore 0.48-0.51 → 0.57-0.62. The restore stays short of 0.9
+   on this host: checking every byte reads them once more at about the speed the loopback copy writes them, and the
+   read ahead overlaps the two only where a core is free (on the loaded host the next read slows from 5.7 to 8.5 ms
+   per 32 MiB while a batch is checked; the last batch's check, an eighth, is never hidden). Short chunks are still
+   rebuilt and compared in one ``memcmp`` (faster there than columns: 80 against 120-180 us for 558 chunks of 889
+   bytes), so the 889-byte figures are unchanged within the noise (four pairs, best of 9: store 0.31-0.33 →
+   0.32-0.35, restore 0.31-0.39 → 0.31-0.34; a hot restore of the same 48 objects 447-484 us before, 466-475 after,
+   beside a raw read of 237-268). The store makes one existence call (store rule 2); the master's own check in the
+   put cannot stand in for it (``batch_put_from`` of a key already there returns 0, in 70-400 us, no transfer: the
+   worker could not tell its blocks from another worker's), and running the check on a thread while the chunks are
+   built was slower on this host (1.92 against 1.76 ms best for 558 blocks: the handoff costs more than the build it
+   hides).
 2. TTFT of a 100K-token history restored from the pool against recomputing it, under the sim timing model
    (``workers.engines.sim``, default H200 profile): the scheduler and sim engine run the turn on a worker whose GPU
    is cold, once with the history in the pool (stored by another worker) and once without; TTFT is the sum of the
