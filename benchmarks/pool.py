@@ -24,7 +24,8 @@
    ``payloads``, handed to ``prepare_store`` and ``fetch``), the restore given the objects its lookup found
    (``PoolHit.objects``, built outside the timing as the raw calls' keys are), the stored blocks still on GPU (the
    ``BlockStored`` event token-less). A store builds and a restore checks a batch's chunks as one run
-   (``ChunkLayout.write_run`` / ``check_run``: numpy columns, and every byte compared with the chunks rebuilt).
+   (``ChunkLayout.write_run`` / ``check_run``: numpy columns, and every byte compared with the chunks rebuilt;
+   chunks of 64 KiB or more: see the real block sizes below).
    Figures (558 blocks of 889 bytes, a loaded 2-core host at load 3.2-3.9, three interleaved rounds, best of 5):
    spans (16 blocks per object, 48 objects) store 3.4-5.6 us per block, restore 2.0-2.8 us, 0.34-0.52 and
    0.31-0.38 of the raw batch call on the worker's own 48 objects (``spans_put_from`` / ``spans_get_into``; before
@@ -49,6 +50,38 @@
    nearly always the worker's restore (0.4 ms of its 1.1 ms). Figures then (558 blocks of 889 bytes, load 3.5-5.3,
    best of 9, two interleaved process pairs): restore 1.29-1.30 us per block, 0.32-0.33 of the raw call; store
    2.22-2.39 us, 0.28-0.30.
+   Real block sizes: the sim timing profile's KV is 131,072 bytes per token (``TimingProfile.kv_bytes_per_token``,
+   Llama-3-8B in bf16: 2 × 32 layers × 8 KV heads × 128 × 2 bytes), so a GPU worker's chunk is 2 MiB at the default
+   16-token blocks and 8 MiB at the agentic scenario's 64: ``--num-blocks 128 --block-size 16 --value-bytes 2097152``
+   and ``--num-blocks 32 --block-size 64 --value-bytes 8388608`` (256 MiB a batch; the master's segment is sized to
+   12 batches: every contender's copy, and a large put fails for space below about that), at the default 16 blocks
+   per span (objects of 32 and 128 MiB) and at ``--blocks-per-span 1`` (per-object costs are nothing beside such
+   chunks). There the raw calls are copies over loopback TCP (6-10 GB/s on the 2-core host) and the store keeps up
+   with them (its build writes only each chunk's manifest and payload: the padding stays zero in the staging buffer):
+   0.87-1.06 of the raw put before and after. The restore was 0.26-0.53: ``check_run`` rebuilt every chunk in a
+   scratch buffer and compared the two, two reads and a write of every byte. Now a chunk of 64 KiB or more is checked
+   in one read of its bytes (the manifests and payloads compared with the ones expected, each padding range's
+   ``xxh3_128`` against the digest of as many zeros: 19 GB/s over 32 MiB here, against 8.5 for numpy's ``any`` and
+   4.4 for a ``memcmp`` with zeros), and a restore of 16 MiB or more is read in batches of about an eighth (at least
+   8 MiB), the next read on a thread of its own while one is checked (``PoolTier``'s ``read_ahead``; the reader is
+   started before the check holds the GIL, ``pool_read.submit_started``, else it started up to a switch interval
+   late). Figures (loaded 2-core host, load 2.8-8.8, the code before and after run in turn, three or four pairs, best
+   of 5; before → after, worker ÷ raw on its own objects): 2 MiB chunks store 0.98-1.06 → 0.93-0.98, restore
+   0.46-0.53 → 0.59-0.63 (worker 3.7-4.2 GB/s against 6.2-6.6); 8 MiB chunks store 0.97-1.00 → 0.87-0.98, restore
+   0.26-0.40 → 0.30-0.57 (3.4-5.2 GB/s against 7.4-10.1: two 128 MiB objects, so only the first one's check is
+   hidden, and the runs at load 5-7 swing most: 0.30 and 0.35 in two where the raw put ran at half its speed); 8 MiB,
+   one block per object, store 0.90-1.00 → 0.94-0.97, restore 0.48-0.51 → 0.57-0.62. The restore stays short of 0.9
+   on this host: checking every byte reads them once more at about the speed the loopback copy writes them, and the
+   read ahead overlaps the two only where a core is free (on the loaded host the next read slows from 5.7 to 8.5 ms
+   per 32 MiB while a batch is checked; the last batch's check, an eighth, is never hidden). Short chunks are still
+   rebuilt and compared in one ``memcmp`` (faster there than columns: 80 against 120-180 us for 558 chunks of 889
+   bytes), so the 889-byte figures are unchanged within the noise (four pairs, best of 9: store 0.31-0.33 →
+   0.32-0.35, restore 0.31-0.39 → 0.31-0.34; a hot restore of the same 48 objects 447-484 us before, 466-475 after,
+   beside a raw read of 237-268). The store makes one existence call (store rule 2); the master's own check in the
+   put cannot stand in for it (``batch_put_from`` of a key already there returns 0, in 70-400 us, no transfer: the
+   worker could not tell its blocks from another worker's), and running the check on a thread while the chunks are
+   built was slower on this host (1.92 against 1.76 ms best for 558 blocks: the handoff costs more than the build it
+   hides).
 2. TTFT of a 100K-token history restored from the pool against recomputing it, under the sim timing model
    (``workers.engines.sim``, default H200 profile): the scheduler and sim engine run the turn on a worker whose GPU
    is cold, once with the history in the pool (stored by another worker) and once without; TTFT is the sum of the
@@ -158,7 +191,8 @@ def one_round(tier: PoolTier, store: MooncakePoolStore, rep: int, args: argparse
                 ptrs = [landing.address + o for o in span_offsets]
                 assert raw.batch_get_into(keys[who[: -len("_get_into")]], ptrs, span_sizes) == span_sizes
             elif who == "packed_put":
-                assert raw.batch_put_from([packed_key], [staged.address], [nbytes]) == [0]
+                codes = raw.batch_put_from([packed_key], [staged.address], [nbytes])
+                assert codes == [0], codes
             elif who == "packed_get":
                 assert raw.batch_get_into([packed_key], [landing.address], [nbytes]) == [nbytes]
             elif who == "get_batch":
@@ -179,7 +213,9 @@ def one_round(tier: PoolTier, store: MooncakePoolStore, rep: int, args: argparse
 def throughput(args: argparse.Namespace) -> None:
     proc, address = start_master()
     try:
-        store = MooncakePoolStore(address, global_segment_size=1 << 30, local_buffer_size=256 << 20)
+        nbytes_per_batch = args.num_blocks * max(args.value_bytes, 64 + 4 * args.block_size * args.layer_groups)
+        segment_bytes = max(1 << 30, 12 * nbytes_per_batch)  # every contender's copy of the batch, and room
+        store = MooncakePoolStore(address, global_segment_size=segment_bytes, local_buffer_size=256 << 20)
         tier = PoolTier(store, args.block_size, lambda event: None, lambda hashes: True,  # blocks on GPU: token-less
                         value_bytes_per_block=args.value_bytes,
                         num_layer_groups=args.layer_groups, check_padding=args.verify == "all_bytes",

@@ -61,6 +61,7 @@ FLAGS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
     ("--mooncake-protocol", ("kv-cache", "pool", "protocol"), str),
     ("--mooncake-global-segment-size", ("kv-cache", "pool", "global-segment-size"), int),
     ("--mooncake-local-buffer-size", ("kv-cache", "pool", "local-buffer-size"), int),
+    ("--mooncake-lease-ttl-s", ("kv-cache", "pool", "lease-ttl-s"), float),
     ("--pool-value-bytes-per-block", ("kv-cache", "pool", "value-bytes-per-block"), int),
     ("--pool-num-layer-groups", ("kv-cache", "pool", "num-layer-groups"), int),
     ("--pool-verify", ("kv-cache", "pool", "verify"), str),

@@ -34,6 +34,10 @@ from workers.errors import ConfigError
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+MOONCAKE_DEFAULT_LEASE_TTL_S = 10.0
+"""A ``mooncake_master``'s lease when its ``--default_kv_lease_ttl`` is not given
+(``DEFINE_uint64(default_kv_lease_ttl, mooncake::DEFAULT_DEFAULT_KV_LEASE_TTL, ...)``,
+``mooncake-store/src/master.cpp``; ``DEFAULT_DEFAULT_KV_LEASE_TTL`` = 10,000 ms, ``mooncake-store/include/types.h``)."""
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
 
@@ -86,6 +90,11 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename
     object per block. Workers sharing a pool must use the same value (a span is found only under its own length):
     the first worker to attach records it in the pool (``workers.kv.pool_layout``) and a worker with another
     value refuses to start (``PoolLayoutError`` naming both lengths)."""
+    lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = MOONCAKE_DEFAULT_LEASE_TTL_S
+    """The Mooncake master's lease, seconds (its ``--default_kv_lease_ttl`` flag, in milliseconds there): after the
+    pool refused a put of this worker, it makes no refresh of its GPU and CPU hits for this long, so the leases
+    granted before the refusal run out and the master has objects to evict (``workers.kv.pool_use``). Set it to
+    the master's flag; the default is the master's default."""
     verify: Literal["all_bytes", "manifest"] = "all_bytes"
     """What a restore checks of each chunk it reads: ``all_bytes``: the manifest, each layer group's payload
     against its digest and the tokens expected, and the zero padding (every byte); ``manifest``: all but the

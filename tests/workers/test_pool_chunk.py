@@ -158,35 +158,65 @@ def test_a_run_is_built_byte_for_byte_as_its_chunks_one_by_one(with_payloads: bo
 def test_a_run_check_stops_at_the_chunk_with_one_altered_byte(position: int, with_payloads: bool):
     layout = ChunkLayout(BS, GROUPS, VALUE_BYTES)
     hashes, tokens, payloads = run_of(6)
-    data, scratch = HostBuffer(6 * VALUE_BYTES), HostBuffer(6 * VALUE_BYTES)
+    data = HostBuffer(6 * VALUE_BYTES)
     layout.write_run(data, 0, hashes, tokens)
     given = payloads if with_payloads else None
-    assert layout.check_run(data.data, 0, scratch, hashes, tokens, True, given) == 6
+    assert layout.check_run(data.data, 0, hashes, tokens, True, given) == 6
     data.data[4 * VALUE_BYTES + position] ^= 0x01  # chunk 4
     is_padding = any(80 + g * 236 + 16 <= position < 80 + (g + 1) * 236 for g in range(GROUPS)) or position >= 1024
-    assert layout.check_run(data.data, 0, scratch, hashes, tokens, True, given) == 4
-    assert layout.check_run(data.data, 0, scratch, hashes, tokens, False, given) == (6 if is_padding else 4)
-    assert layout.check_run(data.data, VALUE_BYTES, scratch, hashes[1:], tokens[1:], True,
+    assert layout.check_run(data.data, 0, hashes, tokens, True, given) == 4
+    assert layout.check_run(data.data, 0, hashes, tokens, False, given) == (6 if is_padding else 4)
+    assert layout.check_run(data.data, VALUE_BYTES, hashes[1:], tokens[1:], True,
                             given and given[1:]) == 3  # fmt: skip
-    assert layout.check_run(data.data, 0, scratch, hashes[:4], tokens[:4], True, given and given[:4]) == 4
+    assert layout.check_run(data.data, 0, hashes[:4], tokens[:4], True, given and given[:4]) == 4
 
 
 def test_a_run_from_payloads_alone_is_the_run_from_tokens_and_its_check_refuses_a_changed_digest():
     layout = ChunkLayout(BS, GROUPS, VALUE_BYTES)
     hashes, tokens, payloads = run_of(6)
-    from_tokens, from_payloads, scratch = (HostBuffer(6 * VALUE_BYTES) for _ in range(3))
+    from_tokens, from_payloads = HostBuffer(6 * VALUE_BYTES), HostBuffer(6 * VALUE_BYTES)
     layout.write_run(from_tokens, 0, hashes, tokens)
     layout.write_run(from_payloads, 0, hashes, (), payloads)  # no token lists: the digests from the payloads
     assert from_payloads.data == from_tokens.data
-    assert layout.check_run(from_tokens.data, 0, scratch, hashes, (), True, payloads) == 6
+    assert layout.check_run(from_tokens.data, 0, hashes, (), True, payloads) == 6
     for group in (0, GROUPS - 1):
         for byte in (0, 7):  # a digest's least and most significant byte (little-endian)
             at = 3 * VALUE_BYTES + HEAD_BYTES + 8 * group + byte
             from_tokens.data[at] ^= 0x80
-            assert layout.check_run(from_tokens.data, 0, scratch, hashes, (), True, payloads) == 3
-            assert layout.check_run(from_tokens.data, 0, scratch, hashes, (), False, payloads) == 3
+            assert layout.check_run(from_tokens.data, 0, hashes, (), True, payloads) == 3
+            assert layout.check_run(from_tokens.data, 0, hashes, (), False, payloads) == 3
             from_tokens.data[at] ^= 0x80
     other_hashes, _, other_payloads = run_of(7)  # another chain: its chunks are foreign to this one
-    assert layout.check_run(from_tokens.data, 0, scratch, other_hashes[1:], (), True, other_payloads[1:]) == 0
+    assert layout.check_run(from_tokens.data, 0, other_hashes[1:], (), True, other_payloads[1:]) == 0
     with pytest.raises(ValueError, match="one full block"):
         layout.write_run(from_payloads, 0, hashes, (), payloads[:5])
+
+
+@pytest.mark.parametrize("value_bytes", [VALUE_BYTES, 3 << 17])  # padding: numpy columns / digests of long ranges
+@pytest.mark.parametrize(
+    "where", ["manifest magic", "manifest hash", "manifest digest", "payload", "padding", "last padding", "tail"]
+)
+def test_a_single_flipped_byte_in_a_manifest_payload_or_padding_is_detected(value_bytes: int, where: str):
+    layout = ChunkLayout(BS, GROUPS, value_bytes)
+    hashes, tokens, payloads = run_of(6)
+    data = HostBuffer(6 * value_bytes)
+    layout.write_run(data, 0, hashes, tokens)
+    head, piece, n = layout.header_bytes, layout.piece_bytes, layout.payload_bytes
+    assert layout.check_run(data.data, 0, hashes, (), True, payloads) == 6
+    at = {
+        "manifest magic": 2,
+        "manifest hash": 16 + 31,
+        "manifest digest": HEAD_BYTES + 8 * (GROUPS - 1) + 3,
+        "payload": head + (GROUPS - 1) * piece + n - 1,  # the last layer group's last token byte
+        "padding": head + piece + n,  # the second layer group's first padding byte
+        "last padding": head + GROUPS * piece - 1,
+        "tail": value_bytes - 1,  # the chunk's last byte (in the tail where there is one)
+    }[where]
+    is_padding = where in ("padding", "last padding", "tail")
+    data.data[3 * value_bytes + at] ^= 0x01  # chunk 3
+    assert layout.check_run(data.data, 0, hashes, (), True, payloads) == 3
+    assert layout.check_run(data.data, 0, hashes, tokens, True) == 3
+    assert layout.check_run(data.data, 0, hashes, (), False, payloads) == (6 if is_padding else 3)
+    assert layout.check_run(data.data, 4 * value_bytes, hashes[4:], (), True, payloads[4:]) == 2  # after it
+    data.data[3 * value_bytes + at] ^= 0x01
+    assert layout.check_run(data.data, 0, hashes, (), True, payloads) == 6

@@ -5,6 +5,7 @@ refuses the worker's puts (every lease would pin). A put is not checked: the mas
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Iterator
 
@@ -13,10 +14,12 @@ import pytest
 from common.pool_keys import span_key
 from tests.mooncake_master import running_master
 from tests.workers.test_pool_spans_sim import CountingClient
-from workers.config import KVCacheConfig
+from workers.cli import add_arguments, config_from_args
+from workers.config import MOONCAKE_DEFAULT_LEASE_TTL_S, KVCacheConfig, PoolConfig, build_config
+from workers.errors import ConfigError
 from workers.kv.manager import KVCacheManager, SequenceKV
 from workers.kv.pool_chunk import HostBuffer
-from workers.kv.pool_tier import SimPool, pool_key
+from workers.kv.pool_tier import PoolTier, SimPool, pool_key
 
 BS = 4
 OBJECT_HAS_LEASE = -706  # Mooncake's ErrorCode for a remove while a lease is held (mooncake-store types.h)
@@ -182,3 +185,21 @@ def test_a_master_evicts_a_just_put_object_after_older_ones_used_or_not():
             assert 0 < len(gone) < len(new) and gone == new[: len(gone)]  # then the oldest of the just-put ones
         finally:
             store.close()
+
+
+@pytest.mark.unit
+def test_the_refresh_pause_is_the_master_lease_from_the_config_and_a_bad_one_is_refused_by_name():
+    assert PoolConfig().lease_ttl_s == MOONCAKE_DEFAULT_LEASE_TTL_S == 10.0  # mooncake_master's default lease
+    config = build_config({"kv-cache": {"block-size": BS, "pool": {"lease-ttl-s": 1.5}}})
+    assert config.kv_cache.pool is not None and config.kv_cache.pool.lease_ttl_s == 1.5
+    kv = KVCacheManager(config.kv_cache, pool_store=RefusingClient(SimPool(256)))
+    assert kv.pool is not None and kv.pool.uses.pause_s == 1.5
+    args = argparse.ArgumentParser()
+    add_arguments(args)
+    from_flags = config_from_args(args.parse_args(["--pool-backend", "sim", "--mooncake-lease-ttl-s", "2.5"]))
+    assert from_flags.kv_cache.pool is not None and from_flags.kv_cache.pool.lease_ttl_s == 2.5
+    for bad in (0, -1.0, float("nan"), float("inf"), "10s"):
+        with pytest.raises(ConfigError, match=r"\$\.kv-cache\.pool\.lease-ttl-s"):
+            build_config({"kv-cache": {"pool": {"lease-ttl-s": bad}}})
+    with pytest.raises(ValueError, match="must be positive seconds, not 0"):
+        PoolTier(SimPool(8).attach(), BS, lambda event: None, lease_ttl_s=0)

@@ -211,3 +211,26 @@ def test_a_read_that_finds_a_chunk_gone_announces_it_removed():
     assert events == [BlockRemoved(block_hashes=(to_engine_hash(metas[2].block_hash),), medium=Medium.MOONCAKE)]
     assert tier.num_fetch_lost == 1 and tier.num_fetch_mismatches == 0
     assert [m.block_hash for m in tier.snapshot_metas()] == [m.block_hash for m in metas[:2]] + [metas[3].block_hash]
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_a_large_restore_reads_ahead_in_batches_and_still_stops_at_a_flipped_byte(read_ahead: bool):
+    value_bytes = 1 << 20  # 24 blocks of 1 MiB: 24 MiB, at least twice READ_AHEAD_MIN_BATCH_BYTES
+    pool = SimPool(64)
+    client = RecordingClient(pool)
+    tier = PoolTier(client, BS, lambda event: None, value_bytes_per_block=value_bytes, blocks_per_span=1,
+                    read_ahead=read_ahead)  # fmt: skip
+    metas = stored_metas(tier, list(range(24 * BS)))
+    keys = [pool_key(m.block_hash) for m in metas]
+    assert tier.fetch(metas) == 24
+    batches = [keys[0:8], keys[8:16], keys[16:24]] if read_ahead else [keys]  # 8 MiB each, one read ahead
+    assert client.reads == batches
+    value, owner = pool._data[keys[19]]
+    flipped = bytearray(value)
+    flipped[value_bytes // 2] ^= 0x10  # a padding byte of block 19, in the last batch
+    pool._data[keys[19]] = (bytes(flipped), owner)
+    client.reads.clear()
+    assert tier.fetch(metas) == 19
+    assert client.reads == batches
+    assert tier.num_fetch_mismatches == 1 and keys[19] not in pool._data  # removed from the pool
+    tier.close()

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from events.types import AllBlocksCleared, BlockStored, KVEvent, Medium, SpecKind
-from workers.config import KVCacheConfig
+from workers.config import MOONCAKE_DEFAULT_LEASE_TTL_S, KVCacheConfig
 from workers.engines.base import BlockCopy
 from workers.errors import ConfigError, KVCacheError
 from workers.kv.block_pool import BlockMeta, BlockPool
@@ -119,7 +119,7 @@ class KVCacheManager:
                     blocks_per_span=config.pool.blocks_per_span if config.pool is not None else 16,
                     io_threads=pool_io_threads,
                     num_read_threads=config.pool.read_threads if config.pool is not None else 1,
-                )
+                    lease_ttl_s=config.pool.lease_ttl_s if config.pool is not None else MOONCAKE_DEFAULT_LEASE_TTL_S)
             except ConfigError:
                 if built_store:
                     pool_store.close()

@@ -70,13 +70,14 @@ from typing import NamedTuple
 
 from common.pool_keys import KEY_PREFIX, MAX_BLOCKS_PER_SPAN, PoolObject, pool_key, span_key
 from events.types import BlockRemoved, KVEvent, Medium
+from workers.config import MOONCAKE_DEFAULT_LEASE_TTL_S
 from workers.errors import KVCacheError
 from workers.kv.block_pool import BlockMeta, emit_tier_stored, engine_hash_of, engine_hashes_of
 from workers.kv.hashing import BlockHash, to_engine_hash
 from workers.kv.pool_chunk import CHUNK_VERSION, ChunkLayout, HostBuffer
 from workers.kv.pool_known import KnownObjects
 from workers.kv.pool_layout import PoolLayout, attach_layout
-from workers.kv.pool_read import PoolFetch, ReadResult, done_future, plan_batches, read_objects
+from workers.kv.pool_read import PoolFetch, ReadResult, capacity_chunks, done_future, plan_read, read_objects
 from workers.kv.pool_spans import PoolHit, hit_of, lookup_objects, objects_of, singles_inside, store_objects
 from workers.kv.pool_store import (
     MooncakePoolStore,
@@ -107,11 +108,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _capacity(num_chunks: int) -> int:
-    """Chunks a new buffer holds: the next power of two, at least 8 (so buffers are reused across job sizes)."""
-    return max(8, 1 << (num_chunks - 1).bit_length())
-
-
 class _StoreJob(NamedTuple):
     """A prepared store: its objects (key, member metas, offset in the buffer), in chain order."""
 
@@ -139,17 +135,22 @@ class PoolTier:
         io_threads: bool = False,
         num_read_threads: int = 1,
         blocks_per_span: int = 16,
+        read_ahead: bool = True,
+        lease_ttl_s: float = MOONCAKE_DEFAULT_LEASE_TTL_S,
     ) -> None:
         """Wrap ``store``; events go to ``emit``; ``on_gpu`` picks the store event's shape; ``max_known_fetched``
         bounds the fetched blocks kept for snapshots; chunks hold ``num_layer_groups`` pieces and are padded to
         ``value_bytes_per_block`` (module docstring, ``workers.kv.pool_chunk``); ``check_padding``: a read
         checks the padding is zero too (``PoolConfig.verify``); ``io_threads``: reads and puts run on background
         threads (module docstring), ``num_read_threads`` reads at a time; ``blocks_per_span``: blocks per object
-        along a chain (``common.pool_keys``; 1: one object per block).
+        along a chain (``common.pool_keys``; 1: one object per block); ``read_ahead``: a restore of
+        ``2 × READ_AHEAD_MIN_BATCH_BYTES`` or more reads its next batch on a thread of its own while it checks
+        one (``workers.kv.pool_read``), so its checks hide behind its reads; ``lease_ttl_s``: the master's lease,
+        how long no refresh follows a refused put (``PoolConfig.lease_ttl_s``, ``workers.kv.pool_use``).
 
         Raises:
             ValueError: ``max_read_bytes`` or ``num_read_threads`` not positive, ``blocks_per_span`` not in
-                ``[1, MAX_BLOCKS_PER_SPAN]``.
+                ``[1, MAX_BLOCKS_PER_SPAN]``, ``lease_ttl_s`` not positive and finite.
             PoolLayoutError: the pool's other members use another span length or chunk layout
                 (``workers.kv.pool_layout``; a ``ConfigError``): this worker does not attach.
         """
@@ -176,9 +177,8 @@ class PoolTier:
         self._jobs: dict[int, _StoreJob] = {}
         self._free_buffers: list[HostBuffer] = []
         self._max_free_staging_bytes = max_free_staging_bytes
-        self._read_buffers: list[tuple[HostBuffer, HostBuffer]] = []
-        """Idle restore buffers, each with its scratch buffer of the same size (at most one pair per read thread
-        kept); a read takes one for its duration."""
+        self._read_buffers: list[HostBuffer] = []
+        """Idle restore buffers (at most one per read thread kept); a read takes one for its duration."""
         self._read_lock = threading.Lock()
         self._num_read_threads = num_read_threads if io_threads else 1
         self._max_chunks_per_read = max(1, max_read_bytes // self.layout.chunk_bytes)
@@ -201,7 +201,7 @@ class PoolTier:
         """Reads that found an object gone which the lookup had found (its blocks announced removed)."""
         self.num_refreshes = 0
         """Existence checks made only to mark blocks served from GPU or CPU as used (``refresh``)."""
-        self.uses = UseOrder(self.span_len)
+        self.uses = UseOrder(self.span_len, lease_ttl_s)  # ValueError: a bad lease
         self.num_reads = 0
         """Restore reads made (``fetch`` calls that read anything)."""
         self.read_wall_s = 0.0
@@ -209,6 +209,7 @@ class PoolTier:
         self.wake: Callable[[], None] | None = None
         """Called from an I/O thread when a read or a put is done (module docstring); set by the engine loop."""
         self._reader = ThreadPoolExecutor(num_read_threads, "pool-read") if io_threads else None
+        self._read_ahead = ThreadPoolExecutor(num_read_threads, "pool-read-ahead") if read_ahead else None
         self._writer = ThreadPoolExecutor(1, "pool-write") if io_threads else None
         self._puts: list[tuple[int, Future[list[bool]]]] = []
         """Puts in flight on the write thread, oldest first: (job id, future of the per-object results)."""
@@ -308,7 +309,7 @@ class PoolTier:
         for i, buffer in enumerate(free):
             if buffer.num_bytes >= size:
                 return free.pop(i)
-        return self.store.new_buffer(_capacity(num_chunks) * self.layout.chunk_bytes)
+        return self.store.new_buffer(capacity_chunks(num_chunks) * self.layout.chunk_bytes)
 
     def _give_back(self, buffer: HostBuffer) -> None:
         free = self._free_buffers
@@ -478,23 +479,23 @@ class PoolTier:
             future.add_done_callback(lambda _: self._wake())
         return PoolFetch(metas, objects, future)
 
-    def _take_read_buffer(self, num_bytes: int) -> tuple[HostBuffer, HostBuffer]:
-        """A restore buffer of ``num_bytes`` at least, with its scratch buffer (``ChunkLayout.check_run``)."""
+    def _take_read_buffer(self, num_bytes: int) -> HostBuffer:
+        """A restore buffer of ``num_bytes`` at least."""
         with self._read_lock:
             free = self._read_buffers
-            for i, (buffer, _) in enumerate(free):
+            for i, buffer in enumerate(free):
                 if buffer.num_bytes >= num_bytes:
                     return free.pop(i)
-        return self.store.new_buffer(num_bytes), HostBuffer(num_bytes)
+        return self.store.new_buffer(num_bytes)
 
-    def _give_read_buffer(self, buffers: tuple[HostBuffer, HostBuffer]) -> None:
+    def _give_read_buffer(self, buffer: HostBuffer) -> None:
         with self._read_lock:
             free = self._read_buffers
-            free.append(buffers)
-            free.sort(key=lambda b: b[0].num_bytes)
+            free.append(buffer)
+            free.sort(key=lambda b: b.num_bytes)
             extra = free.pop(0) if len(free) > self._num_read_threads else None  # the smallest goes
         if extra is not None:
-            self.store.release_buffer(extra[0])
+            self.store.release_buffer(extra)
 
     def _read(
         self, metas: Sequence[BlockMeta], objects: Sequence[PoolObject], payloads: Sequence[bytes] | None
@@ -503,14 +504,13 @@ class PoolTier:
         run several at once)."""
         if not metas:
             return ReadResult(0, 0.0)
-        per_read = self._max_chunks_per_read
-        batches = plan_batches(objects, per_read)
-        most = max((n for _, n in batches), default=1)
-        buffers = self._take_read_buffer(max(most, min(_capacity(most), per_read)) * self.layout.chunk_bytes)
+        ahead = self._read_ahead
+        batches, num_bytes = plan_read(objects, self.layout.chunk_bytes, self._max_chunks_per_read, ahead is not None)
+        buffer = self._take_read_buffer(num_bytes)
         try:
-            return read_objects(self.store, self.layout, *buffers, metas, batches, self._check_padding, payloads)
+            return read_objects(self.store, self.layout, buffer, metas, batches, self._check_padding, payloads, ahead)
         finally:
-            self._give_read_buffer(buffers)
+            self._give_read_buffer(buffer)
 
     def finish_fetch(self, fetch: PoolFetch) -> int:
         """Apply a read's result (waiting for it if it is still running); how many blocks, from the first, were
@@ -570,7 +570,7 @@ class PoolTier:
     def close(self) -> None:
         """Stop the I/O threads (``io_threads``) without waiting: work not started is dropped, a call running
         ends on its own; the store is closed by its owner."""
-        for pool in (self._reader, self._writer):
+        for pool in (self._reader, self._writer, self._read_ahead):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
 

@@ -19,9 +19,11 @@ put of this worker (``UseOrder``): then a lease costs the pool room for new bloc
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
+from workers.config import MOONCAKE_DEFAULT_LEASE_TTL_S
 from workers.kv.hashing import BlockHash
 from workers.kv.pool_spans import lookup_objects
 
@@ -34,22 +36,23 @@ def used_keys(hashes: Sequence[BlockHash], end: int, span_len: int) -> list[str]
     return [o.key for o in spans] + [o.key for o in singles]
 
 
-REFRESH_PAUSE_S = 10.0
-"""How long after a put of this worker was refused it makes no refresh: Mooncake's default lease
-(``DEFAULT_DEFAULT_KV_LEASE_TTL``, 10,000 ms, ``mooncake-store/include/types.h``), so the pins granted before the
-refusal have run out when refreshes resume."""
-
-
 class UseOrder:
     """One worker's use marks (module docstring): the objects of a GPU and CPU hit to check, none for
-    ``pause_s`` after the pool refused a put of this worker. A check leases what it finds for a whole TTL and the
-    master never evicts a leased object: a live working set larger than the pool, refreshed within one TTL, leaves
-    nothing to evict and every put is refused (the churn test's rounds, ``benchmarks.pool_churn``, on a 2-core host:
-    34-169 keys evicted a round with every hit refreshed, 39-619 with refreshes paused only until a put landed
-    whole, 440-1788 with this pause, 5 runs each)."""
+    ``pause_s`` after the pool refused a put of this worker: the master's lease (``PoolConfig.lease_ttl_s``, its
+    ``--default_kv_lease_ttl``; by default Mooncake's default, ``MOONCAKE_DEFAULT_LEASE_TTL_S``), so the pins
+    granted before the refusal have run out when refreshes resume. A check leases what it finds for a whole TTL
+    and the master never evicts a leased object: a live working set larger than the pool, refreshed within one
+    TTL, leaves nothing to evict and every put is refused (the churn test's rounds, ``benchmarks.pool_churn``, on a
+    2-core host: 34-169 keys evicted a round with every hit refreshed, 39-619 with refreshes paused only until a
+    put landed whole, 440-1788 with this pause, 5 runs each)."""
 
-    def __init__(self, span_len: int, pause_s: float = REFRESH_PAUSE_S,
+    def __init__(self, span_len: int, pause_s: float = MOONCAKE_DEFAULT_LEASE_TTL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        """Raises:
+            ValueError: ``pause_s`` not a positive finite number of seconds.
+        """
+        if not 0 < pause_s < math.inf:
+            raise ValueError(f"the refresh pause (the master's lease) must be positive seconds, not {pause_s!r}")
         self.span_len = span_len
         self.pause_s = pause_s
         self.clock = clock
