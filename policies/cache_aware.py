@@ -32,7 +32,9 @@ is unknown). It spreads sessions by the memory
 their conversations take, which no instantaneous load shows. ``returning`` (when ``session_sticky`` fills
 ``WorkerState.returning_in_s`` for a new session's request) is the wait the request's prefill imposes on the
 worker's live sessions expected back while it runs, weighted by the chance that a session returns
-(``policies/returning.py``): a long cold prefill goes where fewer owned sessions are about to return.
+and capped so that it raises the cost to the fleet's served tail at most (``RequestView.session_return_tail_s``;
+``policies/returning.py``): a cold prefill goes where fewer owned sessions are about to return, but not into a
+queue that would make it the fleet's slowest.
 ``Decision.scores`` stay the estimated TTFT (the calibrator
 compares them with observed TTFTs; ``session_sticky``'s margins compare them).
 
@@ -64,7 +66,7 @@ from policies.base import Decision, RequestView, Snapshot, WorkerState
 from policies.candidates import eligible_workers, no_worker_decision
 from policies.config import CacheAwareConfig
 from policies.cost_model import TTFTBreakdown, TTFTCalibrator, TTFTCostModel, drained_prefill_s
-from policies.returning import returning_delay_s
+from policies.returning import returning_charge_s
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +106,8 @@ class CostTerms(msgspec.Struct, frozen=True, gc=False):
     """The recompute that the prompt's overflow of the worker's GPU capacity costs its resident sessions."""
     returning_penalty_s: float = 0.0
     """The wait the request's prefill imposes on the worker's sessions expected back during it
-    (``RequestView.session_return_probability`` times ``policies.returning.returning_delay_s``)."""
+    (``RequestView.session_return_probability`` times ``policies.returning.returning_delay_s``, capped at the served
+    tail: ``policies.returning.returning_charge_s``)."""
 
 _SCORE_RESOLUTION_PER_S = 1e6
 """Scores closer than one microsecond tie."""
@@ -196,8 +199,8 @@ class CacheAwarePolicy:
             memory = f * self.memory_s(w, view.num_prompt_tokens + view.num_expected_growth_tokens)
             returning = 0.0
             if view.session_return_probability and w.returning_in_s:
-                returning = view.session_return_probability * returning_delay_s(w.returning_in_s, b.ttft_s,
-                                                                                f * b.prefill_s)
+                returning = returning_charge_s(view.session_return_probability, w.returning_in_s, b.ttft_s,
+                                               f * b.prefill_s, view.session_return_tail_s)
             out[w.worker_id] = CostTerms(
                 queue_s=f * b.queue_s, prefill_s=f * b.prefill_s, restore_s=f * b.restore_s, overhead_s=b.overhead_s,
                 ttft_s=b.ttft_s, recompute_penalty_s=recompute, decode_load_penalty_s=decode,
@@ -216,6 +219,7 @@ class CacheAwarePolicy:
         if view.is_new_session:
             recompute_penalty = 0.0
         return_probability = view.session_return_probability
+        return_tail_s = view.session_return_tail_s
         n = view.num_prompt_tokens
         n_sq = n * n
         projected = n + view.num_expected_growth_tokens
@@ -291,7 +295,7 @@ class CacheAwarePolicy:
             scores[worker_id] = score
             cost = score + recompute_penalty * prefill + decode
             if return_probability and w.returning_in_s:
-                cost += return_probability * returning_delay_s(w.returning_in_s, score, prefill)
+                cost += returning_charge_s(return_probability, w.returning_in_s, score, prefill, return_tail_s)
             key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, running + waiting, pending,
                    w.num_resident_tokens, w.num_recent_assignments, index, cost, worker_id)
             if has_thresholds and (
