@@ -30,6 +30,9 @@ served, the state ``session_sticky``'s move rule keeps, ``policies/move_cost.py`
 ranking cost to the tail at most, so it never sends a request to a worker whose estimate exceeds the tail when a
 worker of lower estimate was cheaper without it. A long cold turn (its own prefill near the tail) is then charged
 little and goes where it starts first; a short one is charged in full and still goes where fewer sessions return.
+Among workers of equal ranking cost (a burst of cold turns on an idle fleet, every estimate past the tail: every
+charge capped to 0), ``cache_aware`` still prefers the smaller charge before the cap, which costs the request
+nothing.
 Measured on the agentic coding sessions (``benchmarks/routing.py --workload agentic``, concurrency 8) before the
 cap: the run's p99 was a 106K-token cold first turn that the charge sent to a worker with 2.0–4.7 s of queue (p99
 15.29 s against 13.89 s without the charge).
@@ -45,7 +48,7 @@ from collections.abc import Iterable, Mapping
 
 from policies.base import WorkerState
 
-__all__ = ["ReturningSessions", "return_probability", "returning_charge_s", "returning_delay_s"]
+__all__ = ["ReturningSessions", "capped_charge_s", "return_probability", "returning_charge_s", "returning_delay_s"]
 
 
 def return_probability(num_new_sessions: int, num_returning_turns: int) -> float:
@@ -77,8 +80,15 @@ def returning_charge_s(
     room = tail_s - ttft_s
     if room <= 0.0:
         return 0.0
-    charge = probability * returning_delay_s(returning_in_s, ttft_s, prefill_s)
-    return room if charge > room else charge
+    return capped_charge_s(probability * returning_delay_s(returning_in_s, ttft_s, prefill_s), ttft_s, tail_s)
+
+
+def capped_charge_s(delay_s: float, ttft_s: float, tail_s: float) -> float:
+    """``delay_s`` (the weighted delay, seconds) capped at ``max(0, tail_s - ttft_s)`` (the module docstring's cap)."""
+    room = tail_s - ttft_s
+    if room <= 0.0:
+        return 0.0
+    return room if delay_s > room else delay_s
 
 
 class ReturningSessions:

@@ -166,11 +166,13 @@ def _sticky(**fields: object) -> SessionStickyPolicy:
 
 
 def _place(policy: SessionStickyPolicy, key: str, num_tokens: int, clock_s: float, *, owner: str | None,
-           only: str | None = None, cached: dict[str, int] | None = None) -> str | None:
+           only: str | None = None, cached: dict[str, int] | None = None,
+           pending: dict[str, int] | None = None) -> str | None:
     """One request of session ``key`` at ``clock_s`` (every worker's clock), ``only`` healthy if given."""
-    cached = cached or {}
+    cached, pending = cached or {}, pending or {}
     workers = tuple(make_worker(w, clock_s=clock_s, is_healthy=only in (None, w),
-                                num_gpu_cached_tokens=cached.get(w, 0)) for w in ("w0", "w1"))
+                                num_gpu_cached_tokens=cached.get(w, 0), num_pending_prefill_tokens=pending.get(w, 0))
+                    for w in ("w0", "w1"))
     snapshot = msgspec.structs.replace(make_snapshot(*workers, session_owner=owner), now_s=clock_s)
     return policy.select(make_view(num_tokens, session_key=key), snapshot).worker_id
 
@@ -211,9 +213,18 @@ def test_sticky_sends_a_new_sessions_cold_prefill_away_from_the_owner_of_returni
 def test_sticky_charges_no_cold_prefill_whose_estimate_is_past_the_served_tail():
     policy = _sticky()
     _fleet_with_two_sessions_on_w0(policy)
-    # 81,920 tokens: 4.80 s everywhere, past the 3.27 s tail: no charge, the tie goes to configuration order.
+    # 81,920 tokens: 4.80 s, past the 3.27 s tail. With 0.1 s of queue on w1 (4,000 pending tokens), uncapped, w0
+    # would be charged 0.2 * (4.5 + 4.0) = 1.70 s and w1 0.2 * 4.2 = 0.84 s (6.50 s against 5.74 s: sent to w1);
+    # both capped to 0, it starts first on w0.
     assert 0.003 + 81_920 / 40_000.0 + 81_920**2 / 2.435e9 > SERVED_TAIL_S
-    assert _place(policy, "e", 81_920, 11.2, owner=None) == "w0"
+    assert _place(policy, "e", 81_920, 11.2, owner=None, pending={"w1": 4000}) == "w0"
+
+
+def test_among_equal_estimates_past_the_tail_the_smaller_charge_still_wins():
+    policy = _sticky()
+    _fleet_with_two_sessions_on_w0(policy)
+    # 4.80 s on both, past the tail: both charges capped to 0, equal costs; w1 holds up one returning turn, w0 two.
+    assert _place(policy, "e", 81_920, 11.2, owner=None) == "w1"
 
 
 def test_without_the_charge_the_cold_prefill_ties_to_configuration_order():
