@@ -253,7 +253,13 @@ class SessionStickyPolicy:
                                              tail_window=config.move_tail_window)
 
     def select_inner(self, view: RequestView, snapshot: Snapshot) -> Decision:
-        """The inner policy's decision: the worker to propose to ``claim_or_touch``; a session not placed yet is
+        """The inner policy's decision over ``inner_inputs(view, snapshot)``: the worker to propose to
+        ``claim_or_touch``."""
+        return self.inner.select(*self.inner_inputs(view, snapshot))
+
+    def inner_inputs(self, view: RequestView, snapshot: Snapshot) -> tuple[RequestView, Snapshot]:
+        """What the inner policy decides over (the admin's cost terms are computed from the same); a session not
+        placed yet is
         marked ``is_new_session`` for it, and, when no worker holds any of its prompt (a cold prefill, the same work
         wherever it goes), with ``returning`` each worker's sessions expected back and the chance that one returns
         (``policies/returning.py``), and the fleet's served tail that caps the charge (the move rule's
@@ -277,7 +283,7 @@ worker holds is left to the cost model alone: charging
                     snapshot = msgspec.structs.replace(snapshot, workers=tuple(
                         msgspec.structs.replace(w, returning_in_s=back[w.worker_id]) if w.worker_id in back else w
                         for w in snapshot.workers))
-        return self.inner.select(view, snapshot)
+        return view, snapshot
 
     def resolve(
         self, owner_id: str | None, inner: Decision, snapshot: Snapshot, *, is_new: bool = False,
