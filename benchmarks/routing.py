@@ -7,9 +7,10 @@ Run: ``python -m benchmarks routing [--workload mooncake|agentic|synthetic] [--s
 Method:
 
 1. Read the workload: a slice of the bundled Mooncake conversation trace (``--start-s``, ``--max-requests``; the
-   demo's slice by default), the agentic coding sessions of ``../shared/traces/kv-cache-tester`` (closed loop,
-   ``--concurrency`` sessions in flight), or the synthetic agentic generator (closed loop). Turns whose prompt plus
-   ``max_tokens`` exceeds the sim workers' context (their config's ``max-model-len``) are left out
+   demo's slice by default), the agentic coding sessions of ``--trace`` (default: the nearest
+   ``shared/traces/kv-cache-tester`` beside the checkout or a directory above it, ``find_agentic_traces``; closed
+   loop, ``--concurrency`` sessions in flight), or the synthetic agentic generator (closed loop). Turns whose prompt
+   plus ``max_tokens`` exceeds the sim workers' context (their config's ``max-model-len``) are left out
    (``cut_to_context``: a 400 for every router alike); the header says how many.
 2. Size one fleet of sim workers as ``kvgate demo`` sizes it (``loadgen.sizing.size_fleet``; prefill
    ``prefill_slowdown`` times slower than the default profile, kvgate's cost model told the same rates), or a
@@ -70,7 +71,7 @@ from loadgen.synthetic import SyntheticConfig, generate
 from loadgen.traces import TraceRequest, read_agentic_sessions, read_mooncake
 from workers.config import build_config
 
-__all__ = ["ContextCut", "cut_to_context", "main", "summarize_router"]
+__all__ = ["ContextCut", "cut_to_context", "find_agentic_traces", "main", "summarize_router"]
 
 KVGATE_ROUTERS: tuple[str, ...] = ("kvgate:cache_aware", "kvgate:session_sticky+cache_aware")
 """kvgate's runs, ``kvgate:<loadgen.demo.POLICIES label>`` (or a label of ``EXTRA_POLICIES``)."""
@@ -85,8 +86,27 @@ EXTRA_POLICIES: dict[str, dict[str, Any]] = {
 """kvgate runs besides the demo's, on request (``--routers``): the default policy as it was before its move rule
 (fixed margins: a session moves when its owner is 0.5 s and 2x costlier than the best), and the default policy
 without its charge for the returning sessions a new session's prefill holds up (``policies/returning.py``)."""
-AGENTIC_TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "kv-cache-tester"
-"""The agentic coding sessions, beside the checkout (``../shared/traces/kv-cache-tester``)."""
+AGENTIC_TRACES = Path("shared") / "traces" / "kv-cache-tester"
+"""Where the agentic coding sessions are looked for without ``--trace``: this path in a directory that holds the
+checkout or one above it (``find_agentic_traces``), as ``../shared/traces/kv-cache-tester`` beside a checkout."""
+
+
+def find_agentic_traces(checkout: Path | None = None) -> Path:
+    """The nearest ``AGENTIC_TRACES`` directory holding ``*.json`` files in the parent of ``checkout`` (default: this
+    repository's root) or any directory above it.
+
+    Raises:
+        SystemExit: none found; the message names ``--trace`` and every directory looked in.
+    """
+    root = (checkout or Path(__file__).resolve().parent.parent).resolve()
+    looked = []
+    for parent in root.parents:
+        candidate = parent / AGENTIC_TRACES
+        if candidate.is_dir() and any(candidate.glob("*.json")):
+            return candidate
+        looked.append(str(candidate))
+    raise SystemExit(f"no agentic traces: pass --trace DIR, a directory of kv-cache-tester trace_*.json files (a "
+                     f"subset of 16 is bundled in loadgen/data/kv-cache-tester); looked in {', '.join(looked)}")
 
 
 def default_routers() -> list[str]:
@@ -116,8 +136,13 @@ def load_workload(args: argparse.Namespace) -> list[TraceRequest]:
             raise SystemExit("no trace: pass --trace")
         return derive_sessions(read_mooncake(trace, start_s=args.start_s, max_requests=args.max_requests))
     if args.workload == "agentic":
-        requests = read_agentic_sessions([args.trace or AGENTIC_TRACES],
-                                         max_requests_per_session=args.max_requests_per_session)
+        if args.trace and not Path(args.trace).exists():
+            raise SystemExit(f"--trace {args.trace}: no such file or directory")
+        try:
+            requests = read_agentic_sessions([args.trace or find_agentic_traces()],
+                                             max_requests_per_session=args.max_requests_per_session)
+        except LoadgenError as exc:
+            raise SystemExit(f"--trace: {exc}") from exc
         return requests[: args.max_requests]
     return generate(SyntheticConfig(num_sessions=args.num_sessions, seed=args.seed))[: args.max_requests]
 
@@ -339,7 +364,9 @@ async def _gateway_share(url: str, outcome: RunOutcome, wall_s_per_worker_s: flo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=("mooncake", "agentic", "synthetic"), default="mooncake")
-    parser.add_argument("--trace", default=None, help="the Mooncake .jsonl, or the agentic sessions' directory")
+    parser.add_argument("--trace", default=None,
+                        help="the Mooncake .jsonl (default: the bundled slice), or the agentic sessions' directory "
+                             "(default: shared/traces/kv-cache-tester beside the checkout or a directory above it)")
     parser.add_argument("--start-s", type=float, default=0.0, help="Mooncake: trace time where the slice starts")
     parser.add_argument("--max-requests", type=int, default=450, help="requests in the slice")
     parser.add_argument("--max-requests-per-session", type=int, default=None, help="agentic: first turns only")

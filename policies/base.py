@@ -8,6 +8,7 @@ after (see ``router/sessions/base.py``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -31,6 +32,9 @@ class RequestView(msgspec.Struct, frozen=True, gc=False):
         session_return_probability: the chance that a live session returns once more (``policies.returning``), the
             weight of ``cache_aware``'s charge for the turns a placement holds up (``WorkerState.returning_in_s``); 0
             charges none.
+        session_return_tail_s: the fleet's served tail (``policies.move_cost.SessionMoveCost.tail_s``), seconds: the
+            charge never raises a worker's ranking cost past it (``policies/returning.py``, "The cap");
+            ``math.inf``: no cap.
     """
 
     request_id: str
@@ -42,6 +46,7 @@ class RequestView(msgspec.Struct, frozen=True, gc=False):
     num_expected_growth_tokens: int = 0
     is_new_session: bool = False
     session_return_probability: float = 0.0
+    session_return_tail_s: float = math.inf
 
 
 PendingPrefill = tuple[float, int, int]

@@ -32,12 +32,16 @@ is unknown). It spreads sessions by the memory
 their conversations take, which no instantaneous load shows. ``returning`` (when ``session_sticky`` fills
 ``WorkerState.returning_in_s`` for a new session's request) is the wait the request's prefill imposes on the
 worker's live sessions expected back while it runs, weighted by the chance that a session returns
-(``policies/returning.py``): a long cold prefill goes where fewer owned sessions are about to return.
+and capped so that it raises the cost to the fleet's served tail at most (``RequestView.session_return_tail_s``;
+``policies/returning.py``): a cold prefill goes where fewer owned sessions are about to return, but not into a
+queue that would make it the fleet's slowest.
 ``Decision.scores`` stay the estimated TTFT (the calibrator
 compares them with observed TTFTs; ``session_sticky``'s margins compare them).
 
 Tie-break rule (deterministic): ranking costs are compared at microsecond resolution (``round(cost * 1e6)``);
-equal costs prefer more GPU-cached tokens, then the lighter load (fewer running plus waiting requests, then fewer
+equal costs prefer the smaller returning charge before its cap (the cap makes the charge 0 on every worker whose
+estimate is past the tail; among equal estimates the one holding up fewer returning turns still wins), then more
+GPU-cached tokens, then the lighter load (fewer running plus waiting requests, then fewer
 pending prefill tokens), then fewer tokens of live sessions it owns (``WorkerState.num_resident_tokens``: the next
 turns it will be asked to hold), then fewer recent assignments (``WorkerState.num_recent_assignments``: the worker
 given least lately, so cold sessions on an idle fleet spread), and only then configuration order.
@@ -64,7 +68,7 @@ from policies.base import Decision, RequestView, Snapshot, WorkerState
 from policies.candidates import eligible_workers, no_worker_decision
 from policies.config import CacheAwareConfig
 from policies.cost_model import TTFTBreakdown, TTFTCalibrator, TTFTCostModel, drained_prefill_s
-from policies.returning import returning_delay_s
+from policies.returning import capped_charge_s, returning_charge_s, returning_delay_s
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +108,12 @@ class CostTerms(msgspec.Struct, frozen=True, gc=False):
     """The recompute that the prompt's overflow of the worker's GPU capacity costs its resident sessions."""
     returning_penalty_s: float = 0.0
     """The wait the request's prefill imposes on the worker's sessions expected back during it
-    (``RequestView.session_return_probability`` times ``policies.returning.returning_delay_s``)."""
+    (``RequestView.session_return_probability`` times ``policies.returning.returning_delay_s``, capped at the served
+    tail: ``policies.returning.returning_charge_s``)."""
 
 _SCORE_RESOLUTION_PER_S = 1e6
 """Scores closer than one microsecond tie."""
-_WORKER_ID_OF_KEY = itemgetter(8)
+_WORKER_ID_OF_KEY = itemgetter(9)
 """The worker id of a sort key (see ``select``)."""
 
 
@@ -196,8 +201,8 @@ class CacheAwarePolicy:
             memory = f * self.memory_s(w, view.num_prompt_tokens + view.num_expected_growth_tokens)
             returning = 0.0
             if view.session_return_probability and w.returning_in_s:
-                returning = view.session_return_probability * returning_delay_s(w.returning_in_s, b.ttft_s,
-                                                                                f * b.prefill_s)
+                returning = returning_charge_s(view.session_return_probability, w.returning_in_s, b.ttft_s,
+                                               f * b.prefill_s, view.session_return_tail_s)
             out[w.worker_id] = CostTerms(
                 queue_s=f * b.queue_s, prefill_s=f * b.prefill_s, restore_s=f * b.restore_s, overhead_s=b.overhead_s,
                 ttft_s=b.ttft_s, recompute_penalty_s=recompute, decode_load_penalty_s=decode,
@@ -216,6 +221,7 @@ class CacheAwarePolicy:
         if view.is_new_session:
             recompute_penalty = 0.0
         return_probability = view.session_return_probability
+        return_tail_s = view.session_return_tail_s
         n = view.num_prompt_tokens
         n_sq = n * n
         projected = n + view.num_expected_growth_tokens
@@ -228,11 +234,11 @@ class CacheAwarePolicy:
         factors = self._log_factors
         workers = snapshot.workers
         scores: dict[str, float] = {}
-        # Sort keys (rounded cost, -GPU-cached tokens, running + waiting requests, pending prefill tokens, resident
-        # session tokens, recent assignments, position in snapshot, cost, worker id); the position is unique, so the
-        # items after it are never compared.
-        competing: list[tuple[int, int, int, int, int, int, int, float, str]] = []
-        saturated: list[tuple[int, int, int, int, int, int, int, float, str]] = []
+        # Sort keys (rounded cost, rounded returning delay before its cap, -GPU-cached tokens, running + waiting
+        # requests, pending prefill tokens, resident session tokens, recent assignments, position in snapshot, cost,
+        # worker id); the position is unique, so the items after it are never compared.
+        competing: list[tuple[int, int, int, int, int, int, int, int, float, str]] = []
+        saturated: list[tuple[int, int, int, int, int, int, int, int, float, str]] = []
         prefill_uncached = n * s_per_token + n_sq * s_per_token_sq  # the prefill below with k = 0
         for index, w in enumerate(workers):
             if not w.is_healthy or w.is_draining:  # policies.candidates.is_eligible, inlined
@@ -290,10 +296,13 @@ class CacheAwarePolicy:
             score = overhead_s + work
             scores[worker_id] = score
             cost = score + recompute_penalty * prefill + decode
+            held_up = 0
             if return_probability and w.returning_in_s:
-                cost += return_probability * returning_delay_s(w.returning_in_s, score, prefill)
-            key = (round(cost * _SCORE_RESOLUTION_PER_S), -w.num_gpu_cached_tokens, running + waiting, pending,
-                   w.num_resident_tokens, w.num_recent_assignments, index, cost, worker_id)
+                delay = return_probability * returning_delay_s(w.returning_in_s, score, prefill)
+                cost += capped_charge_s(delay, score, return_tail_s)
+                held_up = round(delay * _SCORE_RESOLUTION_PER_S)
+            key = (round(cost * _SCORE_RESOLUTION_PER_S), held_up, -w.num_gpu_cached_tokens, running + waiting,
+                   pending, w.num_resident_tokens, w.num_recent_assignments, index, cost, worker_id)
             if has_thresholds and (
                 (max_running is not None and running >= max_running)
                 or (max_kv_usage is not None and w.kv_usage >= max_kv_usage)
@@ -310,10 +319,10 @@ class CacheAwarePolicy:
         if len(competing) > 1:
             competing.sort()
             if self.config.temperature > 0.0:
-                pick = self._softmax_index([key[7] for key in competing])
+                pick = self._softmax_index([key[8] for key in competing])
                 competing.insert(0, competing.pop(pick))
                 reason = "softmax" + reason[8:]
-        chosen = workers[competing[0][6]]
+        chosen = workers[competing[0][7]]
         return Decision(
             chosen.worker_id,
             reason,

@@ -205,7 +205,9 @@ class SessionStickyConfig(_PolicyConfigBase, frozen=True, tag="session_sticky"):
         resident_idle_s: a session unseen this long no longer counts among its owner's resident prompts (the
             memory term of ``cache_aware``, ``policies/residents.py``), seconds.
         charge_returning_sessions: rank a new session's first request (inner ``cache_aware``) with the wait its
-            prefill imposes on each worker's live sessions expected back during it (``policies/returning.py``).
+            prefill imposes on each worker's live sessions expected back during it, raising a worker's cost to the
+            fleet's served tail at most (``move_tail_quantile``; no cap with ``price_moves`` off;
+            ``policies/returning.py``).
         return_gap_window: how many recent gaps between a session's turns the fleet's expected gap is taken over.
         max_extra_ttft_s: the owner may be at most this many seconds costlier than the best alternative.
         max_ttft_ratio: the owner may be at most this many times costlier than the best alternative.

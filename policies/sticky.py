@@ -40,6 +40,7 @@ config).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 
 import msgspec
@@ -252,10 +253,18 @@ class SessionStickyPolicy:
                                              tail_window=config.move_tail_window)
 
     def select_inner(self, view: RequestView, snapshot: Snapshot) -> Decision:
-        """The inner policy's decision: the worker to propose to ``claim_or_touch``; a session not placed yet is
+        """The inner policy's decision over ``inner_inputs(view, snapshot)``: the worker to propose to
+        ``claim_or_touch``."""
+        return self.inner.select(*self.inner_inputs(view, snapshot))
+
+    def inner_inputs(self, view: RequestView, snapshot: Snapshot) -> tuple[RequestView, Snapshot]:
+        """What the inner policy decides over (the admin's cost terms are computed from the same); a session not
+        placed yet is
         marked ``is_new_session`` for it, and, when no worker holds any of its prompt (a cold prefill, the same work
         wherever it goes), with ``returning`` each worker's sessions expected back and the chance that one returns
-        (``policies/returning.py``). A prompt whose head some worker holds is left to the cost model alone: charging
+        (``policies/returning.py``), and the fleet's served tail that caps the charge (the move rule's
+``SessionMoveCost.tail_s`` at the latest worker clock; no cap with ``price_moves`` off). A prompt whose head some
+worker holds is left to the cost model alone: charging
         the head's holder for its many sessions sent new sessions away from the head (Mooncake slice: hit ratio
         0.981 of the ceiling against 0.998)."""
         if view.session_key is not None and view.session_key not in self.residents:
@@ -266,11 +275,15 @@ class SessionStickyPolicy:
                 back = returning.returning_in_s(snapshot.workers)
                 probability = return_probability(residents.num_new_sessions, residents.num_returning_turns)
                 if back and probability:
-                    view = msgspec.structs.replace(view, session_return_probability=probability)
+                    move_cost = self.move_cost
+                    tail = math.inf if move_cost is None else move_cost.tail_s(
+                        max(w.clock_s for w in snapshot.workers))
+                    view = msgspec.structs.replace(view, session_return_probability=probability,
+                                                   session_return_tail_s=tail)
                     snapshot = msgspec.structs.replace(snapshot, workers=tuple(
                         msgspec.structs.replace(w, returning_in_s=back[w.worker_id]) if w.worker_id in back else w
                         for w in snapshot.workers))
-        return self.inner.select(view, snapshot)
+        return view, snapshot
 
     def resolve(
         self, owner_id: str | None, inner: Decision, snapshot: Snapshot, *, is_new: bool = False,

@@ -33,14 +33,16 @@ class SessionOwnership:
 
     async def claim(
         self, sticky: SessionStickyPolicy, session_key: str, req: RequestView, snapshot: Snapshot,
+        inner_inputs: tuple[RequestView, Snapshot] | None = None,
     ) -> Decision:
         """The sticky decision for ``session_key``: the inner best claims or touches the session, ``resolve`` keeps
         or moves it (compare-and-set; a lost race resolves again from the owner the store returns).
+        ``inner_inputs``: ``sticky.inner_inputs(req, snapshot)`` when the caller has them already.
 
         Raises:
             SessionBackendError: the store failed (a store with a local fallback answers instead).
         """
-        inner = sticky.select_inner(req, snapshot)
+        inner = sticky.inner.select(*(inner_inputs or sticky.inner_inputs(req, snapshot)))
         if inner.worker_id is None:
             return inner
         store = self._store

@@ -544,9 +544,11 @@ class Router:
                 request_id, parsed, model, view, headers, max_inflight_per_worker)
             session_key = req.session_key
             decision = self._forced(headers, parsed, candidates, snapshot) if headers else None
+            recorded: tuple[RequestView, Snapshot] | None = None
             if decision is None:
                 if sticky is not None and session_key is not None:
-                    decision = await self.ownership.claim(sticky, session_key, req, snapshot)
+                    recorded = sticky.inner_inputs(req, snapshot)  # the admin's cost terms: what the inner ranked
+                    decision = await self.ownership.claim(sticky, session_key, req, snapshot, recorded)
                 else:
                     decision = holder.policy.select(req, snapshot)
             chosen = match.get(decision.worker_id) if match is not None and decision.worker_id else None
@@ -558,14 +560,17 @@ class Router:
                 break
         assert decision is not None  # the loop ran: a decision each time
         return self._plan(t0, now_s, parsed, view, ticket, match, predicted, req, decision, sticky is not None,
-                          snapshot)
+                          snapshot, recorded)
 
     def _plan(
         self, t0: float, now_s: float, parsed: ParsedRequest, view: PromptView, ticket: IndexTicket,
         match: MatchResult | None, predicted: dict[str, int], req: RequestView, decision: Decision,
         is_session_sticky: bool, snapshot: Snapshot | None = None,
+        recorded: tuple[RequestView, Snapshot] | None = None,
     ) -> RoutePlan:
-        """The plan for ``decision``: workers in order, pending or approximate index entries, the decision record.
+        """The plan for ``decision``: workers in order, pending or approximate index entries, the decision record
+        (its cost terms from ``recorded``, the inner policy's inputs under ``session_sticky``, or ``req`` and
+        ``snapshot``).
 
         Raises:
             NoWorkerError: the decision chose no worker.
@@ -593,7 +598,7 @@ class Router:
         self.recent.append(DecisionRecord(
             req.request_id, parsed.model, chosen_id, decision.reason, decision.detail, req.session_key,
             view.num_tokens, predicted[chosen_id], decision.scores, predicted, decision_s, now_s,
-            req, snapshot, self.holder.policy,
+            *(recorded or (req, snapshot)), self.holder.policy,
         ))
         return RoutePlan(decision, chosen, predicted, view.num_tokens, req.session_key, factor, decision_s, workers,
                          ticket, calibrator, is_session_sticky)

@@ -272,6 +272,26 @@ async def test_new_sessions_on_an_idle_fleet_spread_and_requests_without_one_kee
         assert t["cost_s"] == pytest.approx(t["ttft_s"] + t["recompute_penalty_s"] + t["decode_load_penalty_s"])
         assert t["ttft_s"] == pytest.approx(t["overhead_s"] + t["queue_s"] + t["prefill_s"] + t["restore_s"])
         assert t["num_computed_tokens"] == 40
+        assert t["recompute_penalty_s"] == pytest.approx(2.0 * t["prefill_s"]) and t["prefill_s"] > 0
+
+
+async def test_a_new_sessions_cost_terms_are_what_the_sticky_policys_inner_ranked(workers):
+    config = make_config(workers, policy={"name": "session_sticky", "inner": {"name": "cache_aware"}})
+    async with GatewayHarness(config, workers=workers) as h:
+        for _ in range(2):
+            status, _, _ = await h.post("/v1/completions", {"model": "m", "prompt": "q" * 40},
+                                        headers={"x-session-id": "s"})
+            assert status == 200
+        status, body = await h.admin("GET", "/admin/decisions?limit=2")
+        returning, opening = body["decisions"]
+        assert (opening["reason"], returning["reason"]) == ("sticky_new", "sticky")
+        # The opening turn was ranked without the recompute penalty (a new session, policies/cache_aware.py), the
+        # returning one with it (2.0 times the prefill of what each worker lacks).
+        assert {w: t["recompute_penalty_s"] for w, t in opening["cost_terms"].items()} == {"w0": 0.0, "w1": 0.0,
+                                                                                           "w2": 0.0}
+        terms = returning["cost_terms"]
+        assert [terms[w]["recompute_penalty_s"] == pytest.approx(2.0 * terms[w]["prefill_s"]) for w in terms] == [
+            True, True, True]
 
 
 async def test_a_503_of_the_gateways_own_is_logged_once_with_the_request_id(workers, caplog):
