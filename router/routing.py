@@ -221,19 +221,16 @@ class IndexTicket:
         (``router.metrics.MISMATCH_CAUSES``): ``"late"`` when it held more; for the predicted blocks it did not
         serve (``missed_blocks``), ``"evicted"`` when it reported evicting one after the decision, ``"pending"``
         when the first was then a pending entry a store confirmed since (a burst before the events); ``"index"``
-        otherwise: it held fewer blocks than the index said, and nothing the worker reported explains it.
-        A store confirming a block the decision credited below GPU (CPU, pool) confirms this request's own entry
-        (``insert_for``): no ``"pending"`` (a pool object gone without a word is a wrong index, not a burst)."""
+        otherwise: it held fewer blocks than the index said, and nothing the worker reported explains it (a store of
+        a block the decision credited below GPU confirms this request's own entry, ``insert_for``: no ``"pending"``)."""
         if reported_tokens > predicted_tokens:
             return "late"
         index = self._index
         if index is not None and index.journal_seq != self._journal_seq:  # else nothing was evicted or confirmed since
-            bs = self._view.block_size
-            hashes = self._view.block_hashes
-            depth = self._gpu_depth
+            bs, hashes, depth = self._view.block_size, self._view.block_hashes, self._gpu_depth
+            end = depth[1] if depth and depth[0] == worker_id else None
             cause = index.miss_cause(worker_id, hashes, reported_tokens // bs, min(predicted_tokens // bs, len(hashes)),
-                                     self._journal_seq,
-                                     pending_end=depth[1] if depth is not None and depth[0] == worker_id else None)
+                                     self._journal_seq, pending_end=end)
             if cause is not None:
                 return cause
         return "index"
@@ -565,12 +562,10 @@ class Router:
     def _plan(
         self, t0: float, now_s: float, parsed: ParsedRequest, view: PromptView, ticket: IndexTicket,
         match: MatchResult | None, predicted: dict[str, int], req: RequestView, decision: Decision,
-        is_session_sticky: bool, snapshot: Snapshot | None = None,
-        recorded: tuple[RequestView, Snapshot] | None = None,
+        is_session_sticky: bool, snapshot: Snapshot | None = None, recorded: tuple[RequestView, Snapshot] | None = None,
     ) -> RoutePlan:
         """The plan for ``decision``: workers in order, pending or approximate index entries, the decision record
-        (its cost terms from ``recorded``, the inner policy's inputs under ``session_sticky``, or ``req`` and
-        ``snapshot``).
+        (cost terms from ``recorded``, the inner policy's inputs under ``session_sticky``, else ``req``, ``snapshot``).
 
         Raises:
             NoWorkerError: the decision chose no worker.
