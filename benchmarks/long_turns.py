@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -309,9 +310,13 @@ class _StepTimer:
 
 async def _loop_point(model: Any, index: Any, kind: Any, convs: list[list[bytes]]) -> tuple[
         list[float], list[float], list[float]]:
-    """Decision times of first and following turns, and the probe's lateness samples, for ``convs`` at once."""
+    """Decision times of first and following turns, and the probe's lateness samples, for ``convs`` at once (long
+    bodies decoded in a parse executor of the gateway's ``PARSE_THREADS``)."""
     from router.api import parse_request_async, prompt_view
+    from router.request_view import PARSE_THREADS
     from router.sliced_insert import SlicedInsert
+
+    parser = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="parse")
 
     lags: list[float] = []
     stop = asyncio.Event()
@@ -328,16 +333,19 @@ async def _loop_point(model: Any, index: Any, kind: Any, convs: list[list[bytes]
     async def session(bodies: list[bytes]) -> None:
         for t, body in enumerate(bodies):
             t0 = time.perf_counter()
-            view = await prompt_view(model, await parse_request_async(kind, body))
+            view = await prompt_view(model, await parse_request_async(kind, body, parser))
             index.match(view.block_hashes)
             SlicedInsert(index, "w0", view.block_hashes, time.monotonic())
             (first if t == 0 else following).append(time.perf_counter() - t0)
             await asyncio.sleep(0)
 
     task = asyncio.ensure_future(probe())
-    await asyncio.gather(*(session(b) for b in convs))
-    stop.set()
-    await task
+    try:
+        await asyncio.gather(*(session(b) for b in convs))
+    finally:
+        stop.set()
+        await task
+        parser.shutdown()
     return first, following, lags
 
 
