@@ -289,7 +289,8 @@ async def bench_loop(args: argparse.Namespace, tokenizer_path: Path, corpus: Cor
     from router.request_view import ModelTokenizer
     from router.serve import GIL_SWITCH_INTERVAL_S
 
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in a gateway process
+    switch_s = GIL_SWITCH_INTERVAL_S if args.switch_interval_s is None else args.switch_interval_s
+    sys.setswitchinterval(switch_s)  # as in a gateway process, unless asked otherwise
     model = ModelTokenizer(ModelConfig(name="m", block_size=16, tokenizer_path=str(tokenizer_path)))
     index = PrefixIndex(IndexConfig(block_size=16))
     steps_on = args.loop_steps
@@ -297,7 +298,8 @@ async def bench_loop(args: argparse.Namespace, tokenizer_path: Path, corpus: Cor
     # out of the collector's generations, so a full collection on the loop does not walk it.
     gc.freeze()
     where = "asyncio, every step timed" if steps_on else "uvloop"
-    print(f"\nevent loop ({'chat' if kind == 'chat' else 'completions'}, {where}): "
+    print(f"\nevent loop ({'chat' if kind == 'chat' else 'completions'}, {where}, GIL switch interval "
+          f"{switch_s * 1e3:g} ms): "
           "decision = parse + view + match + insert; lag = how late a 1 ms sleeper wakes")
     steps = _StepTimer() if steps_on else None
     print("lag split = the worst lateness's parts: the loop thread on CPU / runnable without a core / waiting for "
@@ -488,12 +490,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated text (/v1/completions) and chat (/v1/chat/completions); default text")
     parser.add_argument("--targets", type=lambda s: s.split(","), default=["direct", "bare", "kvgate", "sglang",
                                                                               "vllm"])
+    parser.add_argument("--switch-interval-s", type=float, default=None,
+                        help="the loop part's sys.setswitchinterval (default: the gateway's, router.serve)")
     parser.add_argument("--vocab-size", type=int, default=LLAMA3_VOCAB_SIZE)
     parser.add_argument("--skip-proxies", action="store_true")
     parser.add_argument("--skip-loop", action="store_true")
     parser.add_argument("--loop-steps", action="store_true",
                         help="the event-loop part on the standard asyncio loop, every callback timed")
     args = parser.parse_args(argv)
+    if args.switch_interval_s is not None and not args.switch_interval_s > 0:
+        parser.error(f"--switch-interval-s must be positive, got {args.switch_interval_s}")
     kinds = args.kinds or (["chat"] if args.chat else ["text"])
     if not kinds or any(k not in ("text", "chat") for k in kinds):
         parser.error(f"--kinds: text and/or chat, got {','.join(kinds)}")

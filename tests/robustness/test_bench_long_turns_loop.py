@@ -96,3 +96,16 @@ def test_the_step_timer_names_the_step_that_used_the_most_cpu():
     assert max_cpu_s >= 0.02
     assert name.startswith("busy_then_wait:")  # the coroutine, at the line it suspended after the step
     assert name.split(">")[1].startswith("sleep:")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--kinds", "text,foo"], "--kinds: text and/or chat, got text,foo"),
+    (["--switch-interval-s", "0"], "--switch-interval-s must be positive, got 0.0"),
+])
+def test_bad_options_are_refused_by_name_before_anything_runs(argv, message, capsys):
+    from benchmarks.long_turns import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
