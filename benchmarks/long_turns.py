@@ -65,6 +65,7 @@ import msgspec
 from benchmarks._bpe import LLAMA3_VOCAB_SIZE, llama3_shaped_tokenizer
 from benchmarks._loop_probe import LAG_BUDGET_S, LagProbe, LagSummary
 from benchmarks.gateway import _cpu_s, _free_ports, _spawn, _wait_port
+from common.allocator import ALLOCATORS, JEMALLOC_PATHS, allocator_env, find_jemalloc
 
 PEERS_DIR = Path(os.environ.get("KVGATE_PEERS_DIR", Path.home() / ".cache" / "kvgate" / "peers"))
 CACHE_DIR = Path(os.environ.get("KVGATE_CACHE_DIR", Path.home() / ".cache" / "kvgate"))
@@ -155,9 +156,18 @@ async def _run_sessions(port: int, path: str, bodies: list[list[bytes]], first: 
     return latencies
 
 
-def _gateway_config(tmp: Path, port: int, worker_ports: list[int], tokenizer_path: Path) -> list[str]:
+def _model_config(tokenizer_path: Path, prompt_cache_mib: int | None) -> dict[str, Any]:
+    """The benchmark's model: block size 16, the BPE, the gateway's prompt-cache budget unless one is given."""
+    model: dict[str, Any] = {"name": "m", "block_size": 16, "tokenizer_path": str(tokenizer_path)}
+    if prompt_cache_mib is not None:
+        model["prompt_cache_max_bytes"] = prompt_cache_mib << 20
+    return model
+
+
+def _gateway_config(tmp: Path, port: int, worker_ports: list[int], tokenizer_path: Path,
+                    prompt_cache_mib: int | None = None) -> list[str]:
     cfg = {"listen": {"host": "127.0.0.1", "port": port, "max_body_bytes": 64 * 1024 * 1024},
-           "models": [{"name": "m", "block_size": 16, "tokenizer_path": str(tokenizer_path)}],
+           "models": [_model_config(tokenizer_path, prompt_cache_mib)],
            "workers": [{"id": f"w{i}", "url": f"http://127.0.0.1:{p}", "model": "m", "load_path": None,
                         "snapshot_path": None} for i, p in enumerate(worker_ports)],
            "policy": {"name": "cache_aware"}, "admin": {"disable_auth": True}, "health": {"interval_s": 60}}
@@ -215,7 +225,8 @@ async def bench_proxies(args: argparse.Namespace, tokenizer_path: Path, corpus: 
         await _wait_port(worker_ports[0])
         procs["bare"] = _spawn([py, "-m", "benchmarks.gateway", "--role", "bare", "--ports", str(bare),
                                 "--upstream", f"http://127.0.0.1:{worker_ports[0]}"])
-        procs["kvgate"] = _spawn(_gateway_config(tmp, gate, worker_ports, tokenizer_path))
+        procs["kvgate"] = _spawn(_gateway_config(tmp, gate, worker_ports, tokenizer_path, args.prompt_cache_mib),
+                                 env=allocator_env(args.allocator))
         ports = {"direct": worker_ports[0], "bare": bare, "kvgate": gate}
         for peer, port in (("sglang", sgl), ("vllm", vll)):
             if peer not in args.targets:
@@ -291,7 +302,7 @@ async def bench_loop(args: argparse.Namespace, tokenizer_path: Path, corpus: Cor
 
     switch_s = GIL_SWITCH_INTERVAL_S if args.switch_interval_s is None else args.switch_interval_s
     sys.setswitchinterval(switch_s)  # as in a gateway process, unless asked otherwise
-    model = ModelTokenizer(ModelConfig(name="m", block_size=16, tokenizer_path=str(tokenizer_path)))
+    model = ModelTokenizer(msgspec.convert(_model_config(tokenizer_path, args.prompt_cache_mib), ModelConfig))
     index = PrefixIndex(IndexConfig(block_size=16))
     steps_on = args.loop_steps
     # As ``router.serve`` does once the app is built: what lives for good (the corpus, the tokenizer's tables) is
@@ -432,6 +443,8 @@ class Summary:
             step's (CPU s, name) with ``--loop-steps`` else ``None``).
         proxies: (kind, tokens, turn, stream, concurrency) -> target -> (CPU us per request, added p50 ms).
         skipped: peer -> why it did not run.
+        allocator: the kvgate process's (``--allocator``).
+        prompt_cache_mib: the model's prompt-cache budget (``--prompt-cache-mib``; ``None``: the gateway's).
     """
 
     FIRST_TURN_TARGET_S = 0.020
@@ -441,10 +454,14 @@ class Summary:
         self.loops: dict[tuple[str, int, int], tuple[float, LagSummary, tuple[float, str] | None]] = {}
         self.proxies: dict[tuple[str, int, str, bool, int], dict[str, tuple[float, float]]] = {}
         self.skipped: dict[str, str] = {}
+        self.allocator = "pymalloc"
+        self.prompt_cache_mib: int | None = None
 
     def print(self) -> None:
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        print(f"\nsummary ({usable} usable CPUs)")
+        cache = "the gateway's default" if self.prompt_cache_mib is None else f"{self.prompt_cache_mib} MiB"
+        print(f"\nsummary ({usable} usable CPUs; the kvgate process's allocator {self.allocator}; prompt caches "
+              f"{cache})")
         budget_ms, first_ms = LAG_BUDGET_S * 1e3, self.FIRST_TURN_TARGET_S * 1e3
         lowest: dict[tuple[str, int], int] = {}
         for kind, tokens, c in self.loops:
@@ -454,15 +471,17 @@ class Summary:
             print(f"  first turn decided, {kind} {tokens} tokens, c={c}: {first_s * 1e3:.1f} ms p50 "
                   f"(target {first_ms:.0f} ms: {_met(first_s <= self.FIRST_TURN_TARGET_S)})")
         for (kind, tokens, c), (_, lag, longest) in self.loops.items():
-            step = f"; longest step {longest[0] * 1e3:.2f} ms CPU ({longest[1]})" if longest is not None else ""
+            step = "" if longest is None else (f"; longest step {longest[0] * 1e3:.2f} ms CPU ({longest[1]}; "
+                                               f"{_met(longest[0] <= LAG_BUDGET_S)})")
             print(f"  loop lag, {kind} {tokens} tokens, c={c}: max {lag.max_s * 1e3:.1f} ms, p99 "
                   f"{lag.p99_s * 1e3:.1f} ms (target {budget_ms:.0f} ms: {_met(lag.max_s <= LAG_BUDGET_S)}); worst "
                   f"{lag.split()} (CPU/run queue/GIL ms, cores busy); over {budget_ms:.0f} ms {lag.over_split()}"
                   f"{step}")
         for (kind, tokens, turn, stream, c), rows in self.proxies.items():
             bare = rows.get("bare", (float("nan"), 0.0))[0]
-            parts = [f"{name} {cpu:.0f} us ({cpu / bare:.2f}x, {added:+.1f} ms p50 vs direct)"
-                     for name, (cpu, added) in rows.items() if name not in ("direct", "bare")]
+            added = "" if "direct" not in rows else "; p50 {:+.1f} ms vs direct"
+            parts = [f"{name} {cpu:.0f} us ({cpu / bare:.2f}x bare" + added.format(more) + ")"
+                     for name, (cpu, more) in rows.items() if name not in ("direct", "bare")]
             met = ""
             if turn == "following" and "kvgate" in rows:
                 met = f"; target {self.CPU_TARGET_RATIO}x: {_met(rows['kvgate'][0] <= self.CPU_TARGET_RATIO * bare)}"
@@ -492,6 +511,11 @@ def main(argv: list[str] | None = None) -> None:
                                                                               "vllm"])
     parser.add_argument("--switch-interval-s", type=float, default=None,
                         help="the loop part's sys.setswitchinterval (default: the gateway's, router.serve)")
+    parser.add_argument("--prompt-cache-mib", type=int, default=None,
+                        help="the model's prompt_cache_max_bytes in MiB (default the gateway's: 64; a 100K-token "
+                             "text session keeps about 1.2 MiB of checkpoints, 3/8 of the budget holds them)")
+    parser.add_argument("--allocator", default="pymalloc", choices=ALLOCATORS,
+                        help="the kvgate process's allocator (common.allocator; the documented deployment: jemalloc)")
     parser.add_argument("--vocab-size", type=int, default=LLAMA3_VOCAB_SIZE)
     parser.add_argument("--skip-proxies", action="store_true")
     parser.add_argument("--skip-loop", action="store_true")
@@ -500,6 +524,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.switch_interval_s is not None and not args.switch_interval_s > 0:
         parser.error(f"--switch-interval-s must be positive, got {args.switch_interval_s}")
+    if args.prompt_cache_mib is not None and args.prompt_cache_mib < 1:
+        parser.error(f"--prompt-cache-mib must be at least 1, got {args.prompt_cache_mib}")
+    if args.allocator == "jemalloc" and find_jemalloc() is None:
+        parser.error(f"--allocator jemalloc: no libjemalloc.so.2 at {', '.join(JEMALLOC_PATHS)}")
     kinds = args.kinds or (["chat"] if args.chat else ["text"])
     if not kinds or any(k not in ("text", "chat") for k in kinds):
         parser.error(f"--kinds: text and/or chat, got {','.join(kinds)}")
@@ -509,6 +537,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvloop
 
     summary = Summary()
+    summary.allocator, summary.prompt_cache_mib = args.allocator, args.prompt_cache_mib
     t0 = time.monotonic()
     for kind in kinds:
         if not args.skip_loop:

@@ -101,6 +101,7 @@ def test_the_step_timer_names_the_step_that_used_the_most_cpu():
 @pytest.mark.parametrize(("argv", "message"), [
     (["--kinds", "text,foo"], "--kinds: text and/or chat, got text,foo"),
     (["--switch-interval-s", "0"], "--switch-interval-s must be positive, got 0.0"),
+    (["--prompt-cache-mib", "0"], "--prompt-cache-mib must be at least 1, got 0"),
 ])
 def test_bad_options_are_refused_by_name_before_anything_runs(argv, message, capsys):
     from benchmarks.long_turns import main
@@ -109,3 +110,16 @@ def test_bad_options_are_refused_by_name_before_anything_runs(argv, message, cap
         main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_spawn_puts_env_over_this_processs_environment(tmp_path, monkeypatch):
+    import sys
+
+    from benchmarks.gateway import _spawn
+
+    monkeypatch.setenv("KVGATE_TEST_KEPT", "kept")
+    out = tmp_path / "env.txt"
+    script = (f"import os; open({str(out)!r}, 'w').write(os.environ['KVGATE_TEST_KEPT'] + ' ' + "
+              "os.environ['PYTHONMALLOC'])")
+    assert _spawn([sys.executable, "-c", script], env={"PYTHONMALLOC": "malloc"}).wait(30) == 0
+    assert out.read_text() == "kept malloc"
