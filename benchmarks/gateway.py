@@ -147,11 +147,14 @@ async def _bare_proxy(port: int, upstream: str) -> None:
     await asyncio.Event().wait()
 
 
-def _spawn(args: list[str], cores: set[int] | None = None) -> subprocess.Popen[bytes]:
-    """Start ``args`` (output discarded), on ``cores`` only when given."""
+def _spawn(args: list[str], cores: set[int] | None = None, env: dict[str, str] | None = None
+           ) -> subprocess.Popen[bytes]:
+    """Start ``args`` (output discarded), on ``cores`` only when given, with ``env`` over this process's
+    environment."""
+    full_env = {**os.environ, **env} if env else None
     if cores is None:
-        return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=full_env)
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=full_env,
                             preexec_fn=lambda: os.sched_setaffinity(0, cores))
 
 

@@ -20,6 +20,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor
 
 import msgspec
 from aiohttp import web
@@ -85,7 +86,9 @@ OFF_LOOP_BODY_BYTES = 1 << 16
 of a 100K-token conversation), so the loop still waits for the decode itself, but no longer for the plan that ran
 after it in the same step (``router.request_view.OFF_LOOP_PLAN_CHARS``), and many long bodies arriving together
 are no longer decoded back to back in one step of the loop (``python -m benchmarks long_turns``: the loop's
-worst lag with 100K-token conversations 22 -> 16 ms at concurrency 8, 78 -> 56 ms at 32, 16-core host)."""
+worst lag with 100K-token conversations 22 -> 16 ms at concurrency 8, 78 -> 56 ms at 32, 16-core host). The
+decodes run in the gateway's one parse thread (``router.request_view.PARSE_THREADS``), not the default executor's
+(its ``min(32, cores + 4)`` threads would only queue for the GIL, the loop among them)."""
 
 
 OFF_LOOP_PLAN_CHARS = 1 << 20
@@ -111,15 +114,16 @@ async def prompt_view(tokenizer: ModelTokenizer, parsed: ParsedRequest) -> Promp
     return await tokenizer.view_async(parsed, plan_off_loop=num_prompt_chars(parsed) > OFF_LOOP_PLAN_CHARS)
 
 
-async def parse_request_async(kind: RequestKind, body: bytes) -> ParsedRequest:
-    """``parse_request``, in a thread for a body over ``OFF_LOOP_BODY_BYTES``.
+async def parse_request_async(kind: RequestKind, body: bytes, executor: Executor) -> ParsedRequest:
+    """``parse_request``, in ``executor`` (the gateway's ``parse_executor``: ``PARSE_THREADS`` threads) for a body
+    over ``OFF_LOOP_BODY_BYTES``.
 
     Raises:
         InvalidJSONError, InvalidFieldError: as ``parse_request``.
     """
     if len(body) <= OFF_LOOP_BODY_BYTES:
         return parse_request(kind, body)
-    return await asyncio.to_thread(parse_request, kind, body)
+    return await asyncio.get_running_loop().run_in_executor(executor, parse_request, kind, body)
 
 
 async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
@@ -151,7 +155,7 @@ async def _handle(request: web.Request, kind: RequestKind) -> web.StreamResponse
             raise BodyTooLargeError(f"request body exceeds the {limit}-byte limit") from exc
         except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not decode with
             raise unreadable_body_error(exc) from exc
-        parsed = await parse_request_async(kind, body)
+        parsed = await parse_request_async(kind, body, gw.parse_executor)
         if trace is not None:
             trace.parsed()
         model = gw.config.model(parsed.model)

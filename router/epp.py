@@ -268,7 +268,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         gw = self._gw
         path = ex.headers.get(":path", "")
         kind: RequestKind = "chat" if path.split("?", 1)[0].endswith("/chat/completions") else "completions"
-        parsed = await parse_request_async(kind, body)
+        parsed = await parse_request_async(kind, body, gw.parse_executor)
         model = gw.config.model(parsed.model)
         if model is None:
             raise UnknownModelError(f"the model {parsed.model!r} does not exist", param="model",

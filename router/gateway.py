@@ -34,6 +34,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +59,7 @@ from router.pd import PDLifecycle
 from router.pd_ledger import ledger_samples
 from router.pool_watch import PoolWatcher
 from router.proxy import ClientHeaderReader, Proxy
-from router.request_view import ModelTokenizer
+from router.request_view import PARSE_THREADS, ModelTokenizer
 from router.routing import PolicyHolder, Router
 from router.sessions.base import SessionStore
 from router.sessions.factory import build_session_store
@@ -87,6 +88,8 @@ class Gateway:
         clock: monotonic clock in seconds.
         metrics: the per-app Prometheus metrics.
         tokenizers: one incremental tokenizer per ``models[].name``.
+        parse_executor: decodes long request bodies (``router.api.parse_request_async``), ``PARSE_THREADS``
+            threads, started on first use.
         indexes: one prefix index per ``models[].name``.
         sessions: the session store (memory or Redis).
         holder: the routing policy in force (replaceable through the admin API).
@@ -119,6 +122,7 @@ class Gateway:
         self.clock = clock
         self.metrics = GatewayMetrics()
         self.tokenizers: dict[str, ModelTokenizer] = {m.name: ModelTokenizer(m) for m in config.models}
+        self.parse_executor = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="parse")
         self.indexes: dict[str, PrefixIndex] = {m.name: PrefixIndex(index_config(config, m)) for m in config.models}
         self.sessions: SessionStore = build_session_store(config.sessions, clock)
         self.holder = PolicyHolder(config.policy, build_policy(config.policy))

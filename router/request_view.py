@@ -73,8 +73,8 @@ from router.text_prefix import TextCheckpoint, TextPrefixCache
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "OFF_LOOP_CHARS", "SLICE_CHARS", "ModelTokenizer", "ParsedRequest", "PrefixStateCache", "PromptView", "RequestKind",
-    "ViewPlan", "parse_request",
+    "OFF_LOOP_CHARS", "PARSE_THREADS", "SLICE_CHARS", "ModelTokenizer", "ParsedRequest", "PrefixStateCache",
+    "PromptView", "RequestKind", "ViewPlan", "parse_request",
 ]
 
 RequestKind = Literal["completions", "chat"]
@@ -276,6 +276,14 @@ loop keeps serving meanwhile (``view_async``); a following turn's new text is us
 TOKENIZE_THREADS = 2
 """Threads that tokenize long prompts: the library encodes on all cores by itself (``encode_batch``), so two keep
 it busy, and few threads means few holders of the GIL for the event loop to wait behind."""
+
+PARSE_THREADS = 1
+"""Threads that decode long request bodies (``router.api.parse_request_async``; the gateway's ``parse_executor``).
+msgspec holds the GIL through a whole decode, so a second thread decodes nothing in parallel; it only adds a holder
+the event loop waits behind. When every waiting thread asks for the GIL, the loop is one of them and gets it in
+turn: 32 bodies of 425 KB (1.1 ms each) decoded together held a 1 ms sleeper up to 40-60 ms late with 20 threads
+(the default executor's on 16 cores), 12-45 ms with 6, 5-17 ms with one, which took as long to decode them all
+(busy 2-core host, four runs each; the rest of that lateness is the host's other processes)."""
 
 SLICE_CHARS = 16_384
 """Text longer than this is cut at line starts (``common.line_split``) into slices the library encodes in

@@ -10,6 +10,7 @@ import asyncio
 import io
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -81,9 +82,11 @@ async def test_a_huge_bodys_decode_and_plan_run_in_threads(workers, monkeypatch,
         model = h.gw.tokenizers["m"]
         entered, release = threading.Event(), threading.Event()
         threads: list[int] = []
+        names: list[str] = []
 
         def hold() -> None:
             threads.append(threading.get_ident())
+            names.append(threading.current_thread().name)
             entered.set()
             release.wait(30)
 
@@ -131,6 +134,7 @@ async def test_a_huge_bodys_decode_and_plan_run_in_threads(workers, monkeypatch,
         assert await huge_task == 200
         assert order == ["small", "huge"]
         assert len(threads) == 1 and threads[0] != threading.get_ident()  # not the loop's thread
+        assert names == ["parse_0" if step == "parse" else "tokenize-m_0"]  # the gateway's own parse thread
         assert [r["num_tokens"] for r in workers[0].requests][0] < 100
         assert workers[0].requests[1]["num_tokens"] >= num_chars
 
@@ -140,12 +144,18 @@ async def test_parse_request_async_decodes_as_parse_request(kind):
     """The same ``ParsedRequest`` on either side of the threshold; a small body is decoded on the loop's thread."""
     import router.request_view as request_view
 
-    for num_chars in (1000, OFF_LOOP_BODY_BYTES + 1):
-        text = "x" * num_chars
-        body = (b'{"model": "m", "max_tokens": 3, "prompt": "%s"}' % text.encode() if kind == "completions" else
-                b'{"model": "m", "messages": [{"role": "user", "content": "%s"}]}' % text.encode())
-        got = await parse_request_async(kind, body)
-        assert got == request_view.parse_request(kind, body)
-        assert num_prompt_chars(got) == num_chars
-    with pytest.raises(request_view.InvalidJSONError):
-        await parse_request_async(kind, b"{" + b" " * OFF_LOOP_BODY_BYTES)
+    threads: list[int] = []
+    executor = ThreadPoolExecutor(1, initializer=lambda: threads.append(threading.get_ident()))
+    try:
+        for num_chars in (1000, OFF_LOOP_BODY_BYTES + 1):
+            text = "x" * num_chars
+            body = (b'{"model": "m", "max_tokens": 3, "prompt": "%s"}' % text.encode() if kind == "completions" else
+                    b'{"model": "m", "messages": [{"role": "user", "content": "%s"}]}' % text.encode())
+            got = await parse_request_async(kind, body, executor)
+            assert got == request_view.parse_request(kind, body)
+            assert num_prompt_chars(got) == num_chars
+            assert len(threads) == (num_chars > OFF_LOOP_BODY_BYTES)  # the executor's thread started for the long one
+        with pytest.raises(request_view.InvalidJSONError):
+            await parse_request_async(kind, b"{" + b" " * OFF_LOOP_BODY_BYTES, executor)
+    finally:
+        executor.shutdown()
