@@ -283,7 +283,8 @@ def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the scenario; 0 when every request succeeded, 1 otherwise, 2 on bad input or startup failure."""
+    """Run the scenario; 0 when every check passed (``targets``: no failed request among them), 1 otherwise, 2 on
+    bad input or startup failure."""
     console = Console()
     t0 = time.monotonic()
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -299,7 +300,12 @@ def main(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     report(console, config, results, sizing, time.monotonic() - t0)
-    return 0 if all(r.requests_failed == 0 for r in results) else 1
+    return exit_status(results)
+
+
+def exit_status(results: Sequence[LevelResult]) -> int:
+    """The scenario's exit status after a run: 0 when every check of ``targets`` passed, else 1."""
+    return 0 if all(ok for _, ok, _ in targets(results)) else 1
 
 
 def report(

@@ -22,7 +22,7 @@ from loadgen.agentic import (
     with_copies,
     worker_roles,
 )
-from loadgen.agentic_report import explain, failure_lines, markdown, targets, turn_markdown
+from loadgen.agentic_report import exit_status, explain, failure_lines, markdown, targets, turn_markdown
 from loadgen.agentic_steady import SteadyState
 from loadgen.client import RequestRecord
 from loadgen.errors import LoadgenError
@@ -172,6 +172,7 @@ def test_a_level_with_failures_shows_its_error_kinds_in_its_row_and_the_targets(
     assert table[3].startswith("| pd-split | 64 | 2 | 4 | timeout 3, http_502 1 |")
     assert targets([fine, failing])[-1] == ("no failed request", False, "4 (pd-split @ 64: timeout 3, http_502 1)")
     assert failing.error_examples == {"http_502": "r2: m2", "timeout": "r1: m1"}  # the first of each kind
+    assert exit_status([fine, failing]) == 1 and exit_status([fine]) == 0
     assert failure_lines([fine, failing]) == ["- pd-split @ 64, http_502: r2: m2", "- pd-split @ 64, timeout: r1: m1"]
 
 
@@ -246,7 +247,9 @@ def test_small_agentic_run_end_to_end(tmp_path):
     if has_master:  # the prefill side reads what the decode side wrote to the pool: the sessions' whole reuse
         assert rows[("pd-shared", 2)]["share_pool"] > 0.0 and rows[("pd-shared", 2)]["reuse_of_ceiling"] >= 0.97
         assert rows[("pd-shared", 2)]["mean_pool_read_wall_s"] > 0.0
-    assert rc == 0
+    checks = [line for line in (out / "agentic.md").read_text().splitlines() if line.startswith(("- PASS", "- FAIL"))]
+    assert "- PASS no failed request: 0" in checks
+    assert rc == (1 if any(line.startswith("- FAIL") for line in checks) else 0)  # any failed check: exit 1
 
 
 def _venv_master() -> bool:
