@@ -138,6 +138,38 @@ churn steps): 111.0 / 166.1-196.3 and 165.5-187.9 / 123.0 and 122.4 MiB (flat 1.
 0.3-0.8% short of 10%; the flat check now fails: the plateau sits lower (median 177.8-183.2 MiB against 185.7) with
 deeper dips (24-27 MB of freed pages not yet purged at the plateau, against 18), on runs at a different pace.
 ``--quick`` after: 110.6 / 155.6-168.1 / 117.2 MiB (1.080 / 1.060).
+
+What the plateau follows (a 2-core host shared with other work, load 3-9; ``--max-duration-s 300``; runs named together
+were started together, so they shared the host's load; each gateway's ``/admin/debug/memory?limit=0`` and ``/metrics``
+read every 5 s besides). The slab setting: with it 6,274 requests, 112.8 / 177.3-206.3 / 126.0 MiB (flat 1.163, back
+1.117), without it 6,361 requests, 112.0 / 176.0-205.7 / 130.2 (1.169, 1.162): no change to the plateau, 4 MiB less
+after the clears (idle 48-byte slab bytes 0.7 MiB against 3.2), so it stays. ``dirty_decay_ms:10000`` (jemalloc's
+default; 12 s before the after-clears samples) 113.1 / 188.0-216.5 / 137.4 (1.152, 1.215) against 113.3 / 176.6-199.6 /
+125.2 (1.131, 1.105) at 1 s: the 1 s decay stays. RSS less jemalloc's allocated bytes stays at 48-57 MiB over the
+plateau (37 at the baseline; unpurged pages, resident less active, 10-20 MB of it): the swing is live bytes (allocated
+127-178 MiB), not the allocator's retention. The live bytes follow two gauges, by a least-squares fit over each run's
+readings: the index's approximate blocks (``kvgate_index_approx_blocks``, the pending entries of routed prompts and a
+cleared worker's entries until it is warm again: 1,000-137,000, more than the three workers' 49,152 GPU blocks; about
+115-280 bytes each) and the live sessions (``kvgate_sessions_live``, 140-900, as many as the replay's pace keeps inside
+the scaled idle timeout; 6-30 KB each, a share not yet attributed to a structure). Both empty with the clears and
+neither is a cache still filling when the warm-up ends: they rise and fall with the churn and the host's pace. Of
+357,963 approximate blocks inserted by one reading during a run, 140,968 were confirmed by ``BlockStored`` and 26,848
+expired; the rest went with the churn's clears and removals or the workers' evictions. Tried through the model and index
+sections and not kept (flat; 1.144 and 1.131 for unchanged runs started with the first two): the pending TTL scaled by
+the time scale (0.33 s) 1.202, the approximate TTL scaled (4 s) 1.162, at most 49,152 or 16,384 approximate blocks 1.141
+and 1.156; at 16,384 the live bytes flatten (allocated 115-135 MiB) and RSS still rises with the sessions (165 -> 192
+MiB). The hour on a quieter host (load 0.2-3, ``python -m benchmarks soak``: 10,891 requests in 300 s, 3,598 s of trace,
+46 churn steps, none failed): gateway 112.8 / 193.7-245.1 (30 s windows rising from 183-200 to 224-243 with the pace:
+1,510 live sessions, 204,000 approximate blocks) / 128.4 MiB (flat 1.265, back 1.138), 537 bytes of RSS per (block,
+worker) holding at 233,779 holdings (index bench: 113), descriptors 42 -> 22, tasks 11 -> 9; workers 109.4 / 143.7-149.5
+/ 119.1-119.3 MiB (1.027-1.040, 1.089-1.091), 2,327-2,530 bytes per cached GPU block. Two hours of trace
+(``--trace-hours 2 --max-duration-s 660``, load 0.5-2.5: 21,743 requests in 517 s, 83 churn steps, none failed): 113.4 /
+218.8-279.3 / 147.7 MiB (1.276, 1.303), up to 281,000 approximate blocks; after the clears jemalloc's resident bytes
+were back at 97.5 MB as after the hour, yet RSS less them was 50 MiB against 29 at the baseline and 31 after the hour:
+20 MiB outside jemalloc's own figures, not explained yet. Both gateway checks stay open. Also: ``kvgate serve`` imports
+every subcommand's module (``router.cli.build_parser``), matplotlib among them: the peak RSS of ``import router.serve``
+is 70 MiB, 105 MiB after ``build_parser()``, so about 35 MiB of the gateway's baseline is code it never runs (lazy
+subcommands would lower both the baseline and, for the same excess, raise both ratios).
 """
 
 from __future__ import annotations
