@@ -163,17 +163,18 @@ async def test_sglang_flow_both_legs_at_once(start_worker):
             await c.close()
 
 
-async def test_decode_refuses_past_its_free_blocks_and_a_failed_pull_releases_them(start_worker):
+async def small_pair(start_worker: Any, receive_wait_s: float) -> tuple[Any, Any, int]:
+    """A prefill worker and a decode worker of 12 four-token blocks whose pulls time out after 0.5 s; the prefill
+    worker's port."""
     pre = await start_worker(pd_config("prefill", "p0"))
-    dec = await start_worker(
-        pd_config(
-            "decode",
-            "d0",
-            **{"kv-cache": {"num-gpu-blocks": 12, "block-size": 4},
-               "kv-transfer": {"pull-timeout-s": 0.5, "receive-wait-s": 0.0}},
-        )
-    )
-    port = int(pre.base_url.rsplit(":", 1)[1])
+    dec = await start_worker(pd_config("decode", "d0", **{
+        "kv-cache": {"num-gpu-blocks": 12, "block-size": 4},
+        "kv-transfer": {"pull-timeout-s": 0.5, "receive-wait-s": receive_wait_s}}))
+    return pre, dec, int(pre.base_url.rsplit(":", 1)[1])
+
+
+async def test_decode_refuses_past_its_free_blocks_and_a_failed_pull_releases_them(start_worker):
+    pre, dec, port = await small_pair(start_worker, receive_wait_s=0.0)
     extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 1}
     c_dec = client(dec.base_url)
     try:
@@ -208,16 +209,7 @@ async def test_a_decode_leg_past_the_free_blocks_waits_for_them_instead_of_being
     """As vLLM and SGLang queue a decode request until its blocks can be allocated: room 1 holds 9 of the 12 blocks
     until its pull times out (0.5 s); room 2's leg, sent meanwhile, waits, is admitted once they are free, and fails
     only by its own pull's timeout. Nothing was refused; every block is free at the end."""
-    pre = await start_worker(pd_config("prefill", "p0"))
-    dec = await start_worker(
-        pd_config(
-            "decode",
-            "d0",
-            **{"kv-cache": {"num-gpu-blocks": 12, "block-size": 4},
-               "kv-transfer": {"pull-timeout-s": 0.5, "receive-wait-s": 5.0}},
-        )
-    )
-    port = int(pre.base_url.rsplit(":", 1)[1])
+    pre, dec, port = await small_pair(start_worker, receive_wait_s=5.0)
     c_dec = client(dec.base_url)
     try:
         legs = []
