@@ -103,8 +103,9 @@ class AcceptanceCheck(msgspec.Struct, frozen=True):
             return f"{self.value:.2%}"
         if self.unit == "count":
             return f"{self.value:.0f}"
-        if self.unit == "seconds":
-            return f"{self.value:.2f} (limit {self.limit:.2f})"
+        if self.unit == "seconds":  # as many decimals as tell the two apart (at most 4)
+            digits = next((d for d in (2, 3, 4) if f"{self.value:.{d}f}" != f"{self.limit:.{d}f}"), 4)
+            return f"{self.value:.{digits}f} (limit {self.limit:.{digits}f})"
         return f"{self.value:.3f}"
 
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.demo import DemoConfig, acceptance, gateway_policy, size_fleet, worker_profile
+from loadgen.demo import AcceptanceCheck, DemoConfig, acceptance, gateway_policy, size_fleet, worker_profile
 from loadgen.sessions import derive_sessions
 from loadgen.traces import read_mooncake
 from router.cli import main as kvgate
@@ -186,3 +186,12 @@ def test_default_policy_is_held_to_the_best_peer():
     # Without peers only the fixed bars apply.
     assert [c.name for c in standard_checks([ours], [])] == [
         f"{name} hit ratio ÷ ceiling >= 0.97", f"{name} cached-token mismatch from a wrong index = 0"]
+
+
+def test_a_seconds_check_shows_as_many_decimals_as_tell_value_and_limit_apart():
+    def shown(value: float, limit: float) -> str:
+        return AcceptanceCheck("p50", value, limit, value < limit, unit="seconds").format_value()
+
+    assert shown(0.61, 0.73) == "0.61 (limit 0.73)"
+    assert shown(0.8412, 0.8379) == "0.841 (limit 0.838)"  # both 0.84 at two decimals
+    assert shown(0.84, 0.84) == "0.8400 (limit 0.8400)"
