@@ -390,7 +390,8 @@ async def run_agentic(config: AgenticConfig, console: Console) -> tuple[list[Lev
     own_blocks = (sizing.num_gpu_blocks_per_worker + sizing.num_cpu_blocks_per_worker) * config.num_workers
     own_share = own_blocks / max(1, sizing.top_working_set_blocks)
     console.print(
-        f"sessions: {sizing.num_sessions}, {sizing.num_requests} requests, mean context "
+        f"sessions: {sizing.num_sessions}, {sizing.num_requests} requests (a level of N sessions in flight replays "
+        f"them as N × {config.sessions_per_slot} sessions, --sessions-per-slot), mean context "
         f"{sizing.mean_session_blocks * config.block_size:.0f} tokens; top-level working set "
         f"{sizing.top_working_set_blocks} blocks; per worker {sizing.num_gpu_blocks_per_worker} GPU "
         f"(+ {sizing.num_cpu_blocks_per_worker} CPU) blocks, GPU + CPU = "
