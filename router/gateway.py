@@ -290,11 +290,12 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 async def transport_context(app: web.Application) -> AsyncIterator[None]:
     """The upstream transport: nothing to open; its pooled connections close last (after the tracer's last spans
-    are flushed, when tracing is on)."""
+    are flushed, when tracing is on); the parse thread goes with it."""
     try:
         yield
     finally:
         gw = app[GATEWAY]
+        gw.parse_executor.shutdown(wait=False, cancel_futures=True)
         try:
             await gw.transport.aclose()
         finally:

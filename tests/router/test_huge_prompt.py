@@ -159,3 +159,11 @@ async def test_parse_request_async_decodes_as_parse_request(kind):
             await parse_request_async(kind, b"{" + b" " * OFF_LOOP_BODY_BYTES, executor)
     finally:
         executor.shutdown()
+
+
+async def test_the_parse_thread_stops_with_the_gateway(workers):
+    async with GatewayHarness(make_config(workers[:1]), workers=workers[:1]) as h:
+        executor = h.gw.parse_executor
+        assert await asyncio.get_running_loop().run_in_executor(executor, threading.current_thread) is not None
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        executor.submit(int)
