@@ -82,10 +82,14 @@ EXTRA_POLICIES: dict[str, dict[str, Any]] = {
                                            "max_ttft_ratio": 2.0, "inner": {"name": "cache_aware"}},
     "session_sticky_uncharged+cache_aware": {"name": "session_sticky", "charge_returning_sessions": False,
                                              "inner": {"name": "cache_aware"}},
+    "session_sticky_unpriced+cache_aware": {"name": "session_sticky", "price_moves": False,
+                                            "inner": {"name": "cache_aware"}},
 }
 """kvgate runs besides the demo's, on request (``--routers``): the default policy as it was before its move rule
-(fixed margins: a session moves when its owner is 0.5 s and 2x costlier than the best), and the default policy
-without its charge for the returning sessions a new session's prefill holds up (``policies/returning.py``)."""
+(fixed margins: a session moves when its owner is 0.5 s and 2x costlier than the best), the default policy
+without its charge for the returning sessions a new session's prefill holds up (``policies/returning.py``), and the
+default policy without its move rule (a session leaves its owner only when the owner is unavailable or saturated),
+which weighs the prefix hits the priced moves give away against the TTFT they save."""
 AGENTIC_TRACES = Path("shared") / "traces" / "kv-cache-tester"
 """Where the agentic coding sessions are looked for without ``--trace``: this path in a directory that holds the
 checkout or one above it (``find_agentic_traces``), as ``../shared/traces/kv-cache-tester`` beside a checkout."""
