@@ -62,10 +62,12 @@ class WorkerLease:
         num_prompt_tokens: the request's prompt tokens.
         num_uncached_tokens: prompt tokens the worker is predicted to prefill (pending until the first byte).
         has_first_byte: the worker's answer began (for a stream: its first chunk) while the lease was held.
+        reported_cached_tokens: the cached tokens the relayed stream's usage reported, read when the relay ended
+            however (a client that leaves after the usage chunk cancels the handler), or ``None``.
     """
 
     __slots__ = ("worker", "metrics", "num_prompt_tokens", "num_uncached_tokens", "num_uncached_token_pairs",
-                 "has_first_byte", "_stage", "_has_verdict")
+                 "has_first_byte", "reported_cached_tokens", "_stage", "_has_verdict")
 
     def __init__(self, worker: WorkerRuntime, metrics: WorkerMetrics, num_prompt_tokens: int,
                  num_uncached_tokens: int) -> None:
@@ -76,6 +78,7 @@ class WorkerLease:
         self.num_uncached_tokens = num_uncached_tokens
         self.num_uncached_token_pairs = uncached_token_pairs(num_prompt_tokens, num_uncached_tokens)
         self.has_first_byte = False
+        self.reported_cached_tokens: int | None = None
         self._stage = _SENT
         self._has_verdict = False
 

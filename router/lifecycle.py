@@ -177,7 +177,7 @@ class RequestFlight:
         if lease is None or not lease.has_first_byte:
             return ProxyOutcome(None, None, None, is_client_gone=is_client_gone)
         return ProxyOutcome(None, lease.worker, self._relayed_status, has_client_bytes=True,
-                            is_client_gone=is_client_gone)
+                            is_client_gone=is_client_gone, reported_cached_tokens=lease.reported_cached_tokens)
 
     async def finish(self, outcome: ProxyOutcome) -> None:
         """Settle the request after its answer (module docstring); a second call does nothing."""

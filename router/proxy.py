@@ -521,10 +521,10 @@ class Proxy:
                 lease.record_success()
         except ConnectionResetError:
             logger.info("client went away during the stream from worker %s", worker.worker_id)
-        finally:
+        finally:  # the usage relayed is read even when the client left after it (the handler cancelled)
             lease.on_last_byte()
-        tail = recent[0] if len(recent) == 1 else b"".join(recent)
-        reported = self._check_honesty(worker, wm, predicted, usage_from_sse_tail(tail[-SSE_TAIL_BYTES:]))
+            usage = usage_from_sse_tail((recent[0] if len(recent) == 1 else b"".join(recent))[-SSE_TAIL_BYTES:])
+            reported = lease.reported_cached_tokens = self._check_honesty(worker, wm, predicted, usage)
         return out, reported, broken
 
     async def _read_body(self, resp: UpstreamResponse, worker_id: str) -> bytes:

@@ -35,6 +35,7 @@ class FakeWorker:
         self.fail_statuses: list[int] = []
         self.stream_release: asyncio.Event | None = None
         self.answer_release: asyncio.Event | None = None
+        self.eof_release: asyncio.Event | None = None  # set: the stream's end waits for it after [DONE]
         self.stream_cut: bytes | None = None
         """When set, a stream answers these bytes after its headers, then its connection is aborted."""
         self.num_active = 0
@@ -141,6 +142,8 @@ class FakeWorker:
                     await self.stream_release.wait()
             final = {"id": "x", "object": obj + ".chunk", "choices": [], "usage": usage}
             await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+            if self.eof_release is not None:
+                await self.eof_release.wait()
             await resp.write_eof()
         except asyncio.CancelledError:
             self.num_cancelled += 1

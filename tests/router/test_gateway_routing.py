@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import aiohttp
 import pytest
 
 from common.tokenization import encode_prompt, load_tokenizer
@@ -304,3 +306,29 @@ async def test_a_503_of_the_gateways_own_is_logged_once_with_the_request_id(work
         lines = [r.getMessage() for r in caplog.records if r.name == "router.api"]
         assert lines == [f"request {headers['X-Request-ID']} answered 503 (NoWorkerError): "
                          "no worker available for model 'm': all_workers_draining"]
+
+
+async def test_a_stream_the_client_closes_after_done_keeps_its_reported_cached_tokens(workers):
+    """The worker keeps its stream open after ``[DONE]``; the client reads the usage and ``[DONE]`` and closes, which
+    cancels the gateway's handler: the usage it relayed still counts (the honesty check, the decision's answer)."""
+    w0 = workers[0]
+    async with GatewayHarness(make_config(workers[:1]), workers=workers[:1]) as h:
+        w0.store(tokens(PREFIX))
+        await wait_until(index_holds(h.gw, "w0", 10))
+        w0.eof_release = asyncio.Event()
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(h.url + "/v1/completions", json={"model": "m", "prompt": PREFIX, "stream": True})
+            request_id = resp.headers["X-Request-ID"]
+            lines = []
+            async for line in resp.content:
+                lines.append(line.strip())
+                if line.strip() == b"data: [DONE]":
+                    break
+            resp.close()  # gone before the worker's stream ended
+        usage = json.loads(next(x for x in lines if b'"usage"' in x)[5:])["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 36
+        await wait_until(lambda: h.gw.router.recent.answer(request_id) is not None)
+        assert h.gw.router.recent.answer(request_id) == {
+            "served_by": "w0", "reported_cached_tokens": 36, "outcome": "client_gone"}
+        assert sum(h.gw.metrics.worker("w0").num_mismatches.values()) == 0
+        w0.eof_release.set()
