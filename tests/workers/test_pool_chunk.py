@@ -248,7 +248,9 @@ def test_a_flipped_byte_at_every_slice_edge_of_a_long_padding_range_is_detected(
             assert layout.check_run(data.data, 3, hashes, (), True, payloads) == chunk, (chunk, at)
             data.data[base + at] ^= 0x80
     assert layout.check_run(data.data, 3, hashes, (), True, payloads) == 3
-    layout.close()
+    layout.close()  # a check after it runs on the calling thread alone, every byte still
+    data.data[3 + 2 * value_bytes + value_bytes // 2] ^= 0x01
+    assert layout.check_run(data.data, 3, hashes, (), True, payloads) == 2
 
 
 def test_check_threads_are_half_the_cores_bounded():

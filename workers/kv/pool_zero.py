@@ -15,7 +15,7 @@ A range longer than ``SLICE_BYTES`` is cut into slices of about that size; a run
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -72,14 +72,22 @@ class ZeroCheck:
             if flat[start : skew + 8 * w0].any() or flat[skew + 8 * w1 : end].any():
                 bad.add(j)
             slices += [(j, w, min(w + per, w1)) for w in range(w0, w1, per)]
-        groups = min(self.num_threads, len(slices)) if self._pool is not None else 1
-        if groups > 1:
+        pool = self._pool
+        groups = min(self.num_threads, len(slices))
+        if pool is not None and groups > 1:
             cuts = [len(slices) * g // groups for g in range(groups + 1)]
-            futures = [self._pool.submit(_nonzero_slices, words, slices[a:b])  # type: ignore[union-attr]
-                       for a, b in zip(cuts[1:-1], cuts[2:], strict=True)]  # fmt: skip
+            futures: list[tuple[Future[list[int]] | None, list[tuple[int, int, int]]]] = []
+            for a, b in zip(cuts[1:-1], cuts[2:], strict=True):
+                try:
+                    futures.append((pool.submit(_nonzero_slices, words, slices[a:b]), slices[a:b]))
+                except RuntimeError:  # closed (the tier shutting down while a read still checks): here instead
+                    futures.append((None, slices[a:b]))
             bad.update(_nonzero_slices(words, slices[: cuts[1]]))
-            for future in futures:
-                bad.update(future.result())
+            for future, part in futures:
+                try:
+                    bad.update(_nonzero_slices(words, part) if future is None else future.result())
+                except CancelledError:  # closed with it queued
+                    bad.update(_nonzero_slices(words, part))
         else:
             bad.update(_nonzero_slices(words, slices))
         if not bad:
@@ -89,6 +97,6 @@ class ZeroCheck:
         return zero
 
     def close(self) -> None:
-        """Stop the pool's threads (a check running ends on its own)."""
+        """Stop the pool's threads (a check running ends on its own; later ones run on the calling thread)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
