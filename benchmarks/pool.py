@@ -59,13 +59,12 @@
    chunks). There the raw calls are copies over loopback TCP (6-10 GB/s on the 2-core host) and the store keeps up
    with them (its build writes only each chunk's manifest and payload: the padding stays zero in the staging buffer):
    0.87-1.06 of the raw put before and after. The restore was 0.26-0.53: ``check_run`` rebuilt every chunk in a
-   scratch buffer and compared the two, two reads and a write of every byte. Now a chunk of 64 KiB or more is checked
-   in one read of its bytes (the manifests and payloads compared with the ones expected, each padding range's
-   ``xxh3_128`` against the digest of as many zeros: 19 GB/s over 32 MiB here, against 8.5 for numpy's ``any`` and
-   4.4 for a ``memcmp`` with zeros), and a restore of 16 MiB or more is read in batches of about an eighth (at least
-   8 MiB), the next read on a thread of its own while one is checked (``PoolTier``'s ``read_ahead``; the reader is
-   started before the check holds the GIL, ``pool_read.submit_started``, else it started up to a switch interval
-   late). Figures (loaded 2-core host, load 2.8-8.8, the code before and after run in turn, three or four pairs, best
+   scratch buffer and compared the two, two reads and a write of every byte. Now a chunk of 64 KiB or more is checked in
+   one read of its bytes (the manifests and payloads compared with the ones expected, each padding range against zeros),
+   and a restore of 16 MiB or more is read in batches of about an eighth (at least 8 MiB), the next read on a thread of
+   its own while one is checked (``PoolTier``'s ``read_ahead``; the reader is started before the check holds the GIL,
+   ``pool_read.submit_started``, else it started up to a switch interval late).
+   Figures (loaded 2-core host, load 2.8-8.8, the code before and after run in turn, three or four pairs, best
    of 5; before → after, worker ÷ raw on its own objects): 2 MiB chunks store 0.98-1.06 → 0.93-0.98, restore
    0.46-0.53 → 0.59-0.63 (worker 3.7-4.2 GB/s against 6.2-6.6); 8 MiB chunks store 0.97-1.00 → 0.87-0.98, restore
    0.26-0.40 → 0.30-0.57 (3.4-5.2 GB/s against 7.4-10.1: two 128 MiB objects, so only the first one's check is
@@ -73,10 +72,25 @@
    one block per object, store 0.90-1.00 → 0.94-0.97, restore 0.48-0.51 → 0.57-0.62. The restore stays short of 0.9
    on this host: checking every byte reads them once more at about the speed the loopback copy writes them, and the
    read ahead overlaps the two only where a core is free (on the loaded host the next read slows from 5.7 to 8.5 ms
-   per 32 MiB while a batch is checked; the last batch's check, an eighth, is never hidden). Short chunks are still
-   rebuilt and compared in one ``memcmp`` (faster there than columns: 80 against 120-180 us for 558 chunks of 889
-   bytes), so the 889-byte figures are unchanged within the noise (four pairs, best of 9: store 0.31-0.33 →
-   0.32-0.35, restore 0.31-0.39 → 0.31-0.34; a hot restore of the same 48 objects 447-484 us before, 466-475 after,
+   per 32 MiB while a batch is checked; the last batch's check, an eighth, is never hidden).
+   The padding ranges were hashed with ``xxh3_128`` (against the digest of as many zeros), which holds the GIL: one
+   core, and the read ahead's Python parts waited behind it. Now they are compared exactly, as 64-bit words whose
+   maximum must be zero (``workers.kv.pool_zero``: numpy's reduction releases the GIL), in 2 MiB slices split over
+   half the host's cores (``os.sched_getaffinity``, at most 8; one on the 2-core host, where two were slower
+   beside the transfer's threads: 2 MiB chunks 0.53 and 0.68 against 0.65 and 0.62 on one, 8 MiB 0.52 and 0.49
+   against 0.54 and 0.59), so an 8 MiB × 16-block span, one 128 MiB object and so one read, is checked on several
+   cores at once. Over 128 MiB of zeros on one thread here: 8.6-11.5 GB/s against 7.0-8.3 for ``xxh3_128``
+   (three runs, load 3.2). Figures (2-core host, load 1.1-4.9, ``--repeats 5 --history-tokens 1024``, eight
+   interleaved before/after pairs; worker ÷ raw on its own objects): 2 MiB chunks restore 0.53-0.86 → 0.60-0.89
+   (better in seven pairs, the eighth 0.66 → 0.65), 8 MiB chunks 0.41-0.66 → 0.35-0.69 (better in five; worker
+   3.8-4.7 → 3.0-5.8 GB/s in five pairs), stores 0.74-1.33 → 0.88-1.33 (the store path unchanged); the
+   889-byte chunks do not take this path (shorter than 64 KiB: rebuilt and compared), store 0.32-0.51 →
+   0.30-0.38 and restore 0.29-0.68 → 0.31-0.50 in six pairs, noise. On a quiet 16-core host before: 2 MiB store
+   1.03, restore 0.88 (worker 5.3 GB/s against 6.1); 8 MiB store 0.98, restore 0.74 (4.7 against 6.4); 889 bytes
+   store 0.35, restore 0.49 (after: not yet measured there). Short chunks are still rebuilt and compared in one
+   ``memcmp`` (faster there than columns: 80 against 120-180 us for 558 chunks of 889 bytes), so the 889-byte
+   figures were unchanged within the noise by the one-read check (four pairs, best of 9: store 0.31-0.33 → 0.32-0.35,
+   restore 0.31-0.39 → 0.31-0.34; a hot restore of the same 48 objects 447-484 us before, 466-475 after,
    beside a raw read of 237-268). The store makes one existence call (store rule 2); the master's own check in the
    put cannot stand in for it (``batch_put_from`` of a key already there returns 0, in 70-400 us, no transfer: the
    worker could not tell its blocks from another worker's), and running the check on a thread while the chunks are

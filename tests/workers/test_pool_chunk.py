@@ -7,6 +7,7 @@ import pytest
 
 from events.types import BlockRemoved, Medium
 from workers.config import KVCacheConfig, PoolConfig
+from workers.kv import pool_zero
 from workers.kv.hashing import extend_block_hashes, namespace_root, to_engine_hash
 from workers.kv.manager import KVCacheManager, SequenceKV
 from workers.kv.pool_chunk import HEAD_BYTES, ChunkLayout, HostBuffer
@@ -192,12 +193,17 @@ def test_a_run_from_payloads_alone_is_the_run_from_tokens_and_its_check_refuses_
         layout.write_run(from_payloads, 0, hashes, (), payloads[:5])
 
 
-@pytest.mark.parametrize("value_bytes", [VALUE_BYTES, 3 << 17])  # padding: numpy columns / digests of long ranges
+@pytest.mark.parametrize(
+    ("value_bytes", "num_check_threads"),
+    [(VALUE_BYTES, 1), (3 << 17, 1), (3 << 17, 3), ((5 << 20) + 13, 3)],
+)  # padding: numpy columns / long ranges as words, on one thread or three, in slices (5 MiB: 2 MiB ones, unaligned)
 @pytest.mark.parametrize(
     "where", ["manifest magic", "manifest hash", "manifest digest", "payload", "padding", "last padding", "tail"]
 )
-def test_a_single_flipped_byte_in_a_manifest_payload_or_padding_is_detected(value_bytes: int, where: str):
-    layout = ChunkLayout(BS, GROUPS, value_bytes)
+def test_a_single_flipped_byte_in_a_manifest_payload_or_padding_is_detected(
+    value_bytes: int, num_check_threads: int, where: str
+):
+    layout = ChunkLayout(BS, GROUPS, value_bytes, num_check_threads)
     hashes, tokens, payloads = run_of(6)
     data = HostBuffer(6 * value_bytes)
     layout.write_run(data, 0, hashes, tokens)
@@ -220,3 +226,35 @@ def test_a_single_flipped_byte_in_a_manifest_payload_or_padding_is_detected(valu
     assert layout.check_run(data.data, 4 * value_bytes, hashes[4:], (), True, payloads[4:]) == 2  # after it
     data.data[3 * value_bytes + at] ^= 0x01
     assert layout.check_run(data.data, 0, hashes, (), True, payloads) == 6
+    layout.close()
+
+
+@pytest.mark.parametrize("num_check_threads", [1, 2, 5])
+def test_a_flipped_byte_at_every_slice_edge_of_a_long_padding_range_is_detected(num_check_threads: int):
+    value_bytes = (5 << 20) + 5  # one piece: its padding runs 5 MiB, 3 slices, none 8-byte aligned at its ends
+    layout = ChunkLayout(BS, 1, value_bytes, num_check_threads)
+    hashes, tokens, payloads = run_of(3)
+    data = HostBuffer(4 * value_bytes)
+    layout.write_run(data, 3, hashes, tokens)  # at offset 3: the rows' ranges start off the word grid
+    assert layout.check_run(data.data, 3, hashes, (), True, payloads) == 3
+    pad_at = layout.header_bytes + layout.payload_bytes  # 72: the padding's first byte
+    slice_bytes = pool_zero.SLICE_BYTES
+    for chunk in range(3):
+        base = 3 + chunk * value_bytes
+        word_start = pad_at + (-(data.address + base + pad_at) % 8)  # the first whole word of the range
+        for at in (pad_at, word_start - 1, word_start, word_start + slice_bytes - 1, word_start + slice_bytes,
+                   word_start + 2 * slice_bytes, value_bytes - 8, value_bytes - 1):  # fmt: skip
+            data.data[base + at] ^= 0x80
+            assert layout.check_run(data.data, 3, hashes, (), True, payloads) == chunk, (chunk, at)
+            data.data[base + at] ^= 0x80
+    assert layout.check_run(data.data, 3, hashes, (), True, payloads) == 3
+    layout.close()  # a check after it runs on the calling thread alone, every byte still
+    data.data[3 + 2 * value_bytes + value_bytes // 2] ^= 0x01
+    assert layout.check_run(data.data, 3, hashes, (), True, payloads) == 2
+
+
+def test_check_threads_are_half_the_cores_bounded():
+    assert [pool_zero.default_check_threads(c) for c in (1, 2, 3, 4, 16, 64)] == [1, 1, 1, 2, 8, 8]
+    assert 1 <= pool_zero.default_check_threads() <= pool_zero.MAX_CHECK_THREADS
+    with pytest.raises(ValueError, match="num_threads must be positive, not 0"):
+        ChunkLayout(BS, 1, 0, 0)

@@ -213,13 +213,16 @@ def test_a_read_that_finds_a_chunk_gone_announces_it_removed():
     assert [m.block_hash for m in tier.snapshot_metas()] == [m.block_hash for m in metas[:2]] + [metas[3].block_hash]
 
 
-@pytest.mark.parametrize("read_ahead", [True, False])
-def test_a_large_restore_reads_ahead_in_batches_and_still_stops_at_a_flipped_byte(read_ahead: bool):
+@pytest.mark.parametrize(("read_ahead", "num_check_threads"), [(True, 1), (False, 1), (True, 3), (False, 2)])
+def test_a_large_restore_reads_ahead_in_batches_and_still_stops_at_a_flipped_byte(
+    read_ahead: bool, num_check_threads: int
+):
     value_bytes = 1 << 20  # 24 blocks of 1 MiB: 24 MiB, at least twice READ_AHEAD_MIN_BATCH_BYTES
     pool = SimPool(64)
     client = RecordingClient(pool)
     tier = PoolTier(client, BS, lambda event: None, value_bytes_per_block=value_bytes, blocks_per_span=1,
-                    read_ahead=read_ahead)  # fmt: skip
+                    read_ahead=read_ahead, num_check_threads=num_check_threads)  # fmt: skip
+    assert tier.layout.zero_check.num_threads == num_check_threads
     metas = stored_metas(tier, list(range(24 * BS)))
     keys = [pool_key(m.block_hash) for m in metas]
     assert tier.fetch(metas) == 24

@@ -34,8 +34,9 @@ are numpy column writes over the run), and a run is checked every byte: chunks s
 what ``write_run`` builds into a scratch buffer of the same layout and comparing the two (one ``memcmp`` per MiB
 of the run), so the cost per block is the packing and one ``xxh3_64`` call, whatever the layer groups and the
 padding; longer ones in one read of their bytes (the manifest and payload columns compared with the ones
-expected, each padding range's ``xxh3_128`` with the digest of as many zeros), as a GPU engine's pieces would be
-against their digests. With ``check_padding`` off, the manifest and payload columns only.
+expected, each padding range's 64-bit words with zero, in slices on several threads: ``workers.kv.pool_zero``), as
+a GPU engine's pieces would be against their digests. With ``check_padding`` off, the manifest and payload columns
+only.
 
 Staging (``HostBuffer``): chunks are built in place in host buffers the store can read from directly (registered
 with Mooncake: ``batch_put_from`` and ``batch_get_into`` move them without another copy). A buffer's slot ``j``
@@ -55,6 +56,8 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+from workers.kv.pool_zero import ZeroCheck
+
 CHUNK_MAGIC = b"KVGC"
 CHUNK_VERSION = 1
 _HEAD = struct.Struct("<4sBBHII32s")
@@ -63,15 +66,9 @@ HEAD_BYTES = _HEAD.size  # 48
 
 _SLAB_BYTES = 64 << 10
 """Chunks shorter than this are checked rebuilt (``ChunkLayout._check_rebuilt``); in longer ones, padding ranges
-at least this long are checked by their digest (``ChunkLayout._zero_rows``)."""
+at least this long are checked as 64-bit words on the check threads (``ChunkLayout._zero_rows``)."""
 _REBUILD_BYTES = 1 << 20
 """Bytes of short chunks rebuilt and compared at a time (each thread's scratch buffer: this, about)."""
-
-
-@functools.lru_cache(maxsize=16)
-def _zero_digest(num_bytes: int) -> int:
-    """``xxh3_128`` of ``num_bytes`` zero bytes."""
-    return xxhash.xxh3_128_intdigest(bytes(num_bytes))
 
 
 @functools.lru_cache(maxsize=16)
@@ -102,12 +99,13 @@ class ChunkLayout:
         block_size: tokens per block (a piece's sim payload is ``4 × block_size`` bytes).
         num_pieces: layer groups per block (``>= 1``, ``<= 255``).
         value_bytes: the chunk's size target in bytes (``PoolConfig.value_bytes_per_block``; 0: no padding).
+        num_check_threads: threads checking long padding ranges (``workers.kv.pool_zero``; ``close`` stops them).
 
     Raises:
-        ValueError: ``num_pieces`` out of range or ``block_size`` not positive.
+        ValueError: ``num_pieces`` out of range, ``block_size`` or ``num_check_threads`` not positive.
     """
 
-    def __init__(self, block_size: int, num_pieces: int = 1, value_bytes: int = 0) -> None:
+    def __init__(self, block_size: int, num_pieces: int = 1, value_bytes: int = 0, num_check_threads: int = 1) -> None:
         if not 1 <= num_pieces <= 255:
             raise ValueError(f"num_pieces must be in [1, 255], not {num_pieces}")
         if block_size <= 0:
@@ -130,6 +128,7 @@ class ChunkLayout:
         pads[-1] = (pads[-1][0], self.chunk_bytes)  # the last piece's padding runs on into the chunk's tail
         self._local = threading.local()
         """Each thread's ``_scratch`` array (a tier's read threads check runs at once)."""
+        self.zero_check = ZeroCheck(num_check_threads)  # ValueError: not positive
         self._zero_ranges = tuple((lo, hi) for lo, hi in pads if hi > lo)
         """Each chunk's zero ranges (offsets in the chunk): every piece's padding, the tail with the last."""
 
@@ -264,22 +263,16 @@ class ChunkLayout:
     def _zero_rows(self, data: bytearray, offset: int, num: int, lo: int, hi: int) -> np.ndarray | None:
         """Whether bytes ``lo .. hi - 1`` of each of ``num`` chunks from ``data[offset:]`` are all zero: ``None``
         when every row's are (the common case, answered without a per-row array), else a bool per row. One read
-        of those bytes: numpy's ``any`` over the strided columns for ranges shorter than ``_SLAB_BYTES``; a longer
-        range's ``xxh3_128`` digest compared with the digest of as many zeros (``_zero_digest``; a 128-bit digest
-        misses a changed range with probability about 2^-128): it reads at about twice numpy's ``any`` and a
-        ``memcmp`` against a zero slab here (19 against 8.5 and 4.4 GB/s over 32 MiB on the 2-core host)."""
+        of those bytes: numpy's ``any`` over the strided columns for ranges shorter than ``_SLAB_BYTES``; longer
+        ones as 64-bit words whose maximum must be zero, in slices spread over the layout's check threads
+        (``workers.kv.pool_zero.ZeroCheck``: exact, and off the GIL)."""
         if hi <= lo:
             return None
         width, step = hi - lo, self.chunk_bytes
         if width < _SLAB_BYTES:
             nonzero = np.asarray(self._rows(data, offset, num)[:, lo:hi].any(axis=1))
             return None if not nonzero.any() else ~nonzero
-        want = _zero_digest(width)
-        digest = xxhash.xxh3_128_intdigest
-        view = memoryview(data)
-        at = offset + lo
-        ok = [digest(view[at + j * step : at + j * step + width]) == want for j in range(num)]
-        return None if all(ok) else np.array(ok)
+        return self.zero_check.rows(data, offset, num, step, lo, hi)
 
     def check_run(
         self,
@@ -341,6 +334,10 @@ class ChunkLayout:
                 got, want = self._rows(data, offset + lo * step, hi - lo), self._rows(scratch.data, 0, hi - lo)
                 return lo + int(np.argmin((got == want).all(axis=1)))
         return num
+
+    def close(self) -> None:
+        """Stop the check threads (``num_check_threads`` above 1)."""
+        self.zero_check.close()
 
     def build(self, block_hash: bytes, token_ids: Sequence[int]) -> bytes:
         """One chunk as ``bytes`` (tests, tools)."""

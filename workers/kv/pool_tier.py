@@ -88,6 +88,7 @@ from workers.kv.pool_store import (
     sim_pool,
 )
 from workers.kv.pool_use import UseOrder
+from workers.kv.pool_zero import default_check_threads
 
 __all__ = [
     "KEY_PREFIX",
@@ -136,6 +137,7 @@ class PoolTier:
         num_read_threads: int = 1,
         blocks_per_span: int = 16,
         read_ahead: bool = True,
+        num_check_threads: int | None = None,
         lease_ttl_s: float = MOONCAKE_DEFAULT_LEASE_TTL_S,
     ) -> None:
         """Wrap ``store``; events go to ``emit``; ``on_gpu`` picks the store event's shape; ``max_known_fetched``
@@ -145,12 +147,13 @@ class PoolTier:
         threads (module docstring), ``num_read_threads`` reads at a time; ``blocks_per_span``: blocks per object
         along a chain (``common.pool_keys``; 1: one object per block); ``read_ahead``: a restore of
         ``2 × READ_AHEAD_MIN_BATCH_BYTES`` or more reads its next batch on a thread of its own while it checks
-        one (``workers.kv.pool_read``), so its checks hide behind its reads; ``lease_ttl_s``: the master's lease,
-        how long no refresh follows a refused put (``PoolConfig.lease_ttl_s``, ``workers.kv.pool_use``).
+        one (``workers.kv.pool_read``), so its checks hide behind its reads; ``num_check_threads``: threads
+        checking a restore's long padding ranges (``workers.kv.pool_zero``; ``None``: sized from the host);
+        ``lease_ttl_s``: the master's lease, how long no refresh follows a refused put (``PoolConfig.lease_ttl_s``).
 
         Raises:
-            ValueError: ``max_read_bytes`` or ``num_read_threads`` not positive, ``blocks_per_span`` not in
-                ``[1, MAX_BLOCKS_PER_SPAN]``, ``lease_ttl_s`` not positive and finite.
+            ValueError: ``max_read_bytes``, ``num_read_threads`` or ``num_check_threads`` not positive,
+                ``blocks_per_span`` not in ``[1, MAX_BLOCKS_PER_SPAN]``, ``lease_ttl_s`` not positive and finite.
             PoolLayoutError: the pool's other members use another span length or chunk layout
                 (``workers.kv.pool_layout``; a ``ConfigError``): this worker does not attach.
         """
@@ -163,7 +166,8 @@ class PoolTier:
         self.store = store
         self.block_size = block_size
         self.span_len = blocks_per_span
-        self.layout = ChunkLayout(block_size, num_layer_groups, value_bytes_per_block)
+        threads = default_check_threads() if num_check_threads is None else num_check_threads  # ValueError: <= 0
+        self.layout = ChunkLayout(block_size, num_layer_groups, value_bytes_per_block, threads)
         self.pool_layout = attach_layout(
             store,
             PoolLayout(blocks_per_span, num_layer_groups, self.layout.chunk_bytes, block_size, CHUNK_VERSION),
@@ -500,8 +504,7 @@ class PoolTier:
     def _read(
         self, metas: Sequence[BlockMeta], objects: Sequence[PoolObject], payloads: Sequence[bytes] | None
     ) -> ReadResult:
-        """The read itself (``read_objects``) into a restore buffer of its own, no other state (the read threads
-        run several at once)."""
+        """The read itself (``read_objects``) into a restore buffer of its own, no other state (reads run at once)."""
         if not metas:
             return ReadResult(0, 0.0)
         ahead = self._read_ahead
@@ -573,6 +576,7 @@ class PoolTier:
         for pool in (self._reader, self._writer, self._read_ahead):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        self.layout.close()
 
     def snapshot_metas(self) -> list[BlockMeta]:
         """The pool blocks this worker knows of (stored here, then fetched), each once, for ``/kv/snapshot``."""
