@@ -242,10 +242,10 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     """Decode side: the longest a pull may take, waiting for the prefill leg included (SGLang flow)."""
     max_pending_rooms: Positive = 1024
     """Prefill side: pulls waiting at once for a bootstrap room whose prefill has not finished (SGLang flow)."""
-    receive_wait_s: NonNegativeFloat = 60.0
+    receive_wait_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 60.0
     """Decode side: how long a decode leg waits for a sequence slot and free KV blocks before it is refused (503
-    ``kv_transfer_refused``); 0 refuses at once. Both engines queue such a request rather than refuse it: vLLM's
-    scheduler keeps a remote-prefill request waiting until its blocks can be allocated
+    ``kv_transfer_refused``), seconds, at most an hour; 0 refuses at once. Both engines queue such a request rather
+    than refuse it: vLLM's scheduler keeps a remote-prefill request waiting until its blocks can be allocated
     (``vllm/v1/core/sched/scheduler.py``, ``WAITING_FOR_REMOTE_KVS``), SGLang's decode side holds it in its
     pre-allocation queue (``python/sglang/srt/disaggregation/decode.py``, ``DecodePreallocQueue``)."""
 

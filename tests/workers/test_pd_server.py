@@ -15,6 +15,8 @@ from aiohttp import web
 from common.pd_protocol import BootstrapFields, bootstrap_body, decode_leg_body, prefill_leg_body
 from tests.ports import free_port
 from tests.workers.conftest import make_config
+from workers.config import build_config
+from workers.errors import ConfigError
 
 pytestmark = pytest.mark.integration
 
@@ -347,3 +349,12 @@ async def test_a_pull_for_a_room_no_leg_can_name_is_a_400_at_once(start_worker):
                 err = (await r.json())["error"]
             assert err["type"] == "invalid_request_error" and "$.bootstrap_room" in err["message"]
     assert (await load(pre.base_url))["kv_transfer"]["num_waiting_pulls"] == 0
+
+
+@pytest.mark.unit
+def test_a_bad_receive_wait_is_refused_by_name():
+    assert build_config({}).kv_transfer.receive_wait_s == 60.0
+    assert build_config({"kv-transfer": {"receive-wait-s": 0}}).kv_transfer.receive_wait_s == 0.0
+    for bad in (-1.0, float("nan"), float("inf"), 3601, "60s"):
+        with pytest.raises(ConfigError, match=r"\$\.kv-transfer\.receive-wait-s"):
+            build_config({"kv-transfer": {"receive-wait-s": bad}})
