@@ -189,9 +189,13 @@ class DecisionRing:
         return self._items.maxlen or 0
 
     def append(self, record: DecisionRecord | PDRecord) -> None:
-        """Keep ``record`` as the newest, dropping the oldest past ``maxlen``. O(the record's size)."""
+        """Keep ``record`` as the newest, dropping the oldest past ``maxlen``. O(the record's size).
+
+        A decision for a request id that an earlier one had (a client's own ``x-request-id`` sent again) drops the
+        earlier one's answer: the id's answer is its newest decision's, ``None`` until that one settles."""
         policy = record.policy if isinstance(record, DecisionRecord) else None
         self._items.append((type(record), policy, _ENCODER.encode(record)))
+        self._answers.pop(record.request_id, None)
 
     def settle(self, request_id: str, served_by: str | None, reported_cached_tokens: int | None,
                outcome: str) -> None:
@@ -200,6 +204,7 @@ class DecisionRing:
         ``client_gone``, ``status_<N>`` or the error's class name). O(1); the oldest answer goes past ``maxlen``."""
         answers = self._answers
         answers[request_id] = _ENCODER.encode((served_by, reported_cached_tokens, outcome))
+        answers.move_to_end(request_id)
         if len(answers) > self.maxlen:
             answers.popitem(last=False)
 
