@@ -123,3 +123,33 @@ def test_an_answer_settled_again_is_the_newest_and_outlives_older_ones() -> None
     assert ring.answer("r1") is None
     assert ring.answer("r0") == {"served_by": "w1", "reported_cached_tokens": 4, "outcome": "ok"}
     assert ring.answer("r2") == {"served_by": "w1", "reported_cached_tokens": 8, "outcome": "ok"}
+
+
+async def test_a_refused_request_has_no_decision_and_every_attempt_failing_is_logged_once(
+        workers: list[FakeWorker], caplog: pytest.LogCaptureFixture) -> None:
+    """Admission's 429 (at capacity, no queue) makes no decision and is not logged; with both workers gone, every
+    attempt fails: the gateway's own 502, logged once with the request id, answered by no worker."""
+    w0, w1 = workers
+    config = make_config(workers, admission={"max_inflight_requests": 1, "queue_size": 0})
+    async with GatewayHarness(config, workers=workers) as h:
+        w0.answer_release = asyncio.Event()
+        with caplog.at_level(logging.WARNING, logger="router.api"):
+            held = asyncio.create_task(h.post("/v1/completions", {"model": "m", "prompt": PROMPT, "stream": True},
+                                              headers={"x-request-id": "r-held"}))
+            await wait_until(lambda: w0.num_active == 1)
+            status, headers, body = await h.post("/v1/completions", {"model": "m", "prompt": PROMPT},
+                                                 headers={"x-request-id": "r-429"})
+            assert (status, headers["Retry-After"], json.loads(body)["error"]["code"]) == (429, "1", "overloaded")
+            w0.answer_release.set()
+            assert (await held)[0] == 200
+            await w0.stop()
+            await w1.stop()
+            status, _, body = await h.post("/v1/completions", {"model": "m", "prompt": PROMPT},
+                                           headers={"x-request-id": "r-dead"})
+        message = "every attempt failed: worker w1 unreachable: ClientConnectorError"
+        assert (status, json.loads(body)["error"]["message"]) == (502, message)
+        assert api_lines(caplog) == [f"request r-dead answered 502 (UpstreamError): {message}"]
+        assert await answers(h) == [
+            ("r-dead", {"served_by": None, "reported_cached_tokens": None, "outcome": "UpstreamError"}),
+            ("r-held", {"served_by": "w0", "reported_cached_tokens": 0, "outcome": "ok"}),
+        ]
