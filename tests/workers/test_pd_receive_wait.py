@@ -1,5 +1,6 @@
 """A decode leg waiting for free blocks (``kv-transfer.receive-wait-s``), over real HTTP on loopback: a client that
-leaves while its leg waits holds nothing afterwards, and many waiters are all admitted in turn."""
+leaves while its leg waits holds nothing afterwards, many waiters are all admitted in turn, a prompt that can never
+fit is refused at once, and a worker shut down while legs wait holds nothing after."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
+from tests.ports import free_port
 from tests.workers.test_pd_server import PROMPT, load, pd_config
+from workers.server import build_app, build_worker
 
 pytestmark = pytest.mark.integration
 
@@ -94,3 +98,36 @@ async def test_a_leg_whose_prompt_can_never_fit_is_refused_at_once_not_after_the
     d = await load(dec.base_url)
     assert d["kv_transfer"]["num_refused_transfers"] == 0 and d["kv_transfer"]["num_failed_pulls"] == 0
     assert d["kv_transfer"]["num_reserved_transfer_blocks"] == 0 and d["num_free_blocks"]["GPU"] == 8
+
+
+@pytest.mark.parametrize(("pull_timeout_s", "shutdown_timeout_s", "want_status"), [
+    (0.3, 10.0, 504),  # graceful: the waiting leg is admitted once the holder's pull fails, then fails by its own
+    (10.0, 0.3, None),  # the shutdown's timeout cancels both handlers mid-pull and mid-wait
+])
+async def test_a_worker_shut_down_while_legs_wait_holds_nothing_after(
+        start_worker, pull_timeout_s: float, shutdown_timeout_s: float, want_status: int | None) -> None:
+    pre = await start_worker(pd_config("prefill", "p0"))
+    port = int(pre.base_url.rsplit(":", 1)[1])
+    worker = build_worker(pd_config("decode", "d0", **{
+        "kv-cache": {"num-gpu-blocks": 12, "block-size": 4},
+        "kv-transfer": {"pull-timeout-s": pull_timeout_s, "receive-wait-s": 20.0}}), None)
+    runner = web.AppRunner(build_app(worker), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=shutdown_timeout_s)
+    await runner.setup()
+    dec_port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", dec_port).start()
+    url = f"http://127.0.0.1:{dec_port}"
+    legs = [asyncio.create_task(post_leg(url, port, 1))]
+    await until_receiving(url, 1)
+    legs.append(asyncio.create_task(post_leg(url, port, 2)))
+    await asyncio.sleep(0.2)
+    await asyncio.wait_for(runner.cleanup(), 5.0)
+    got = await asyncio.gather(*legs, return_exceptions=True)
+    if want_status is None:
+        assert [type(g) for g in got] == [aiohttp.ServerDisconnectedError] * 2
+    else:
+        assert [g[0] for g in got if isinstance(g, tuple)] == [want_status] * 2
+    sched = worker.core.scheduler
+    assert (len(sched.receiving), sched.num_receiving_blocks, len(sched.requests)) == (0, 0, 0)
+    assert worker.core.kv.gpu.num_free_blocks == 12
+    assert worker.decode_handoff.num_refused == 0
