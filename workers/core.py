@@ -63,6 +63,8 @@ class EngineCore:
         """Set after a step that finished a request or freed GPU blocks (a finished store's hold included), and by
         ``finish_request``: what ``add_receiving_within`` waits for."""
         self._num_free_blocks = 0
+        self.is_closing = False
+        """The worker is shutting down: ``add_receiving_within`` waits no more (``stop_receiving``)."""
         self.num_steps = 0
         self.last_published_seq = -1
         self.num_events_published = 0
@@ -91,10 +93,11 @@ class EngineCore:
         """``add_receiving``, tried again each time a request finishes, for at most ``wait_s`` seconds (wall).
 
         Returns:
-            Its stream, or ``None`` when the blocks could not be reserved within ``wait_s`` (nothing is held).
+            Its stream, or ``None`` when the blocks could not be reserved within ``wait_s`` or the worker began
+            shutting down (``stop_receiving``) meanwhile (nothing is held).
         """
         stream = self.add_receiving(request)
-        if stream is not None or wait_s <= 0:
+        if stream is not None or wait_s <= 0 or self.is_closing:
             return stream
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -109,8 +112,16 @@ class EngineCore:
                     await freed.wait()
             except TimeoutError:
                 return None
+            if self.is_closing:
+                return None
             stream = self.add_receiving(request)
         return stream
+
+    def stop_receiving(self) -> None:
+        """The worker is shutting down: every decode leg still waiting for blocks (``add_receiving_within``) is
+        refused now, and later ones at once, rather than admitted during the shutdown's grace period."""
+        self.is_closing = True
+        self._freed.set()
 
     def finish_receiving(self, request_id: str) -> bool:
         """The request's KV landed: it runs from the next step (``Scheduler.finish_receiving``)."""

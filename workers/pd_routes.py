@@ -51,6 +51,8 @@ async def receive(worker: Worker, req: Request, body: SamplingFields, leg: Leg) 
         worker.decode_handoff.num_refused += 1
         sched = core.scheduler
         when = f"within {wait_s:g} s" if wait_s > 0 else "now"
+        if core.is_closing:
+            when = "now: the worker is shutting down"
         msg = (
             f"decode worker {worker.config.worker_id} cannot reserve KV blocks for a {req.num_prompt_tokens}-token "
             f"prompt {when} ({core.kv.gpu.num_free_blocks} free blocks, {sched.num_running} of "

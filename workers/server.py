@@ -112,11 +112,17 @@ async def _engine_loop_ctx(app: web.Application) -> AsyncIterator[None]:
     worker.core.kv.close()
 
 
+async def _stop_receiving(app: web.Application) -> None:
+    """Shutdown begins (before the grace period for the handlers): decode legs waiting for blocks are refused."""
+    app[WORKER_KEY].core.stop_receiving()
+
+
 def build_app(worker: Worker) -> web.Application:
     """The aiohttp app of ``worker``; the engine loop starts and stops with the app."""
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
     app[WORKER_KEY] = worker
     app.cleanup_ctx.append(_engine_loop_ctx)
+    app.on_shutdown.append(_stop_receiving)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -100,12 +100,13 @@ async def test_a_leg_whose_prompt_can_never_fit_is_refused_at_once_not_after_the
     assert d["kv_transfer"]["num_reserved_transfer_blocks"] == 0 and d["num_free_blocks"]["GPU"] == 8
 
 
-@pytest.mark.parametrize(("pull_timeout_s", "shutdown_timeout_s", "want_status"), [
-    (0.3, 10.0, 504),  # graceful: the waiting leg is admitted once the holder's pull fails, then fails by its own
-    (10.0, 0.3, None),  # the shutdown's timeout cancels both handlers mid-pull and mid-wait
+@pytest.mark.parametrize(("pull_timeout_s", "shutdown_timeout_s", "want_first"), [
+    (0.3, 10.0, 504),  # graceful: the holder's pull fails by its own timeout
+    (10.0, 0.3, None),  # the shutdown's timeout cancels the holder's handler mid-pull
 ])
 async def test_a_worker_shut_down_while_legs_wait_holds_nothing_after(
-        start_worker, pull_timeout_s: float, shutdown_timeout_s: float, want_status: int | None) -> None:
+        start_worker, pull_timeout_s: float, shutdown_timeout_s: float, want_first: int | None) -> None:
+    """The leg waiting for blocks is refused as the shutdown begins (503), not admitted during its grace period."""
     pre = await start_worker(pd_config("prefill", "p0"))
     port = int(pre.base_url.rsplit(":", 1)[1])
     worker = build_worker(pd_config("decode", "d0", **{
@@ -122,12 +123,15 @@ async def test_a_worker_shut_down_while_legs_wait_holds_nothing_after(
     legs.append(asyncio.create_task(post_leg(url, port, 2)))
     await asyncio.sleep(0.2)
     await asyncio.wait_for(runner.cleanup(), 5.0)
-    got = await asyncio.gather(*legs, return_exceptions=True)
-    if want_status is None:
-        assert [type(g) for g in got] == [aiohttp.ServerDisconnectedError] * 2
+    first, second = await asyncio.gather(*legs, return_exceptions=True)
+    if want_first is None:
+        assert type(first) is aiohttp.ServerDisconnectedError
     else:
-        assert [g[0] for g in got if isinstance(g, tuple)] == [want_status] * 2
+        assert isinstance(first, tuple) and first[0] == want_first
+    assert isinstance(second, tuple) and second[0] == 503
+    assert second[1]["error"]["code"] == "kv_transfer_refused"
+    assert "now: the worker is shutting down" in second[1]["error"]["message"]
     sched = worker.core.scheduler
     assert (len(sched.receiving), sched.num_receiving_blocks, len(sched.requests)) == (0, 0, 0)
     assert worker.core.kv.gpu.num_free_blocks == 12
-    assert worker.decode_handoff.num_refused == 0
+    assert worker.decode_handoff.num_refused == 1
