@@ -173,7 +173,11 @@ async def test_events_of_an_undeclared_group_are_refused_and_counted_on_the_real
                 with contextlib.suppress(AssertionError):
                     await wait_until(lambda: group0() > 0, 0.5, "a probe indexed")
             await wait_until(lambda: group0() == w0.core.kv.gpu.num_cached_blocks, 10.0, "group 0 in sync")
-            refused = index.stats().counters["num_unknown_group_events"]  # the probes' checkpoints seen so far
+            # each probe left one checkpoint (group 2): all n refused before the prompt is sent (a checkpoint's
+            # event can come in a later batch than its group 0 blocks)
+            await wait_until(lambda: index.stats().counters["num_unknown_group_events"] == n, 10.0,
+                             "the probes' checkpoints refused")
+            refused = n
             num_before = w0.core.kv.gpu.num_cached_blocks
             await g.complete("a" * (10 * BLOCK_SIZE) + "?", headers={"x-kvgate-worker": "w0"})  # 10 blocks
             await wait_until(lambda: group0() == num_before + 10, 10.0, "the prompt's blocks indexed")
