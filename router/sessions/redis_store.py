@@ -287,7 +287,7 @@ class RedisSessionStore:
                 self._is_subscribed = False
                 self._cache.clear()
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
             await asyncio.sleep(self._config.reconnect_interval_s)
 
     # -- SessionStore protocol ------------------------------------------------------------------------------------
