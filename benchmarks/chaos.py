@@ -342,7 +342,8 @@ async def run_chaos(config: ChaosConfig, redis: RestartableRedis | None = None) 
             elif o.num_predicted_cached_tokens < o.num_cached_tokens:
                 mismatches["under_predicted" + suffix] += 1
     calm_failed = [f"#{o.index}: {o.kind} {o.detail}" for o in calm_outcomes if o.kind != "completed"]
-    unclean = [f"#{o.index}: {o.kind} {o.detail}" for o in outcomes if o.kind in ("unclean_error", "hung")]
+    unclean = [f"#{o.index} (sent at {o.start_s:.1f} s, ended after {o.e2e_s:.1f} s, {o.num_attempts} sends, worker "
+               f"{o.worker}): {o.kind} {o.detail}" for o in outcomes if o.kind in ("unclean_error", "hung")]
     checks = [
         ("no request hung", counts["hung"] == 0, str(counts["hung"])),
         ("every request completed or got a clean OpenAI error", counts["unclean_error"] == 0,
