@@ -99,22 +99,17 @@ class EngineCore:
         stream = self.add_receiving(request)
         if stream is not None or wait_s <= 0 or self.is_closing:
             return stream
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
         freed = self._freed
-        while stream is None:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return None
-            freed.clear()
-            try:
-                async with asyncio.timeout(remaining):
+        try:
+            async with asyncio.timeout(wait_s):
+                while stream is None:
+                    freed.clear()
                     await freed.wait()
-            except TimeoutError:
-                return None
-            if self.is_closing:
-                return None
-            stream = self.add_receiving(request)
+                    if self.is_closing:
+                        return None
+                    stream = self.add_receiving(request)
+        except TimeoutError:
+            return None
         return stream
 
     def stop_receiving(self) -> None:
