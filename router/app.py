@@ -33,7 +33,7 @@ from aiohttp import web
 from router.admin import add_admin_routes
 from router.api import _add_json_fallbacks, chat_completions, completions, health, metrics, models, ready
 from router.config import GatewayConfig
-from router.gateway import CLEANUP_CONTEXTS, GATEWAY, Gateway
+from router.gateway import CLEANUP_CONTEXTS, GATEWAY, Gateway, drain_on_shutdown
 from router.openapi import add_openapi_route
 from router.transport import Transport
 
@@ -70,6 +70,7 @@ def build_app(
     add_admin_routes(app, admin_token)
     add_openapi_route(app)
     _add_json_fallbacks(app)
+    app.on_shutdown.append(drain_on_shutdown)  # before aiohttp's wait for the handlers and the contexts' exits
     app.cleanup_ctx.extend(CLEANUP_CONTEXTS)
     if config.endpoint_picker is not None:  # grpcio (the epp extra) only when the endpoint picker runs
         from router.epp import epp_context

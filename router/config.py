@@ -99,18 +99,23 @@ class ListenConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_onl
         max_body_bytes: request bodies over this get 413.
         body_timeout_s: a request body not fully received this many seconds after its headers gets 408 (a
             client sending slowly, or stalled, holds no connection and admission slot longer), seconds.
+        shutdown_grace_s: a graceful stop (SIGTERM) waits this long for the requests in flight, then ends each
+            stream still relayed with an error event (``router.drain``), seconds; a supervisor's kill timeout must
+            exceed it by a few seconds (Kubernetes' ``terminationGracePeriodSeconds``, 30 by default).
     """
 
     host: str = "127.0.0.1"
     port: Port = 8080
     max_body_bytes: AtLeastOne = DEFAULT_MAX_BODY_BYTES
     body_timeout_s: float = 60.0
+    shutdown_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         check_positive("max_body_bytes", self.max_body_bytes)
         check_positive("body_timeout_s", self.body_timeout_s)
+        check_non_negative("shutdown_grace_s", self.shutdown_grace_s)
 
 class EventsConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The event path.

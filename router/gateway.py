@@ -22,6 +22,10 @@ that fails half-way leaves only what it entered and that is closed again by the 
     background loops   health checks, load polling, session reaping, approximate expiry, pool watch, discovery;
                        cancelled and awaited
 
+A graceful stop first drains (``drain_on_shutdown``, the app's ``on_shutdown`` hook, which aiohttp runs once the
+listener is closed and before the contexts are left): the requests in flight get ``listen.shutdown_grace_s``, then
+each stream still relayed ends with an error event (``router.drain``).
+
 The app keys: ``GATEWAY`` (this object; ``router.api`` and ``router.admin`` read everything through it).
 """
 
@@ -49,6 +53,7 @@ from events.types import Medium, normalize_medium
 from policies import build_policy
 from router.admission import Admission
 from router.config import GatewayConfig, WorkerConfig, index_config
+from router.drain import Drain
 from router.errors import ConfigError, GatewayError
 from router.event_path import EventPath
 from router.fleet import Fleet, WorkerRuntime
@@ -143,8 +148,10 @@ class Gateway:
             num_recent_decisions=config.admin.num_recent_decisions, clock=clock, pool_watcher=self.pool_watcher,
             **router_kwargs,
         )
+        self.drain = Drain()
+        """The streams relayed, which a graceful stop ends cleanly (``drain_on_shutdown``)."""
         self.proxy = Proxy(self.transport, config.retry, self.metrics, clock=clock,
-                           max_response_bytes=config.max_response_bytes)
+                           max_response_bytes=config.max_response_bytes, drain=self.drain)
         self.heap = HeapTrimmer(config.memory.trim_interval_s, config.memory.trim_min_free_bytes)
         """Returns freed heap pages to the kernel (``config.memory``; its loop runs when ``enable_trim``)."""
         self.admission = Admission(config.admission)
@@ -283,6 +290,17 @@ class Gateway:
 
 GATEWAY = web.AppKey("gateway", Gateway)
 """The app's ``Gateway`` (stored by ``router.app.build_app``)."""
+
+
+DRAIN_END_TIMEOUT_S = 2.0
+"""How long a graceful stop waits for the streams it ended to write their last event (seconds); aiohttp's own wait
+for the handlers left after the drain (``router.serve``'s runner) is as long."""
+
+
+async def drain_on_shutdown(app: web.Application) -> None:
+    """The app's ``on_shutdown`` hook: the drain (``router.drain.Drain.stop``) with ``listen.shutdown_grace_s``."""
+    gw = app[GATEWAY]
+    await gw.drain.stop(gw.admission, gw.config.listen.shutdown_grace_s, DRAIN_END_TIMEOUT_S)
 
 
 # -- cleanup contexts: one per resource, in start-up order ---------------------------------------------------------

@@ -12,6 +12,8 @@ withdrawn, the session does not follow it): a non-streamed answer is a 502 (noth
 ends with an OpenAI error event and ``data: [DONE]`` (``router.sse.error_event``, as vLLM ends a stream that fails)
 after its last whole event. Another kind of stream (not ``text/event-stream``) has no event to end it with: its
 client connection is aborted, so it never looks complete. Both are counted in ``stream_errors_total{worker}``.
+A stream still relayed when a graceful stop's grace is over ends the same way, with ``GatewayStoppingError``
+(``router.drain``; not the worker's failure, not counted there).
 
 Accounting per worker: each attempt holds a ``WorkerLease`` (``router.lease``: in-flight requests and prompt tokens,
 pending prefill tokens until the first byte, decoding requests, the circuit breaker's verdict), taken from the
@@ -43,6 +45,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.config import DEFAULT_MAX_RESPONSE_BYTES, RetryConfig
+from router.drain import Drain, GatewayStoppingError, end_stream
 from router.errors import GatewayError, TransportError, TransportTimeoutError, UpstreamError, UpstreamTimeoutError
 from router.fleet import WorkerRuntime
 from router.lease import WorkerLease
@@ -53,7 +56,6 @@ from router.sse import (
     SseFramer,
     Usage,
     cached_tokens_of,
-    error_event,
     is_event_stream,
     usage_from_body,
     usage_from_sse_tail,
@@ -312,7 +314,9 @@ class Proxy:
     def __init__(
         self, transport: Transport, retry: RetryConfig, metrics: GatewayMetrics,
         *, clock: Callable[[], float] = time.monotonic, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        drain: Drain | None = None,
     ) -> None:
+        self.drain = drain if drain is not None else Drain()  # the streams relayed, for a graceful stop
         self._transport = transport
         self._max_response_bytes = max_response_bytes
         self._retry = retry
@@ -408,7 +412,7 @@ class Proxy:
                 hooks.response_received(lease, status)
                 headers = response_headers_of(resp.headers, worker.worker_id, predicted,
                                               plan.decision.reason if attempt == 0 else "retry", request_id)
-                broken: UpstreamError | None = None
+                broken: GatewayError | None = None
                 if is_stream and resp.status == 200:
                     out, reported, broken = await self._relay_stream(request, resp, headers, lease, hooks, sent_at,
                                                                      predicted, request_id)
@@ -460,7 +464,7 @@ class Proxy:
     async def _relay_stream(
         self, request: web.Request, resp: UpstreamResponse, headers: CIMultiDict[str], lease: WorkerLease,
         hooks: AttemptHooks, sent_at: float, predicted: int, request_id: str,
-    ) -> tuple[web.StreamResponse, int | None, UpstreamError | None]:
+    ) -> tuple[web.StreamResponse, int | None, GatewayError | None]:
         """Relay a 200 stream chunk by chunk, cut at SSE event ends; returns the response, the cached tokens its
         usage reported, and the error it ended with when the worker broke it after its headers (module
         docstring)."""
@@ -472,9 +476,12 @@ class Proxy:
         recent: list[bytes] = []  # the stream's last chunks, at most 2 * SSE_TAIL_BYTES (joined when over)
         num_recent_bytes = 0
         max_recent_bytes = 2 * SSE_TAIL_BYTES
-        broken: UpstreamError | None = None
+        broken: GatewayError | None = None
+        task = asyncio.current_task()
+        assert task is not None
         try:
             await out.prepare(request)
+            self.drain.enter(task)
             try:
                 async for chunk in resp.iter_chunks():
                     if is_first:  # pending prefill -> decoding; the TTFT to its histogram and the lifecycle
@@ -497,21 +504,13 @@ class Proxy:
                 lease.record_failure(self._clock())
                 broken = _after_headers_error(exc)
                 wm.num_stream_errors += 1
-                if framer is None:
-                    logger.warning("request %s: worker %s broke its stream after the headers (%s); not an event "
-                                   "stream: aborting the client connection", request_id, worker.worker_id,
-                                   exc.message)
-                    out.force_close()
-                    if request.transport is not None:
-                        request.transport.abort()  # the client sees an incomplete stream, never a clean end
-                else:
-                    num_dropped = framer.num_partial_bytes
-                    logger.warning("request %s: worker %s broke its stream after the headers (%s); ended with an "
-                                   "error event%s", request_id, worker.worker_id, exc.message,
-                                   f" ({num_dropped} bytes of an unfinished event dropped)" if num_dropped else "")
-                    # After a whole event (an event longer than the framer holds went out unfinished: end it).
-                    await out.write((b"" if framer.is_at_event_end else b"\n\n") + error_event(broken))
-                    await out.write_eof()
+                await end_stream(request, out, framer, broken, f"request {request_id}: worker {worker.worker_id} "
+                                 f"broke its stream after the headers ({exc.message})")
+            except asyncio.CancelledError:
+                if not self.drain.take_cancel(task):  # the client left, or a deadline
+                    raise
+                broken = GatewayStoppingError("the gateway stopped before the answer's end")
+                await end_stream(request, out, framer, broken, f"request {request_id}: the gateway stopped mid-stream")
             else:
                 if framer is not None and framer.num_partial_bytes:
                     rest = framer.rest()  # a last event with no blank line after it: relayed as it came
@@ -522,6 +521,7 @@ class Proxy:
         except ConnectionResetError:
             logger.info("client went away during the stream from worker %s", worker.worker_id)
         finally:  # the usage relayed is read even when the client left after it (the handler cancelled)
+            self.drain.leave(task)
             lease.on_last_byte()
             usage = usage_from_sse_tail((recent[0] if len(recent) == 1 else b"".join(recent))[-SSE_TAIL_BYTES:])
             reported = lease.reported_cached_tokens = self._check_honesty(worker, wm, predicted, usage)

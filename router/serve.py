@@ -5,8 +5,10 @@ Loads the YAML (``router.config.load_config``), warns about models tokenized byt
 workers, background tasks) and serves it with aiohttp on uvloop when available. An address that cannot be bound
 (a port another process holds) or a start-up that fails stops everything already started (each resource's cleanup
 context in ``router.gateway`` closes it) and exits with status 2 and one error line, as a bad config does.
-``SIGINT``/``SIGTERM`` stop it cleanly: the listener closes, in-flight requests get ``shutdown_timeout_s`` to
-finish, then every background task is cancelled and awaited (``cleanup_ctx``). A client disconnect cancels its
+``SIGINT``/``SIGTERM`` stop it cleanly: the listener closes, in-flight requests get ``listen.shutdown_grace_s`` to
+finish, then each stream still relayed ends with an error event (``router.drain``), a request with no answer byte
+sent yet gets ``DRAIN_END_TIMEOUT_S`` more, then its connection closes; then every background task is cancelled and
+awaited (``cleanup_ctx``). A client disconnect cancels its
 handler (``handler_cancellation``), which closes the upstream request.
 """
 
@@ -30,11 +32,11 @@ from events.errors import EventsConfigError
 from router.app import build_app
 from router.config import GatewayConfig, load_config
 from router.errors import ConfigError, GatewayError
+from router.gateway import DRAIN_END_TIMEOUT_S
 from router.http_server import GatewayAppRunner
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_TIMEOUT_S = 10.0
 GIL_SWITCH_INTERVAL_S = 0.001
 """``sys.setswitchinterval`` of a gateway process (see ``serve``)."""
 
@@ -68,6 +70,13 @@ def warn_byte_level_tokenizers(config: GatewayConfig) -> None:
             )
 
 
+def gateway_runner(app: web.Application) -> GatewayAppRunner:
+    """The runner ``serve`` serves ``app`` with: a client's disconnect cancels its handler; a graceful stop drains
+    (``router.gateway.drain_on_shutdown``), then gives the handlers left ``DRAIN_END_TIMEOUT_S`` before it cancels
+    them."""
+    return GatewayAppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=DRAIN_END_TIMEOUT_S)
+
+
 async def serve(
     config: GatewayConfig, *, host: str | None = None, port: int | None = None, reuse_port: bool = False,
 ) -> None:
@@ -97,7 +106,7 @@ async def serve(
         )
     except ListenError as exc:
         raise ConfigError(str(exc)) from exc
-    runner = GatewayAppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    runner = gateway_runner(app)
     loop = asyncio.get_running_loop()
     try:
         try:

@@ -42,6 +42,7 @@ INF = float("inf")
 
 FLOAT_KEYS: list[tuple[str | int, ...]] = [
     ("listen", "body_timeout_s"),
+    ("listen", "shutdown_grace_s"),
     ("models", 0, "pending_blocks_ttl_s"),
     ("models", 0, "pd", "link_bytes_per_s"),
     ("models", 0, "pd", "transfer_latency_s"),
