@@ -12,11 +12,12 @@ to the other replica (as a client behind a load balancer would), until its deadl
 
 Faults, one after another, each held ``--hold-s`` under load (``SCHEDULE``): ``kill -9`` a worker and restart
 it at the same address; stop Redis and start it again; restart one gateway replica (SIGTERM, then the same command
-line); drop a worker's KV event sends with its replay endpoint refusing (events lost, the gap not closable by
-replay: the gateways must resync from the snapshot); make a worker slow (a delay per request); make a worker fail every
-request after its headers. Once the replay is over and the gateways have recovered, a calm pass sends the first
-``--calm-requests`` requests of the slice again (their prompts are cached by then), ``CALM_CONCURRENCY`` at a
-time, with no fault.
+line; its graceful stop, which ``loadgen.fleet.GATEWAY_STOP_GRACE_S`` outlasts, finishes the streams in flight or
+ends them with an error event: ``router.drain``); drop a worker's KV event sends with its replay endpoint refusing
+(events lost, the gap not closable by replay: the gateways must resync from the snapshot); make a worker slow (a
+delay per request); make a worker fail every request after its headers. Once the replay is over and the gateways
+have recovered, a calm pass sends the first ``--calm-requests`` requests of the slice again (their prompts are
+cached by then), ``CALM_CONCURRENCY`` at a time, with no fault.
 
 Checks (``Outcome.checks``): every request completed or got a clean OpenAI-style error (an HTTP error with an
 ``{"error": {...}}`` body, or an SSE ``data: {"error": ...}`` chunk) before its deadline, none hung; at the end

@@ -69,6 +69,14 @@ class ManagedProcess(msgspec.Struct):
     """Variables set over the fleet's environment for this process (``None``: none)."""
     ready_path: str = "/ready"
     """What ``wait_ready`` polls on a router (a peer router answers ``/health``)."""
+    stop_grace_s: float = 5.0
+    """How long a stop waits after SIGTERM before SIGKILL, seconds (a gateway: ``GATEWAY_STOP_GRACE_S``)."""
+
+
+GATEWAY_STOP_GRACE_S = 20.0
+"""SIGTERM to SIGKILL for a kvgate gateway, seconds: more than its graceful stop takes (``listen.shutdown_grace_s``,
+10 s by default, for the requests in flight, then 2 s for the streams it ends and 2 s for the handlers left:
+``router.drain``), so a graceful restart is never a ``kill -9`` that cuts the streams still relayed."""
 
 
 def _kvgate_command(*args: str) -> list[str]:
@@ -208,8 +216,10 @@ class Fleet:
         config_path = self._log_dir / f"{name}-{policy.get('name', 'policy')}.yaml"
         self._log_dir.mkdir(parents=True, exist_ok=True)
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        return self._spawn(name, _kvgate_command("serve", "--config", str(config_path), *serve_args),
+        proc = self._spawn(name, _kvgate_command("serve", "--config", str(config_path), *serve_args),
                            f"http://{HOST}:{port}", env=env)
+        proc.stop_grace_s = GATEWAY_STOP_GRACE_S
+        return proc
 
     def start_gateway(
         self, policy: dict[str, Any], block_size: int, extra_config: dict[str, Any] | None = None,
@@ -251,7 +261,7 @@ class Fleet:
             self._stop(proc)
         else:
             self.kill(proc)
-        proc.popen = self._spawn(proc.name, proc.argv, proc.url, env=proc.env).popen
+        proc.popen = self._spawn(proc.name, proc.argv, proc.url, env=proc.env).popen  # same ``stop_grace_s``
 
     def start_router(self, name: str, argv: Sequence[str], port: int, *, ready_path: str = "/health",
                      env: dict[str, str] | None = None) -> ManagedProcess:
@@ -323,8 +333,8 @@ class Fleet:
                     raise FleetError(f"cache reset answered HTTP {status}", name=w.name)
 
     @staticmethod
-    def _stop(proc: ManagedProcess, grace_s: float = 5.0) -> None:
-        popen = proc.popen
+    def _stop(proc: ManagedProcess) -> None:
+        popen, grace_s = proc.popen, proc.stop_grace_s
         if popen.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
