@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.fleet import Fleet, ManagedProcess
+from loadgen.fleet import GATEWAY_STOP_GRACE_S, Fleet, ManagedProcess
 from router.config import parse_config
+from router.gateway import DRAIN_END_TIMEOUT_S
 
 pytestmark = pytest.mark.unit
 
@@ -34,3 +35,12 @@ def test_switched_off_every_worker_is_at_the_default_scale(tmp_path):
     raw = fleet.gateway_config({"name": "cache_aware"}, 8000, 16)
     assert "time_scale" not in raw["workers"][0]
     assert parse_config(raw).workers[0].time_scale == 1.0
+
+
+def test_a_gateways_kill_timeout_outlasts_its_graceful_stop():
+    """SIGTERM to SIGKILL for a gateway is longer than the drain of the config ``gateway_config`` writes (the default
+    ``listen.shutdown_grace_s``, then ``DRAIN_END_TIMEOUT_S`` for the streams it ends and as long for aiohttp's
+    wait): a restart the fleet calls graceful never turns into a ``kill -9`` that cuts the streams in flight."""
+    listen = parse_config(Fleet(Path(".")).gateway_config({"name": "round_robin"}, 8000, 16)).listen
+    assert GATEWAY_STOP_GRACE_S > listen.shutdown_grace_s + 2 * DRAIN_END_TIMEOUT_S
+    assert ManagedProcess(name="w", url="", log_path=Path("x"), popen=None).stop_grace_s < GATEWAY_STOP_GRACE_S

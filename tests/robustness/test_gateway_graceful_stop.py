@@ -10,7 +10,11 @@ stream, after the client holds the first event."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import os
+import signal
+import sys
 
 import aiohttp
 import pytest
@@ -18,7 +22,7 @@ from aiohttp import web
 
 from router.app import build_app
 from router.gateway import GATEWAY
-from router.serve import gateway_runner
+from router.serve import gateway_runner, serve
 from tests.ports import free_port
 from tests.router.harness import config_with_overrides
 
@@ -71,9 +75,9 @@ class StallingWorker:
         await self.runner.cleanup()
 
 
-def gateway_config(url: str, shutdown_grace_s: float):
+def gateway_config(url: str, shutdown_grace_s: float, port: int = 0):
     return config_with_overrides({
-        "listen": {"host": "127.0.0.1", "port": 0, "shutdown_grace_s": shutdown_grace_s},
+        "listen": {"host": "127.0.0.1", "port": port, "shutdown_grace_s": shutdown_grace_s},
         "models": [{"name": "m", "block_size": 4}],
         "workers": [{"id": "w", "url": url, "model": "m", "load_path": None, "snapshot_path": None}],
         "policy": {"name": "round_robin"},
@@ -138,3 +142,30 @@ async def test_a_stream_that_ends_within_the_grace_is_relayed_whole():
     assert rest == LAST_EVENTS
     assert gw.fleet.workers["w"].breaker.num_consecutive_failures == 0
     assert gw.admission.num_inflight == 0 and gw.drain.num_streams == 0
+
+
+async def test_sigterm_to_serve_ends_a_stream_still_relayed_with_an_error_event():
+    """The same through ``router.serve.serve`` and a real SIGTERM (what a replica's restart sends)."""
+    switch_interval_s = sys.getswitchinterval()
+    port = free_port()
+    async with StallingWorker() as worker, aiohttp.ClientSession() as session:
+        server = asyncio.create_task(serve(gateway_config(worker.url, shutdown_grace_s=0.2, port=port)))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            while True:
+                try:
+                    async with session.get(url + "/health") as probe:
+                        if probe.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.05)
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                assert await resp.content.readuntil(b"\n\n") == FIRST_EVENT
+                os.kill(os.getpid(), signal.SIGTERM)  # serve's handler: a graceful stop
+                rest = await resp.read()
+            await server
+        finally:
+            server.cancel()
+            sys.setswitchinterval(switch_interval_s)  # serve tunes its process: undone for the tests after
+            gc.unfreeze()
+    assert rest.endswith(b'"code":"gateway_stopping"}}\n\ndata: [DONE]\n\n'), rest
