@@ -119,23 +119,23 @@ class Drain:
 
 
 async def end_stream(request: web.Request, out: web.StreamResponse, framer: SseFramer | None,
-                     error: GatewayError, why: str) -> None:
-    """End a relayed stream that cannot go on, and log ``why`` with how: an event stream gets ``error`` as its last
-    event, after its last whole event (an event longer than the framer holds went out unfinished: it is ended
-    first), then ``data: [DONE]``; another kind of stream has no event to end it with: its client connection is
-    aborted, so it never looks complete.
+                     error: GatewayError, log: logging.Logger, why: str) -> None:
+    """End a relayed stream that cannot go on, and say ``why`` and how on ``log`` (a warning): an event stream
+    gets ``error`` as its last event, after its last whole event (an event longer than the framer holds went out
+    unfinished: it is ended first), then ``data: [DONE]``; another kind of stream has no event to end it with: its
+    client connection is aborted, so it never looks complete.
 
     Raises:
         ConnectionResetError: the client left meanwhile.
     """
     if framer is None:
-        logger.warning("%s; not an event stream: aborting the client connection", why)
+        log.warning("%s; not an event stream: aborting the client connection", why)
         out.force_close()
         if request.transport is not None:
             request.transport.abort()
         return
     num_dropped = framer.num_partial_bytes
-    logger.warning("%s; ended with an error event%s", why,
-                   f" ({num_dropped} bytes of an unfinished event dropped)" if num_dropped else "")
+    log.warning("%s; ended with an error event%s", why,
+                f" ({num_dropped} bytes of an unfinished event dropped)" if num_dropped else "")
     await out.write((b"" if framer.is_at_event_end else b"\n\n") + error_event(error))
     await out.write_eof()

@@ -504,13 +504,13 @@ class Proxy:
                 lease.record_failure(self._clock())
                 broken = _after_headers_error(exc)
                 wm.num_stream_errors += 1
-                await end_stream(request, out, framer, broken, f"request {request_id}: worker {worker.worker_id} "
-                                 f"broke its stream after the headers ({exc.message})")
+                await end_stream(request, out, framer, broken, logger, f"request {request_id}: worker "
+                                 f"{worker.worker_id} broke its stream after the headers ({exc.message})")
             except asyncio.CancelledError:
                 if not self.drain.take_cancel(task):  # the client left, or a deadline
                     raise
                 broken = GatewayStoppingError("the gateway stopped before the answer's end")
-                await end_stream(request, out, framer, broken, f"request {request_id}: the gateway stopped mid-stream")
+                await end_stream(request, out, framer, broken, logger, f"request {request_id}: stopping mid-stream")
             else:
                 if framer is not None and framer.num_partial_bytes:
                     rest = framer.rest()  # a last event with no blank line after it: relayed as it came
