@@ -8,8 +8,8 @@ context in ``router.gateway`` closes it) and exits with status 2 and one error l
 ``SIGINT``/``SIGTERM`` stop it cleanly: the listener closes, in-flight requests get ``listen.shutdown_grace_s`` to
 finish, then each stream still relayed ends with an error event (``router.drain``), a request with no answer byte
 sent yet gets ``DRAIN_END_TIMEOUT_S`` more, then its connection closes; then every background task is cancelled and
-awaited (``cleanup_ctx``). A client disconnect cancels its
-handler (``handler_cancellation``), which closes the upstream request.
+awaited (``cleanup_ctx``). A client disconnect cancels its handler (``handler_cancellation``), which closes the
+upstream request.
 """
 
 from __future__ import annotations
