@@ -375,9 +375,11 @@ class ModelTokenizer:
         return ns
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        """``[tokenizer.encode(t) for t in texts]``, in parallel where the tokenizer offers it and the texts are
-        long enough to pay for the library's threads (more than ``SLICE_CHARS`` in all)."""
-        if self._encode_batch is not None and len(texts) > 1 and sum(map(len, texts)) > SLICE_CHARS:
+        """``[tokenizer.encode(t) for t in texts]``, in one batch call where the tokenizer offers it (in parallel,
+        and without the character offsets the single ``encode`` computes: the same ids for 12-25% less CPU, a
+        following turn's three segments of 6,300 characters 1.33 ms against 1.70 ms, a 25-character prompt no more,
+        on a busy 2-core host)."""
+        if self._encode_batch is not None and texts:
             return self._encode_batch(texts)
         encode = self.tokenizer.encode
         return [encode(t) for t in texts]
