@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
+import msgspec
 import pytest
 
 from router.block_hash import BlockHash
@@ -117,3 +118,13 @@ def test_config_defaults_and_bounds():
     for field, value in (("prompt_cache_idle_max_bytes", 0), ("prompt_cache_idle_s", 0.0)):
         with pytest.raises(ValueError, match=field):
             ModelConfig(name="m", **{field: value})
+
+
+def test_config_keys_decode_typed_and_bounded():
+    config = msgspec.convert({"name": "m", "prompt_cache_max_bytes": 256 << 20, "prompt_cache_idle_max_bytes": 1 << 20,
+                              "prompt_cache_idle_s": 30.0}, ModelConfig)
+    assert (config.prompt_cache_max_bytes, config.prompt_cache_idle_max_bytes, config.prompt_cache_idle_s) == (
+        256 << 20, 1 << 20, 30.0)
+    for bad in ({"prompt_cache_idle_s": -1.0}, {"prompt_cache_idle_max_bytes": 0}, {"prompt_cache_idle_s": "5m"}):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert({"name": "m", **bad}, ModelConfig)
