@@ -43,6 +43,7 @@ INF = float("inf")
 FLOAT_KEYS: list[tuple[str | int, ...]] = [
     ("listen", "body_timeout_s"),
     ("models", 0, "pending_blocks_ttl_s"),
+    ("models", 0, "prompt_cache_idle_s"),
     ("models", 0, "pd", "link_bytes_per_s"),
     ("models", 0, "pd", "transfer_latency_s"),
     ("models", 0, "pd", "max_reserved_fraction"),
@@ -209,6 +210,8 @@ def test_float_keys_are_all_listed() -> None:
     (lambda: RetryConfig(backoff_max_s=INF), ValueError, "backoff_max_s must be a finite number, got inf"),
     (lambda: ModelConfig(name="m", pending_blocks_ttl_s=NAN), ValueError,
      "pending_blocks_ttl_s must be a finite number, got nan"),
+    (lambda: ModelConfig(name="m", prompt_cache_idle_s=INF), ValueError,
+     "prompt_cache_idle_s must be a finite number, got inf"),
     (lambda: WorkerConfig(id="w", url="http://h:1", model="m", time_scale=-INF), ValueError,
      "time_scale must be a finite number, got -inf"),
     (lambda: EventsConfig(subscriber=SubscriberConfig(replay_timeout_s=INF)), ValueError,
