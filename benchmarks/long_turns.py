@@ -512,8 +512,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--switch-interval-s", type=float, default=None,
                         help="the loop part's sys.setswitchinterval (default: the gateway's, router.serve)")
     parser.add_argument("--prompt-cache-mib", type=int, default=None,
-                        help="the model's prompt_cache_max_bytes in MiB (default the gateway's: 64; a 100K-token "
-                             "text session keeps about 1.2 MiB of checkpoints, 3/8 of the budget holds them)")
+                        help="the model's prompt_cache_max_bytes in MiB (default the gateway's: 1024, idle entries "
+                             "64; a 100K-token text session keeps about 1.2 MiB of checkpoints, 3/8 of the budget "
+                             "holds them; 64 is the budget before idle entries were told apart)")
     parser.add_argument("--allocator", default="pymalloc", choices=ALLOCATORS,
                         help="the kvgate process's allocator (common.allocator; the documented deployment: jemalloc)")
     parser.add_argument("--vocab-size", type=int, default=LLAMA3_VOCAB_SIZE)

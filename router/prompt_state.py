@@ -3,6 +3,7 @@ with the plan that builds it (``router.request_view`` and ``router.text_prefix``
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -191,43 +192,97 @@ class ViewPlan:
         return view
 
 
+IDLE_S = 300.0
+"""Default seconds after its last use that a cached entry counts as idle (``PrefixStateCache``): an agent's session
+waits on its tools and its user between turns, for seconds to minutes."""
+
+SUPERSEDED_S = float("-inf")
+"""The last-use time of an entry superseded by its session's newer one (``PrefixStateCache.put``): idle at once."""
+
+
+def over_budget(num_bytes: int, max_bytes: int, idle_max_bytes: int, oldest_used_s: float, now_s: float,
+                idle_s: float) -> bool:
+    """Whether a prompt cache holding ``num_bytes`` (estimated) must evict its least recently used entry, last used
+    at ``oldest_used_s``: it holds more than ``max_bytes``, or more than ``idle_max_bytes`` and that entry has been
+    idle for more than ``idle_s`` seconds (an entry of a live session is kept up to ``max_bytes``)."""
+    return num_bytes > max_bytes or (num_bytes > idle_max_bytes and now_s - oldest_used_s > idle_s)
+
+
+class _Entry:
+    """A cached state and when it was last used (mutable: a reader in a tokenizer thread stamps the object it read,
+    so an entry the loop evicted meanwhile is not brought back)."""
+
+    __slots__ = ("state", "used_s")
+
+    def __init__(self, state: PromptState, used_s: float) -> None:
+        self.state = state
+        self.used_s = used_s
+
+
 class PrefixStateCache:
     """Bounded LRU of conversation prefix states (``router.request_view``'s module docstring).
 
-    Eviction: least recently used first, until the entry count is at most ``max_entries`` and the states' estimated
-    size (``prompt_state.state_size_bytes``) is at most ``max_bytes``; a state larger than ``max_bytes`` alone is
-    not kept.
+    Eviction: least recently used first, while the entry count is over ``max_entries``, the states' estimated size
+    (``prompt_state.state_size_bytes``) over ``max_bytes``, or that size over ``idle_max_bytes`` with the least
+    recently used entry idle (not used for more than ``idle_s`` seconds): the live sessions' states are kept up to
+    ``max_bytes``, idle ones up to ``idle_max_bytes`` (``over_budget``). A state larger than ``max_bytes`` alone is
+    not kept. Eviction runs on ``put`` (an idle cache keeps what it holds, at most ``max_bytes``).
 
     Attributes:
         num_bytes: estimated bytes of the cached states.
     """
 
-    def __init__(self, max_entries: int = 4096, max_bytes: int = 32 << 20) -> None:
-        self._entries: OrderedDict[int, PromptState] = OrderedDict()
+    def __init__(self, max_entries: int = 4096, max_bytes: int = 32 << 20, *, idle_max_bytes: int | None = None,
+                 idle_s: float = IDLE_S, clock: Callable[[], float] = time.monotonic) -> None:
+        """Args:
+            max_entries: most states kept.
+            max_bytes: most estimated bytes kept.
+            idle_max_bytes: most estimated bytes kept once the least recently used state is idle; ``None`` (or more
+                than ``max_bytes``): ``max_bytes``.
+            idle_s: seconds after its last use that a state is idle.
+            clock: monotonic seconds (injected by tests).
+        """
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._max_entries = max_entries
         self._max_bytes = max_bytes
+        self._idle_max_bytes = max_bytes if idle_max_bytes is None else min(idle_max_bytes, max_bytes)
+        self._idle_s = idle_s
+        self._clock = clock
         self.num_bytes = 0
         self.num_hits = 0
         self.num_misses = 0
 
     def get(self, key: int) -> PromptState | None:
-        state = self._entries.get(key)
-        if state is not None:
-            try:
-                self._entries.move_to_end(key)
-            except KeyError:  # evicted meanwhile by the loop (a tokenizer thread planning a huge prompt reads)
-                pass
-        return state
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        entry.used_s = self._clock()
+        try:
+            self._entries.move_to_end(key)
+        except KeyError:  # evicted meanwhile by the loop (a tokenizer thread planning a huge prompt reads)
+            pass
+        return entry.state
 
-    def put(self, key: int, state: PromptState) -> None:
-        old = self._entries.pop(key, None)
+    def put(self, key: int, state: PromptState, superseded: int | None = None) -> None:
+        """Store ``state`` under ``key``; ``superseded`` (the key of the state it continues, when its session has
+        no more use for it but a client may still go back to it: an edited last message) becomes the least
+        recently used, idle at once (``SUPERSEDED_S``)."""
+        now_s = self._clock()
+        entries = self._entries
+        old = entries.pop(key, None)
         if old is not None:
-            self.num_bytes -= state_size_bytes(old)
-        self._entries[key] = state
+            self.num_bytes -= state_size_bytes(old.state)
+        entries[key] = _Entry(state, now_s)
         self.num_bytes += state_size_bytes(state)
-        while self._entries and (len(self._entries) > self._max_entries or self.num_bytes > self._max_bytes):
-            _, evicted = self._entries.popitem(last=False)
-            self.num_bytes -= state_size_bytes(evicted)
+        if superseded is not None and superseded != key:
+            previous = entries.get(superseded)
+            if previous is not None:
+                previous.used_s = SUPERSEDED_S
+                entries.move_to_end(superseded, last=False)
+        while entries and (len(entries) > self._max_entries or over_budget(
+                self.num_bytes, self._max_bytes, self._idle_max_bytes, next(iter(entries.values())).used_s, now_s,
+                self._idle_s)):
+            self.num_bytes -= state_size_bytes(entries.popitem(last=False)[1].state)
 
     def clear(self) -> None:
         """Drop every state (counters stay)."""

@@ -68,9 +68,20 @@ class ModelConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only
             busy 2-core host (``python -m benchmarks huge_prompt``).
         prompt_cache_max_bytes: bytes the gateway's prompt caches of this model hold at most (estimated: block
             hashes, tail tokens and checkpoint text; ``router.request_view.ModelTokenizer``): chat prefix states,
-            text checkpoints and whole-prompt states, least recently used evicted first. Of the default 64 MiB, chat
-            prefix states get half: about 600,000 block hashes (a thousand 9,600-token conversations at block size
-            16). They are dropped when the model's last worker is removed.
+            text checkpoints and whole-prompt states, least recently used evicted first. It holds the live sessions:
+            what was used within ``prompt_cache_idle_s`` is kept up to this cap, so sessions taking turns do not
+            evict each other's checkpoints; the default 1 GiB is the checkpoints of about 850 live text sessions of
+            100K tokens (1.2 MiB each: the text, in 2 bytes a character once it holds one non-Latin-1 character, and
+            6,250 block hashes) or 2,900 chats of that length (0.35 MiB: the hashes). Chat prefix states get half of
+            it, text checkpoints three eighths, whole text prompts one eighth. A gateway of ``--processes N`` holds
+            N such caches. They are dropped when the model's last worker is removed.
+        prompt_cache_idle_max_bytes: bytes the prompt caches keep at most while their least recently used entry is
+            idle (not used for ``prompt_cache_idle_s``): past it, idle entries go first, so the caches come back
+            to this size as idle sessions' turns stop (on the next writes; an unused cache keeps what it holds).
+            Of the default 64 MiB, chat prefix states get half: about 600,000 block hashes (a thousand
+            9,600-token conversations at block size 16). Larger than ``prompt_cache_max_bytes``: the same as it.
+        prompt_cache_idle_s: seconds after its last use that a cached prompt state or checkpoint is idle: cover the
+            time a live session waits between turns (its tools, its user).
         pd: serve the model disaggregated (``router.pd_config``): each request gets a prefill leg on a worker of
             role ``prefill`` (or ``both``) and a decode leg on one of role ``decode`` (or ``both``); ``None``: every
             worker of the model serves whole requests.
@@ -86,7 +97,9 @@ class ModelConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only
     enable_pending_blocks: bool = True
     pending_blocks_ttl_s: PositiveSeconds = 10.0
     max_routed_blocks: AtLeastOne = 16_384
-    prompt_cache_max_bytes: AtLeastOne = 64 << 20
+    prompt_cache_max_bytes: AtLeastOne = 1 << 30
+    prompt_cache_idle_max_bytes: AtLeastOne = 64 << 20
+    prompt_cache_idle_s: PositiveSeconds = 300.0
     pd: PDConfig | None = None
 
     def __post_init__(self) -> None:
@@ -97,6 +110,8 @@ class ModelConfig(ConfigStruct, frozen=True, forbid_unknown_fields=True, kw_only
         check_positive("pending_blocks_ttl_s", self.pending_blocks_ttl_s)
         check_positive("max_routed_blocks", self.max_routed_blocks)
         check_positive("prompt_cache_max_bytes", self.prompt_cache_max_bytes)
+        check_positive("prompt_cache_idle_max_bytes", self.prompt_cache_idle_max_bytes)
+        check_positive("prompt_cache_idle_s", self.prompt_cache_idle_s)
         if self.tokenizer_path is not None and not Path(self.tokenizer_path).exists():
             raise ValueError(f"tokenizer_path {self.tokenizer_path!r} does not exist")
 

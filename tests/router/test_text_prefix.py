@@ -213,3 +213,23 @@ def test_a_lookup_from_a_thread_skips_a_checkpoint_the_loop_evicted_meanwhile():
     states = PrefixStateCache(4, 1 << 20)
     states.put(7, EMPTY_STATE)
     assert states.get(7) is EMPTY_STATE and states.get(8) is None
+
+
+def test_encode_many_is_one_batch_call_with_the_single_encodings_ids(bpe_path: Path) -> None:
+    model = _model(bpe_path)
+    tok = HFTokenizer(bpe_path)
+    rng = random.Random(11)
+    texts = ["", "a", "<|begin_of_text|>hello", *(_text(rng, n) for n in (1, 3, 40, 900))]
+    calls: list[int] = []
+    batch = model._encode_batch
+    assert batch is not None
+
+    def counted(ts):  # type: ignore[no-untyped-def]
+        calls.append(len(ts))
+        return batch(ts)
+
+    model._encode_batch = counted
+    assert model.encode_many(texts) == [tok.encode(t) for t in texts]
+    assert model.encode_many(["hello world"]) == [tok.encode("hello world")]
+    assert model.encode_many([]) == []
+    assert calls == [len(texts), 1]  # one call per batch, none for no texts
