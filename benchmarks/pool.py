@@ -103,8 +103,10 @@
    existence call 400-461 → 354-355 us); a restore planned as one batch when it fits, its plan checked per
    object rather than per block (``read_objects``' compare of every member's hash), each batch's sizes and
    offsets made once (``read_objects`` with the read and check 489-608 → 429-467 us, ``fetch`` 575-715 →
-   510-543). Benchmark, five interleaved before/after pairs, best of 9, load 2.9-3.7: store 0.35-0.40 →
-   0.35-0.45, restore 0.34-0.41 → 0.37-0.40. What stays beside the raw calls at 889 bytes is mostly not
+   510-543). Benchmark, eight interleaved before/after pairs, best of 9, load 2.3-3.7: store 0.34-0.40 →
+   0.34-0.45 (better in five pairs, the same in two), restore 0.34-0.41 → 0.36-0.42 (better in seven); the
+   2 MiB and 8 MiB chunks, whose paths this leaves as they were, within the noise (8 MiB restore 0.69-0.78 →
+   0.65-0.83 in five pairs, stores 0.97-1.09 → 0.90-1.11). What stays beside the raw calls at 889 bytes is mostly not
    bookkeeping: the store's existence call (150-180 us, store rule 2) and chunk build (90-120 us) beside a put of
    750-1000 us, the restore's check (110-140 us on bytes just landed, 70-80 hot) beside a read of 240-300 us, so
    this host would give about 0.75 and 0.7 with no Python at all. Tried and left out: rebuilding the restore's
