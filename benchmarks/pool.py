@@ -96,6 +96,31 @@
    worker could not tell its blocks from another worker's), and running the check on a thread while the chunks are
    built was slower on this host (1.92 against 1.76 ms best for 558 blocks: the handoff costs more than the build it
    hides).
+   Per block in Python, then (558 blocks of 889 bytes, each step timed in 40 fresh rounds on the loaded 2-core host,
+   best, before → after): a span key's member tags from one numpy column of the joined hashes (``store_objects``:
+   56 → 34 us hot), the chunk build in the staging slots themselves (``write_run`` 100 → 88 us), a job's positions
+   as one range, the store's filters skipped when nothing is in flight or present (``prepare_store`` with its
+   existence call 400-461 → 354-355 us); a restore planned as one batch when it fits, its plan checked per
+   object rather than per block (``read_objects``' compare of every member's hash), each batch's sizes and
+   offsets made once (``read_objects`` with the read and check 489-608 → 429-467 us, ``fetch`` 575-715 →
+   510-543). Benchmark, eight interleaved before/after pairs, best of 9, load 2.3-3.7: store 0.34-0.40 →
+   0.34-0.45 (better in five pairs, the same in two), restore 0.34-0.41 → 0.36-0.42 (better in seven); the
+   2 MiB and 8 MiB chunks, whose paths this leaves as they were, within the noise (8 MiB restore 0.69-0.78 →
+   0.65-0.83 in five pairs, stores 0.97-1.09 → 0.90-1.11). What stays beside the raw calls at 889 bytes is mostly not
+   bookkeeping: the store's existence call (150-180 us, store rule 2) and chunk build (90-120 us) beside a put of
+   750-1000 us, the restore's check (110-140 us on bytes just landed, 70-80 hot) beside a read of 240-300 us, so
+   this host would give about 0.75 and 0.7 with no Python at all. Tried and left out: rebuilding the restore's
+   chunks while the read runs, on two threads (the client releases the GIL; ``ChunkLayout.check_run`` then only
+   compares): slower here either way round (the rebuild on a thread and the read here, or the other way), 444-455
+   against 388-396 us best over 500 interleaved hot restores, the read itself slowing from about 200 to 320-500
+   us beside the rebuild (the transfer's own threads need the two cores); it may pay on a host with cores to
+   spare, not measured. Cutting a large object into ranged reads, so that a 128 MiB span is checked in pieces
+   while the next piece is read (the client's ``get_into_ranges``, mooncake-transfer-engine 0.3.13): 76-86 ms
+   for 128 MiB in 16 MiB ranges against 12 ms for one ``batch_get_into`` of it. The zero check itself is not
+   what bounds the large chunks: 25-27 GB/s on one thread over 128 MiB (``maximum.reduce`` of 64-bit words, 2 MiB
+   slices), beside a loopback read of 7-10 GB/s; with two 128 MiB objects what is left is the second one's
+   check, unhidden (about 5 ms beside a 20 ms read of both), and the first one's beside the second read on two
+   shared cores.
 2. TTFT of a 100K-token history restored from the pool against recomputing it, under the sim timing model
    (``workers.engines.sim``, default H200 profile): the scheduler and sim engine run the turn on a worker whose GPU
    is cold, once with the history in the pool (stored by another worker) and once without; TTFT is the sum of the

@@ -12,7 +12,7 @@ from events.types import BlockRemoved, Medium
 from tests.workers.test_pool_tier import prefill, worker
 from workers.kv.block_pool import BlockMeta
 from workers.kv.hashing import extend_block_hashes, namespace_root, to_engine_hash
-from workers.kv.pool_spans import store_objects
+from workers.kv.pool_spans import objects_of, positions_of, store_objects
 from workers.kv.pool_tier import PoolTier, SimPool, SimPoolClient, pool_key
 
 pytestmark = pytest.mark.unit
@@ -107,3 +107,31 @@ def test_a_store_jobs_objects_are_its_spans_under_span_key_and_its_singles_under
     num_spans = sum(1 for k, _, _ in got if key_num_blocks(k) > 1)
     counts = {(0, 16): (3, 12), (5, 16): (2, 20), (16, 16): (2, 12), (0, 2): (30, 0), (5, 2): (27, 0), (16, 2): (22, 0)}
     assert (num_spans, len(got) - num_spans) == counts[first, span_len]
+
+
+def test_a_jobs_positions_are_every_position_of_its_objects_in_order():
+    assert positions_of([("a", 0, 16), ("b", 16, 17), ("c", 17, 18)]) == list(range(18))
+    assert positions_of([("a", 0, 16), ("c", 17, 18)]) == [*range(16), 17]
+    assert positions_of([("b", 3, 4), ("c", 5, 7)]) == [3, 5, 6]
+    assert positions_of([]) == []
+
+
+def test_a_restore_planned_from_objects_that_do_not_hold_its_blocks_raises():
+    tier = PoolTier(SimPool(64).attach(), BS, lambda event: None, blocks_per_span=16)
+
+    def chain(base: int) -> list[BlockMeta]:
+        tokens = [base + i for i in range(20 * BS)]
+        hashes = extend_block_hashes([], namespace_root(), tokens, BS)
+        return [BlockMeta(h, hashes[d - 1] if d else None, tuple(tokens[d * BS : (d + 1) * BS]), d)
+                for d, h in enumerate(hashes)]  # fmt: skip
+
+    a, b = chain(1000), chain(5000)
+    assert len(tier.prepare_store(1, [m.block_hash for m in a], a)) == 20
+    tier.complete_store(1)
+    objects = objects_of(a, 16)
+    assert [o.num_blocks for o in objects] == [16, 1, 1, 1, 1] and tier.fetch(a, objects) == 20
+    assert tier.fetch(a[3:18], objects) == 15  # from inside the span, ending before the last single
+    with pytest.raises(RuntimeError, match="do not hold"):  # another chain's objects, all in the pool
+        tier.fetch(b, objects)
+    with pytest.raises(RuntimeError, match="do not hold"):  # a single left out: a gap in the plan
+        tier.fetch(a, [objects[0], *objects[2:]])

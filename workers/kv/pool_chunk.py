@@ -190,14 +190,20 @@ class ChunkLayout:
         return held[:num]
 
     def _heads(
-        self, hashes: Sequence[bytes], tokens: Sequence[Sequence[int]], payloads: Sequence[bytes] | None
+        self,
+        hashes: Sequence[bytes],
+        tokens: Sequence[Sequence[int]],
+        payloads: Sequence[bytes] | None,
+        into: np.ndarray | None = None,
     ) -> np.ndarray:
         """The first ``header_bytes + payload_bytes`` bytes of each block's chunk (the manifest, then the first
         piece's payload), a ``[len(hashes), header_bytes + payload_bytes]`` uint8 array: what ``write_run`` writes
         and ``check_run`` compares. ``payloads``: each block's tokens packed already, used instead of ``tokens``.
         With ``payloads`` the digests are one ``xxh3_64_digest`` call per block, joined and byte-reversed per row
         into the little-endian column (``xxh3_64_digest`` is the canonical big-endian form of
-        ``xxh3_64_intdigest``, python-xxhash's README), with no Python int per block.
+        ``xxh3_64_intdigest``, python-xxhash's README), with no Python int per block. ``into``: with ``payloads``,
+        the array to fill (a ``[len(hashes), header_bytes + payload_bytes]`` view, rows may be strided: the chunks'
+        own slots, so ``write_run`` copies nothing twice); else this thread's scratch array is filled.
 
         Raises:
             ValueError: a block that is not ``block_size`` tokens, or a hash that is not 32 bytes.
@@ -206,7 +212,7 @@ class ChunkLayout:
         joined = b"".join(hashes)
         if len(joined) != 32 * num or (payloads is None and len(tokens) != num):
             raise ValueError("a chunk holds one full block and its 32-byte hash")
-        out = self._scratch(num)
+        out = into if into is not None and payloads is not None else self._scratch(num)
         if payloads is not None:
             together = b"".join(payloads)
             if len(together) != n * num or len(payloads) != num:
@@ -253,10 +259,11 @@ class ChunkLayout:
         """
         if not hashes:
             return
-        heads = self._heads(hashes, tokens, payloads)
         rows = self._rows(buffer.data, offset, len(hashes))
         head_bytes, n = self.header_bytes, self.payload_bytes
-        rows[:, : head_bytes + n] = heads
+        heads = self._heads(hashes, tokens, payloads, rows[:, : head_bytes + n])
+        if payloads is None:  # built in this thread's scratch array (with payloads: in place)
+            rows[:, : head_bytes + n] = heads
         for start in self._piece_offsets[1:]:
             rows[:, start : start + n] = heads[:, head_bytes:]
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from common.pool_keys import KEY_PREFIX, SPAN_PREFIX, PoolObject, pool_key, span_key
 from workers.kv.block_pool import BlockMeta
 from workers.kv.hashing import BlockHash
 
-__all__ = ["PoolHit", "hit_of", "lookup_objects", "objects_of", "singles_inside", "store_objects"]
+__all__ = ["PoolHit", "hit_of", "lookup_objects", "objects_of", "positions_of", "singles_inside", "store_objects"]
 
 
 class PoolHit(NamedTuple):
@@ -64,6 +66,15 @@ def hit_of(
     return PoolHit(min(end, last.first_depth + last.num_blocks) - first, tuple(found))
 
 
+def _tags(hashes: Sequence[bytes]) -> str:
+    """Each hash's last 8 bytes in hex, joined (``span_key``'s member tags, 16 digits per block): for 32-byte
+    hashes one numpy column of the joined hashes (a slice per hash costs 4 times that: 44 against 11 us for 558)."""
+    joined = b"".join(hashes)
+    if len(joined) != 32 * len(hashes):
+        return b"".join([h[-8:] for h in hashes]).hex()
+    return np.frombuffer(joined, np.uint8).reshape(-1, 32)[:, 24:].tobytes().hex()
+
+
 def store_objects(metas: Sequence[BlockMeta], span_len: int, num_context_blocks: int) -> list[tuple[str, int, int]]:
     """The objects a store job writes, as ``(key, start, end)`` ranges of ``metas``: every span ``metas`` covers
     whole, and a single for each other block except the leading ``num_context_blocks`` (written only inside a
@@ -80,12 +91,12 @@ def store_objects(metas: Sequence[BlockMeta], span_len: int, num_context_blocks:
     if span_len == 1:  # every block its own object
         return [(pool_key(m.block_hash), i, i + 1) for i, m in enumerate(metas)]
     hashes = [m.block_hash for m in metas]
-    tags = ""  # every block's 16 hex digits in a span key (span_key: its hash's last 8 bytes), made once
+    tags = ""  # every block's 16 hex digits in a span key (span_key: its hash's last 8 bytes), made once (_tags)
     out: list[tuple[str, int, int]] = []
     i, n = 0, len(metas)
     while i < n:
         if (d0 + i) % span_len == 0 and i + span_len <= n:  # a full span starts here: span_key of its members
-            tags = tags or b"".join([h[-8:] for h in hashes]).hex()
+            tags = tags or _tags(hashes)
             last = i + span_len - 1
             out.append((SPAN_PREFIX + tags[16 * i : 16 * last] + "/" + hashes[last].hex(), i, i + span_len))
             i += span_len
@@ -94,6 +105,15 @@ def store_objects(metas: Sequence[BlockMeta], span_len: int, num_context_blocks:
             out.append((KEY_PREFIX + hashes[i].hex(), i, i + 1))
         i += 1
     return out
+
+
+def positions_of(objects: Sequence[tuple[str, int, int]]) -> list[int]:
+    """Every position of the ``(key, start, end)`` ranges ``objects`` (``store_objects``' order), in order: one
+    ``range`` where they lie back to back (a job storing all its objects), else range by range."""
+    lo, hi = (objects[0][1], objects[-1][2]) if objects else (0, 0)
+    if sum(end - start for _, start, end in objects) == hi - lo:
+        return list(range(lo, hi))
+    return [i for _, start, end in objects for i in range(start, end)]
 
 
 def objects_of(metas: Sequence[BlockMeta], span_len: int) -> list[PoolObject]:

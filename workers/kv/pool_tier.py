@@ -78,7 +78,15 @@ from workers.kv.pool_chunk import CHUNK_VERSION, ChunkLayout, HostBuffer
 from workers.kv.pool_known import KnownObjects
 from workers.kv.pool_layout import PoolLayout, attach_layout
 from workers.kv.pool_read import PoolFetch, ReadResult, capacity_chunks, done_future, plan_read, read_objects
-from workers.kv.pool_spans import PoolHit, hit_of, lookup_objects, objects_of, singles_inside, store_objects
+from workers.kv.pool_spans import (
+    PoolHit,
+    hit_of,
+    lookup_objects,
+    objects_of,
+    positions_of,
+    singles_inside,
+    store_objects,
+)
 from workers.kv.pool_store import (
     MooncakePoolStore,
     PoolStore,
@@ -90,21 +98,8 @@ from workers.kv.pool_store import (
 from workers.kv.pool_use import UseOrder
 from workers.kv.pool_zero import default_check_threads
 
-__all__ = [
-    "KEY_PREFIX",
-    "MooncakePoolStore",
-    "PoolFetch",
-    "PoolHit",
-    "PoolObject",
-    "PoolStore",
-    "PoolTier",
-    "SimPool",
-    "SimPoolClient",
-    "build_pool_store",
-    "pool_key",
-    "sim_pool",
-    "span_key",
-]
+__all__ = ["KEY_PREFIX", "MooncakePoolStore", "PoolFetch", "PoolHit", "PoolObject", "PoolStore", "PoolTier", "SimPool",
+           "SimPoolClient", "build_pool_store", "pool_key", "sim_pool", "span_key"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -354,18 +349,18 @@ class PoolTier:
             return hi - max(lo, min(hi, num_context_blocks))
 
         in_flight = self._in_flight
-        candidates = [o for o in objects if o[0] not in in_flight]
+        candidates = [o for o in objects if o[0] not in in_flight] if in_flight else objects
         self.num_stores_skipped_in_flight += sum(num_new(lo, hi) for k, lo, hi in objects if k in in_flight)
         if not candidates:
             return []
         present = self.store.exists([o[0] for o in candidates])
-        chosen = [o for o, p in zip(candidates, present, strict=True) if not p]
+        chosen = [o for o, p in zip(candidates, present, strict=True) if not p] if any(present) else candidates
         self.num_stores_skipped_stored += sum(
             num_new(lo, hi) for (_, lo, hi), p in zip(candidates, present, strict=True) if p
         )
         if not chosen:
             return []
-        positions = [i for _, lo, hi in chosen for i in range(lo, hi)]
+        positions = positions_of(chosen)
         layout = self.layout
         buffer = self._take_buffer(len(positions))
         step = layout.chunk_bytes
