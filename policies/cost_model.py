@@ -193,8 +193,6 @@ class TTFTBreakdown(msgspec.Struct, frozen=True, gc=False):
         ttft_s: ``overhead_s + speed_factor * (queue_s + prefill_s + restore_s)``.
         num_computed_tokens: prompt tokens the worker would compute.
         decode_load_s: the decode load of placing the request there, unscaled (ranking only; module docstring).
-        num_lanes_beside: the prefills ahead that the request's own prefill runs beside on a worker whose step cap
-            binds, each delayed by it (``shared_step_queue_s``; 0: none, or no cap; ranking only).
     """
 
     queue_s: float
@@ -206,6 +204,8 @@ class TTFTBreakdown(msgspec.Struct, frozen=True, gc=False):
     num_computed_tokens: int
     decode_load_s: float = 0.0
     num_lanes_beside: float = 0.0
+    """The prefills ahead that the request's own prefill runs beside on a worker whose step cap binds, each
+    delayed by it (``shared_step_queue_s``; 0: none, or no cap)."""
 
 
 class TTFTCostModel:
