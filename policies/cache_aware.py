@@ -93,7 +93,7 @@ class CostTerms(msgspec.Struct, frozen=True, gc=False):
         recompute_penalty_s: ``recompute_penalty * prefill_s``.
         decode_load_penalty_s: ``decode_penalty`` times the decode load (``TTFTCostModel.decode_load_s``).
         cost_s: what the candidates are ranked by: ``ttft_s + recompute_penalty_s + decode_load_penalty_s +
-            memory_penalty_s + returning_penalty_s + beside_penalty_s``.
+            memory_penalty_s + returning_penalty_s``.
         speed_factor: the worker's online speed factor.
         num_computed_tokens: prompt tokens the worker would compute.
         is_saturated: over a busy threshold (competes only when every candidate is).
@@ -116,9 +116,6 @@ class CostTerms(msgspec.Struct, frozen=True, gc=False):
     """The wait the request's prefill imposes on the worker's sessions expected back during it
     (``RequestView.session_return_probability`` times ``policies.returning.returning_delay_s``, capped at the served
     tail: ``policies.returning.returning_charge_s``)."""
-    beside_penalty_s: float = 0.0
-    """On a worker whose step cap binds: the delay the request's prefill imposes on the prefills ahead it runs
-    beside, ``TTFTBreakdown.num_lanes_beside * prefill_s`` (``policies/cost_model.py``)."""
 
 _SCORE_RESOLUTION_PER_S = 1e6
 """Scores closer than one microsecond tie."""
@@ -208,7 +205,6 @@ class CacheAwarePolicy:
             recompute = (0.0 if view.is_new_session else config.recompute_penalty) * f * b.prefill_s
             decode = config.decode_penalty * f * b.decode_load_s
             memory = f * self.memory_s(w, view.num_prompt_tokens + view.num_expected_growth_tokens)
-            beside = f * b.num_lanes_beside * b.prefill_s
             returning = 0.0
             if view.session_return_probability and w.returning_in_s:
                 returning = returning_charge_s(view.session_return_probability, w.returning_in_s, b.ttft_s,
@@ -216,9 +212,9 @@ class CacheAwarePolicy:
             out[w.worker_id] = CostTerms(
                 queue_s=f * b.queue_s, prefill_s=f * b.prefill_s, restore_s=f * b.restore_s, overhead_s=b.overhead_s,
                 ttft_s=b.ttft_s, recompute_penalty_s=recompute, decode_load_penalty_s=decode,
-                cost_s=b.ttft_s + recompute + decode + memory + returning + beside, speed_factor=f,
+                cost_s=b.ttft_s + recompute + decode + memory + returning, speed_factor=f,
                 num_computed_tokens=b.num_computed_tokens, is_saturated=self.is_saturated(w), memory_penalty_s=memory,
-                returning_penalty_s=returning, beside_penalty_s=beside,
+                returning_penalty_s=returning,
             )
         return out
 
@@ -284,15 +280,12 @@ class CacheAwarePolicy:
                     factor = math.exp(log_factor)
             pending, waiting, running = w.num_pending_prefill_tokens, w.num_waiting_requests, w.num_running_requests
             queued = w.pending_prefills
-            beside = 0.0
             if queued:
                 queued_s = drained_prefill_s(queued, w.prefill_done_at_s, w.clock_s, s_per_token, s_per_token_sq,
                                              factor)
                 if num_lanes:
-                    queued_s, lanes_beside = shared_step_queue_s(queued, queued_s, n - k, num_lanes, threshold,
-                                                                 step_budget, s_per_token, s_per_token_sq)
-                    if lanes_beside:  # ranking only: the delay its prefill imposes on them (cost_terms)
-                        beside = lanes_beside * prefill
+                    queued_s = shared_step_queue_s(queued, queued_s, n - k, num_lanes, threshold, step_budget,
+                                                   s_per_token, s_per_token_sq)
                 work = queued_s + waiting * per_waiting_s + running * per_running_s + prefill
             elif pending or waiting or running:
                 work = (pending * s_per_token + w.num_pending_prefill_token_pairs * s_per_token_sq
@@ -309,8 +302,6 @@ class CacheAwarePolicy:
                 over = w.num_resident_tokens + projected - capacity
                 if over > 0:
                     decode += (projected if over > projected else over) * s_per_token
-            if beside:
-                decode += beside
             if factor != 1.0:
                 work *= factor
                 prefill *= factor

@@ -51,9 +51,7 @@ of them, work ``W_y`` seconds over ``N_y`` uncached tokens). With ``D`` the drai
     queue_s's prefill part = wait + beside   (<= D: a cap never raises the estimate)
 
 A short turn behind one long cold prefill (``m = 1``) then waits for one ``T``-token chunk of it per step it
-runs in, not for all of it. With ``T = 0`` or ``T >= B`` (``s = 0``) the queue is ``D`` as above. The other side
-of it: every step the request runs in is longer by its own tokens, so each lane it runs beside finishes later by
-about its prefill; ``cache_aware`` ranks with that delay (``num_lanes_beside * prefill_s``, ranking only).
+runs in, not for all of it. With ``T = 0`` or ``T >= B`` (``s = 0``) the queue is ``D`` as above.
 
 Why ``n**2``: the GEMMs of a transformer cost a constant per token, attention over a causal prefix of length n
 costs ``~ 2 * n**2 * d_model * num_layers`` FLOPs (halved for causality, times 2 matmuls, times 2 FLOPs/MAC), so
@@ -113,10 +111,9 @@ def num_threshold_lanes(max_num_batched_tokens: int, long_prefill_token_threshol
 def shared_step_queue_s(
     pending: Sequence[PendingPrefill], queued_s: float, num_new_tokens: int, num_lanes: int,
     long_prefill_token_threshold: int, max_num_batched_tokens: int, s_per_token: float, s_per_token_sq: float,
-) -> tuple[float, float]:
+) -> float:
     """The pending prefill a request waits for on a worker whose step cap binds (module docstring: ``wait +
-    beside``), unscaled seconds, at most ``queued_s``; and how many lanes its own prefill delays (``m`` times the
-    share of its steps they are still running in, ``min(1, (D - wait) / (steps * m * T * W_y / N_y))``). O(num_lanes).
+    beside``), unscaled seconds; at most ``queued_s``. O(num_lanes).
 
     Args:
         pending: the worker's pending prefills in admission order (``WorkerState.pending_prefills``).
@@ -139,15 +136,13 @@ def shared_step_queue_s(
             num_lane_tokens += num_tokens
             lane_work_s += num_tokens * s_per_token + num_token_pairs * s_per_token_sq
     if not m or queued_s <= 0.0:
-        return queued_s, 0.0
+        return queued_s
     wait_s = queued_s - lane_work_s if queued_s > lane_work_s else 0.0
     lanes_left_s = queued_s - wait_s
     lane_tokens_per_step = m * long_prefill_token_threshold
     num_steps = max(1, -(-num_new_tokens // (max_num_batched_tokens - lane_tokens_per_step)))
     beside_s = num_steps * lane_tokens_per_step * lane_work_s / num_lane_tokens
-    if beside_s <= lanes_left_s:
-        return wait_s + beside_s, float(m)
-    return queued_s, m * lanes_left_s / beside_s
+    return wait_s + (beside_s if beside_s < lanes_left_s else lanes_left_s)
 
 
 def drained_prefill_s(
@@ -203,9 +198,6 @@ class TTFTBreakdown(msgspec.Struct, frozen=True, gc=False):
     ttft_s: float
     num_computed_tokens: int
     decode_load_s: float = 0.0
-    num_lanes_beside: float = 0.0
-    """The prefills ahead that the request's own prefill runs beside on a worker whose step cap binds, each
-    delayed by it (``shared_step_queue_s``; 0: none, or no cap)."""
 
 
 class TTFTCostModel:
@@ -280,12 +272,11 @@ class TTFTCostModel:
         k_cpu = min(worker.num_cpu_cached_tokens, n - k_gpu)
         k_pool = min(worker.num_pool_cached_tokens, n - k_gpu - k_cpu)
         k = k_gpu + k_cpu + k_pool
-        num_lanes_beside = 0.0
         if worker.pending_prefills:
             queued_prefill_s = drained_prefill_s(worker.pending_prefills, worker.prefill_done_at_s, worker.clock_s,
                                                  self.s_per_token, self.s_per_token_sq, speed_factor)
             if self.num_lanes:
-                queued_prefill_s, num_lanes_beside = shared_step_queue_s(
+                queued_prefill_s = shared_step_queue_s(
                     worker.pending_prefills, queued_prefill_s, n - k, self.num_lanes,
                     self.config.long_prefill_token_threshold, self.config.max_num_batched_tokens, self.s_per_token,
                     self.s_per_token_sq)
@@ -308,7 +299,6 @@ class TTFTCostModel:
             ttft_s=self.overhead_s + speed_factor * (queue_s + prefill_s + restore_s),
             num_computed_tokens=n - k,
             decode_load_s=self.decode_load_s(worker, n, num_max_output_tokens) if num_max_output_tokens else 0.0,
-            num_lanes_beside=num_lanes_beside,
         )
 
 

@@ -46,25 +46,24 @@ def policy(threshold: int, budget: int = 1024) -> CacheAwarePolicy:
         max_num_batched_tokens=budget, long_prefill_token_threshold=threshold))
 
 
-# (case, threshold, pending, expected queue_s, lanes it runs beside)
+# (case, threshold, pending, expected queue_s)
 CASES = [
     # T = 0: the whole drained queue, as before
-    ("off, A ahead", 0, (A,), 2.0, 0),
-    ("off, A then B ahead", 0, (A, B), 2.75, 0),
+    ("off, A ahead", 0, (A,), 2.0),
+    ("off, A then B ahead", 0, (A, B), 2.75),
     # T = 512 of 1024: s = 1 lane. A alone is the lane: wait max(0, 2 - 2) = 0; one step of 512 tokens beside it,
     # ceil(256 / (1024 - 512)) = 1, at A's 2 s / 1024 tokens: 512 * 2 / 1024 = 1 s (of A's 2 s left).
-    ("one lane, A ahead", 512, (A,), 1.0, 1),
+    ("one lane, A ahead", 512, (A,), 1.0),
     # B (the youngest) is the lane: A's 2 s first (wait 2.75 - 0.75), then B's 512-token chunk: 0.75 s, all of it.
-    ("one lane, A then B ahead", 512, (A, B), 2.75, 1),
+    ("one lane, A then B ahead", 512, (A, B), 2.75),
     # T = 384: s = ceil(1024 / 384) - 1 = 2 lanes, A and B (W_y = 2.75 s over 1536 tokens): wait 0; budget left
     # 1024 - 2 * 384 = 256, one step; beside 768 * 2.75 / 1536 = 1.375 s.
-    ("two lanes, A then B ahead", 384, (A, B), 1.375, 2),
+    ("two lanes, A then B ahead", 384, (A, B), 1.375),
 ]
 
 
-@pytest.mark.parametrize(("case", "threshold", "pending", "queue_s", "lanes"), CASES, ids=[c[0] for c in CASES])
-def test_the_queue_a_request_waits_for(case: str, threshold: int, pending: tuple, queue_s: float, lanes: int) -> None:
-    """The score is the TTFT; the ranking cost adds the delay its prefill imposes on each lane it runs beside."""
+@pytest.mark.parametrize(("case", "threshold", "pending", "queue_s"), CASES, ids=[c[0] for c in CASES])
+def test_the_queue_a_request_waits_for(case: str, threshold: int, pending: tuple, queue_s: float) -> None:
     cache_aware = policy(threshold)
     worker = make_worker("w0", num_pending_prefill_tokens=sum(p[1] for p in pending),
                          num_pending_prefill_token_pairs=sum(p[2] for p in pending), pending_prefills=pending,
@@ -74,22 +73,18 @@ def test_the_queue_a_request_waits_for(case: str, threshold: int, pending: tuple
     assert cache_aware.select(view, snapshot).scores == {"w0": OVERHEAD_S + queue_s + OWN_PREFILL_S}
     terms = cache_aware.cost_terms(view, snapshot)["w0"]
     assert (terms.queue_s, terms.ttft_s) == (queue_s, OVERHEAD_S + queue_s + OWN_PREFILL_S)
-    assert terms.beside_penalty_s == lanes * OWN_PREFILL_S
 
 
 def test_a_long_request_runs_beside_the_lane_for_as_many_steps_as_it_needs() -> None:
     # n = 1536 uncached behind A with T = 512: ceil(1536 / 512) = 3 steps of A's 512-token chunks, 3 s of work,
     # capped at A's 2 s left: the request waits for all of A (it still shares every step with it).
-    # A runs beside it in 2 of its 3 steps: it delays 2/3 of a lane.
-    assert shared_step_queue_s((A,), 2.0, 1536, 1, 512, 1024, 1 / 1024, 1 / 2**20) == (2.0, 2 / 3)
-    # n = 512: one step, 1 s of A's, beside A all along
-    assert shared_step_queue_s((A,), 2.0, 512, 1, 512, 1024, 1 / 1024, 1 / 2**20) == (1.0, 1.0)
+    assert shared_step_queue_s((A,), 2.0, 1536, 1, 512, 1024, 1 / 1024, 1 / 2**20) == 2.0
+    # n = 512: one step, 1 s of A's
+    assert shared_step_queue_s((A,), 2.0, 512, 1, 512, 1024, 1 / 1024, 1 / 2**20) == 1.0
     # A half served (1 s left): the step takes at most what is left
-    assert shared_step_queue_s((A,), 1.0, 256, 1, 512, 1024, 1 / 1024, 1 / 2**20) == (1.0, 1.0)
+    assert shared_step_queue_s((A,), 1.0, 256, 1, 512, 1024, 1 / 1024, 1 / 2**20) == 1.0
     # a pending entry fully cached (0 tokens) takes no lane: B is the lane, A waited for
-    assert shared_step_queue_s((A, B, (10.0, 0, 0)), 2.75, 256, 1, 512, 1024, 1 / 1024, 1 / 2**20) == (2.75, 1.0)
-    # nothing queued: no lane
-    assert shared_step_queue_s((A,), 0.0, 256, 1, 512, 1024, 1 / 1024, 1 / 2**20) == (0.0, 0.0)
+    assert shared_step_queue_s((A, B, (10.0, 0, 0)), 2.75, 256, 1, 512, 1024, 1 / 1024, 1 / 2**20) == 2.75
 
 
 R_LIN, R_QUAD = 40_000.0, 2.435e9
