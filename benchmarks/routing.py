@@ -2,7 +2,7 @@
 
 Run: ``python -m benchmarks routing [--workload mooncake|agentic|synthetic] [--start-s S] [--max-requests N]
 [--repetitions 2] [--routers LABEL,...] [--concurrency 8] [--num-cpu-blocks B] [--gpu-fraction F]
-[--cpu-fraction F] [--out DIR]``.
+[--cpu-fraction F] [--long-prefill-token-threshold T] [--out DIR]``.
 
 Method:
 
@@ -231,10 +231,11 @@ async def run(
     """Steps 2–3 of the module docstring: outcomes by router label, the skipped routers, and each kvgate router's
     predictions paired with what was observed (step 5), over its repetitions."""
     demo = DemoConfig(trace="", num_workers=args.num_workers, time_scale=args.time_scale,
-                      max_output_tokens=args.max_output_tokens, num_cpu_blocks=args.num_cpu_blocks)
+                      max_output_tokens=args.max_output_tokens, num_cpu_blocks=args.num_cpu_blocks,
+                      long_prefill_token_threshold=args.long_prefill_token_threshold)
     profile = worker_profile(demo)
     if not args.hold_prefix:
-        profile["scheduler"] = {"hold-prefix-on-arrival": False}
+        profile.setdefault("scheduler", {})["hold-prefix-on-arrival"] = False
     max_model_len = build_config(profile).scheduler.max_model_len
     cut = cut_to_context(load_workload(args), max_model_len, args.max_output_tokens)
     requests = cut.kept
@@ -249,7 +250,8 @@ async def run(
     bound = ceiling(requests)
     console.print(f"{args.workload}: {len(requests)} requests, {len({r.session_id for r in requests})} sessions, "
                   f"ceiling {bound.hit_ratio:.3f}; fleet {args.num_workers} × {num_gpu_blocks} "
-                  f"GPU blocks (+{num_cpu_blocks} CPU)", markup=False, highlight=False)
+                  f"GPU blocks (+{num_cpu_blocks} CPU), long-prefill-token-threshold "
+                  f"{args.long_prefill_token_threshold}", markup=False, highlight=False)
     console.print(f"left out {cut.num_turns_left_out} turns over the workers' {max_model_len}-token context (prompt "
                   f"+ max_tokens; a 400 for every router): {cut.num_sessions_cut} sessions cut, "
                   f"{cut.num_sessions_left_out} left out whole", markup=False, highlight=False)
@@ -384,6 +386,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-hold-prefix", dest="hold_prefix", action="store_false",
                         help="the sim workers look a request's prefix up only at admission, as vLLM does (default: "
                              "held from arrival, workers.config.SchedulerConfig.hold_prefix_on_arrival)")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                        help="the sim workers' cap on one request's tokens per step (vLLM's flag; default 0: off), "
+                             "told to kvgate's cost model too; peers run on the same fleet")
     parser.add_argument("--num-cpu-blocks", type=int, default=0, help="CPU-tier blocks per worker")
     parser.add_argument("--gpu-fraction", type=float, default=1.0,
                         help="GPU blocks per worker as a fraction of the demo's sizing (below 1: memory pressure)")
@@ -413,7 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(band_tables, markup=False, highlight=False, soft_wrap=True)
     out = Path(args.out)
     write_results(out, [o for runs in outcomes.values() for o in runs],
-                  extra={"workload": args.workload, "start_s": args.start_s, "table": rows, "queue_bands": bands},
+                  extra={"workload": args.workload, "start_s": args.start_s,
+                         "long_prefill_token_threshold": args.long_prefill_token_threshold, "table": rows,
+                         "queue_bands": bands},
                   plots=False)
     (out / "table.md").write_text(table, encoding="utf-8")
     (out / "queue_bands.md").write_text(band_tables, encoding="utf-8")

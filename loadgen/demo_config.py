@@ -16,7 +16,7 @@ import yaml
 
 from loadgen.replay import ReplayConfig
 from policies.config import CacheAwareConfig
-from workers.config import TimingProfile
+from workers.config import SchedulerConfig, TimingProfile
 
 POLICIES: dict[str, dict[str, Any]] = {
     "round_robin": {"name": "round_robin"},
@@ -93,22 +93,31 @@ class DemoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename
     disaggregated fleet of the same size (half prefill, half decode workers, ``models[].pd``), side by side."""
     peers: tuple[str, ...] = ()
     """Peer router runs after kvgate's (``loadgen.peers``), by label (``sglang:cache_aware``...)."""
+    long_prefill_token_threshold: int = 0
+    """The sim workers' ``scheduler.long-prefill-token-threshold`` (tokens one request computes per step at most,
+    vLLM's flag; 0: off, vLLM's default); ``cache_aware``'s cost model is told the same, with the workers' step
+    budget."""
 
 
 def worker_profile(config: DemoConfig) -> dict[str, Any]:
-    """The sim workers' ``--profile``: the default timing with prefill ``prefill_slowdown`` times slower."""
+    """The sim workers' ``--profile``: the default timing with prefill ``prefill_slowdown`` times slower, and the
+    scheduler's ``long-prefill-token-threshold`` when the config sets one."""
     base = TimingProfile()
-    return {
+    profile: dict[str, Any] = {
         "timing": {
             "prefill-s-per-token": base.prefill_s_per_token * config.prefill_slowdown,
             "attention-s-per-token-pair": base.attention_s_per_token_pair * config.prefill_slowdown,
         }
     }
+    if config.long_prefill_token_threshold:
+        profile["scheduler"] = {"long-prefill-token-threshold": config.long_prefill_token_threshold}
+    return profile
 
 
 def gateway_policy(label: str, config: DemoConfig) -> dict[str, Any]:
     """The gateway ``policy`` section of a run: ``POLICIES[label]`` with ``cache_aware``'s cost model set to the
-    workers' prefill rates. Calibration is off: the rates are the workers' own profile. (The fleet lists each sim
+    workers' prefill rates and step limits (``max_num_batched_tokens``, ``long_prefill_token_threshold``).
+    Calibration is off: the rates are the workers' own profile. (The fleet lists each sim
     worker with its ``time_scale``, ``loadgen.fleet.Fleet.gateway_config``, so the gateway's clock for the worker's
     queue and the TTFT it observes are in the worker's seconds.)"""
     policy = copy.deepcopy(POLICIES[label])
@@ -117,6 +126,8 @@ def gateway_policy(label: str, config: DemoConfig) -> dict[str, Any]:
         "prefill_linear_tokens_per_s": defaults.prefill_linear_tokens_per_s / config.prefill_slowdown,
         "prefill_quadratic_tokens_sq_per_s": defaults.prefill_quadratic_tokens_sq_per_s / config.prefill_slowdown,
         "enable_calibration": False,
+        "max_num_batched_tokens": SchedulerConfig().max_num_batched_tokens,
+        "long_prefill_token_threshold": config.long_prefill_token_threshold,
     }
     for section in (policy, policy.get("inner")):
         if section is not None and section.get("name") == "cache_aware":

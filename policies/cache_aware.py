@@ -67,7 +67,13 @@ import msgspec
 from policies.base import Decision, RequestView, Snapshot, WorkerState
 from policies.candidates import eligible_workers, no_worker_decision
 from policies.config import CacheAwareConfig
-from policies.cost_model import TTFTBreakdown, TTFTCalibrator, TTFTCostModel, drained_prefill_s
+from policies.cost_model import (
+    TTFTBreakdown,
+    TTFTCalibrator,
+    TTFTCostModel,
+    drained_prefill_s,
+    shared_step_queue_s,
+)
 from policies.returning import capped_charge_s, returning_charge_s, returning_delay_s
 
 logger = logging.getLogger(__name__)
@@ -220,6 +226,9 @@ class CacheAwarePolicy:
          decode_s_per_two_sequences, decode_horizon_tokens) = self._constants
         if view.is_new_session:
             recompute_penalty = 0.0
+        num_lanes = self.cost_model.num_lanes  # the workers' step cap (TTFTCostModel.breakdown, shared_step_queue_s)
+        threshold = self.config.long_prefill_token_threshold
+        step_budget = self.config.max_num_batched_tokens
         return_probability = view.session_return_probability
         return_tail_s = view.session_return_tail_s
         n = view.num_prompt_tokens
@@ -261,6 +270,7 @@ class CacheAwarePolicy:
                 k = n if k_gpu > n else k_gpu
                 prefill = (n - k) * s_per_token + (n_sq - k * k) * s_per_token_sq if k else prefill_uncached
             else:
+                k = 0
                 prefill = prefill_uncached
             worker_id = w.worker_id
             factor = 1.0
@@ -271,9 +281,12 @@ class CacheAwarePolicy:
             pending, waiting, running = w.num_pending_prefill_tokens, w.num_waiting_requests, w.num_running_requests
             queued = w.pending_prefills
             if queued:
-                work = (drained_prefill_s(queued, w.prefill_done_at_s, w.clock_s, s_per_token, s_per_token_sq,
-                                          factor)
-                        + waiting * per_waiting_s + running * per_running_s + prefill)
+                queued_s = drained_prefill_s(queued, w.prefill_done_at_s, w.clock_s, s_per_token, s_per_token_sq,
+                                             factor)
+                if num_lanes:
+                    queued_s = shared_step_queue_s(queued, queued_s, n - k, num_lanes, threshold, step_budget,
+                                                   s_per_token, s_per_token_sq)
+                work = queued_s + waiting * per_waiting_s + running * per_running_s + prefill
             elif pending or waiting or running:
                 work = (pending * s_per_token + w.num_pending_prefill_token_pairs * s_per_token_sq
                         + waiting * per_waiting_s + running * per_running_s + prefill)

@@ -141,6 +141,12 @@ class CacheAwareConfig(_PolicyConfigBase, frozen=True, tag="cache_aware"):
         max_speed_factor: upper bound of the per-worker speed factor.
         min_calibration_work_s: observations whose predicted scalable time is shorter than this (seconds) carry
             too little signal and are ignored.
+        max_num_batched_tokens: the workers' step budget, tokens (their scheduler's ``max_num_batched_tokens``,
+            vLLM's flag of the same name); read only with ``long_prefill_token_threshold``.
+        long_prefill_token_threshold: the workers' cap on one request's tokens per step (their scheduler's
+            ``long_prefill_token_threshold``, vLLM's flag of the same name), tokens; 0: none. Below the budget, a
+            request shares each step with the prefills queued ahead instead of waiting for all of them
+            (``policies/cost_model.py``, ``shared_step_queue_s``). Set both to the workers' values.
     """
 
     prefill_linear_tokens_per_s: PositiveRate = 40_000.0
@@ -166,6 +172,8 @@ class CacheAwareConfig(_PolicyConfigBase, frozen=True, tag="cache_aware"):
     min_speed_factor: Annotated[float, msgspec.Meta(gt=0.0)] = 0.25
     max_speed_factor: Annotated[float, msgspec.Meta(gt=0.0)] = 8.0
     min_calibration_work_s: NonNegativeSeconds = 0.01
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
+    long_prefill_token_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
         if self.min_speed_factor > 1.0 or self.max_speed_factor < 1.0:

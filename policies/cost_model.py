@@ -38,6 +38,21 @@ of it had run: queues longer than a few seconds came out about twice their obser
 after its modelled work is done adds nothing more (the queue under-runs only while a first byte is late). Without
 the pending list (``WorkerState.pending_prefills`` empty), the sums are the queue, as if admitted now.
 
+Workers with a per-request step cap (``long_prefill_token_threshold`` ``T`` below the step budget ``B``, vLLM's
+scheduler flags; ``workers.scheduler``): each prefill ahead takes at most ``T`` tokens of a step, so up to
+``s = ceil(B / T) - 1`` of them run with budget left over, and the request runs beside them instead of after them.
+Older prefills are served first (FCFS), so the ones it runs beside are the ``s`` youngest pending (its lanes, ``m``
+of them, work ``W_y`` seconds over ``N_y`` uncached tokens). With ``D`` the drained queue above
+(``shared_step_queue_s``)::
+
+    wait   = max(0, D - W_y)                                    the older prefills, served before it starts
+    beside = min(D - wait, steps * m * T * W_y / N_y)           the lanes' chunks in the steps it runs in,
+    steps  = max(1, ceil((n - k) / (B - m * T)))                its own tokens at the budget the lanes leave
+    queue_s's prefill part = wait + beside   (<= D: a cap never raises the estimate)
+
+A short turn behind one long cold prefill (``m = 1``) then waits for one ``T``-token chunk of it per step it
+runs in, not for all of it. With ``T = 0`` or ``T >= B`` (``s = 0``) the queue is ``D`` as above.
+
 Why ``n**2``: the GEMMs of a transformer cost a constant per token, attention over a causal prefix of length n
 costs ``~ 2 * n**2 * d_model * num_layers`` FLOPs (halved for causality, times 2 matmuls, times 2 FLOPs/MAC), so
 computing positions ``k..n`` costs ``(n**2 - k**2)`` times a constant. Calibration for Llama-3-8B (32 layers,
@@ -79,7 +94,55 @@ from policies.config import CacheAwareConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TTFTBreakdown", "TTFTCalibrator", "TTFTCostModel", "drained_prefill_s"]
+__all__ = ["TTFTBreakdown", "TTFTCalibrator", "TTFTCostModel", "drained_prefill_s", "num_threshold_lanes",
+           "shared_step_queue_s"]
+
+
+def num_threshold_lanes(max_num_batched_tokens: int, long_prefill_token_threshold: int) -> int:
+    """``s = ceil(B / T) - 1``: how many prefills capped at ``T`` tokens a step fit in a budget of ``B`` tokens with
+    budget left for the next request (module docstring); 0 when the cap is off (``T = 0``) or never binds
+    (``T >= B``)."""
+    threshold, budget = long_prefill_token_threshold, max_num_batched_tokens
+    if threshold <= 0 or threshold >= budget:
+        return 0
+    return -(-budget // threshold) - 1
+
+
+def shared_step_queue_s(
+    pending: Sequence[PendingPrefill], queued_s: float, num_new_tokens: int, num_lanes: int,
+    long_prefill_token_threshold: int, max_num_batched_tokens: int, s_per_token: float, s_per_token_sq: float,
+) -> float:
+    """The pending prefill a request waits for on a worker whose step cap binds (module docstring: ``wait +
+    beside``), unscaled seconds; at most ``queued_s``. O(num_lanes).
+
+    Args:
+        pending: the worker's pending prefills in admission order (``WorkerState.pending_prefills``).
+        queued_s: ``D``, the drained queue (``drained_prefill_s``), seconds.
+        num_new_tokens: ``n - k``, the tokens the request computes there.
+        num_lanes: ``s`` (``num_threshold_lanes``), at least 1.
+        long_prefill_token_threshold: ``T``, tokens.
+        max_num_batched_tokens: ``B``, tokens.
+        s_per_token: ``1 / r_lin`` (seconds per token).
+        s_per_token_sq: ``1 / r_quad`` (seconds per token pair).
+    """
+    num_lane_tokens = 0
+    lane_work_s = 0.0
+    m = 0
+    for _admitted_at_s, num_tokens, num_token_pairs in reversed(pending):
+        if m == num_lanes:
+            break
+        if num_tokens > 0:
+            m += 1
+            num_lane_tokens += num_tokens
+            lane_work_s += num_tokens * s_per_token + num_token_pairs * s_per_token_sq
+    if not m or queued_s <= 0.0:
+        return queued_s
+    wait_s = queued_s - lane_work_s if queued_s > lane_work_s else 0.0
+    lanes_left_s = queued_s - wait_s
+    lane_tokens_per_step = m * long_prefill_token_threshold
+    num_steps = max(1, -(-num_new_tokens // (max_num_batched_tokens - lane_tokens_per_step)))
+    beside_s = num_steps * lane_tokens_per_step * lane_work_s / num_lane_tokens
+    return wait_s + (beside_s if beside_s < lanes_left_s else lanes_left_s)
 
 
 def drained_prefill_s(
@@ -155,6 +218,8 @@ class TTFTCostModel:
         self.per_running_request_s = config.per_running_request_s
         self.kv_read_s_per_token = config.kv_bytes_per_token / config.kv_read_bytes_per_s
         self.decode_s_per_sequence = config.decode_s_per_sequence
+        self.num_lanes = num_threshold_lanes(config.max_num_batched_tokens, config.long_prefill_token_threshold)
+        """``s`` of the module docstring (0: the queue is served whole before the request)."""
 
     def decode_load_s(self, worker: WorkerState, num_prompt_tokens: int, num_max_output_tokens: int) -> float:
         """The decode load of placing the request on ``worker``, unscaled (seconds; module docstring).
@@ -210,6 +275,11 @@ class TTFTCostModel:
         if worker.pending_prefills:
             queued_prefill_s = drained_prefill_s(worker.pending_prefills, worker.prefill_done_at_s, worker.clock_s,
                                                  self.s_per_token, self.s_per_token_sq, speed_factor)
+            if self.num_lanes:
+                queued_prefill_s = shared_step_queue_s(
+                    worker.pending_prefills, queued_prefill_s, n - k, self.num_lanes,
+                    self.config.long_prefill_token_threshold, self.config.max_num_batched_tokens, self.s_per_token,
+                    self.s_per_token_sq)
         else:
             queued_prefill_s = (worker.num_pending_prefill_tokens * self.s_per_token
                                 + worker.num_pending_prefill_token_pairs * self.s_per_token_sq)

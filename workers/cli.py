@@ -69,6 +69,7 @@ FLAGS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
     ("--max-num-seqs", ("scheduler", "max-num-seqs"), int),
     ("--max-num-batched-tokens", ("scheduler", "max-num-batched-tokens"), int),
     ("--max-model-len", ("scheduler", "max-model-len"), int),
+    ("--long-prefill-token-threshold", ("scheduler", "long-prefill-token-threshold"), int),
 )
 
 
@@ -84,6 +85,8 @@ HELP: dict[str, str] = {
     "--time-scale": "wall seconds the worker sleeps per simulated second: 1 runs in real time, 0.1 runs 10x faster "
     "(pair it with the gateway's workers[].time_scale: 0.1 and with kvgate loadgen/demo --time-scale 10, where "
     "the flag means 'times faster'), 0 does not sleep",
+    "--long-prefill-token-threshold": "tokens one request computes per step at most (vLLM's flag of the same name; "
+    "default 0: only --max-num-batched-tokens caps it); tell the gateway's cache_aware policy the same value",
 }
 """``--help`` text of the flags that need one (the others name their config key)."""
 

@@ -9,7 +9,8 @@ A YAML profile uses the kebab-case keys below, grouped as the struct tree::
     kv-cache: {num-gpu-blocks: 4096, num-cpu-blocks: 16384, block-size: 16, cpu-store-policy: all,
                pool: {backend: mooncake, master-address: "127.0.0.1:50051", store-policy: all}}
                # or pool: {backend: sim, name: fleet-a, capacity-blocks: 65536}
-    scheduler: {max-num-seqs: 256, max-num-batched-tokens: 8192, max-model-len: 131072}
+    scheduler: {max-num-seqs: 256, max-num-batched-tokens: 8192, max-model-len: 131072,
+                long-prefill-token-threshold: 0}
     timing: {prefill-s-per-token: 2.38e-5, host-to-gpu-bytes-per-s: 55.0e9, ...}
     time-scale: 1.0
     role: both                   # prefill | decode | both
@@ -179,6 +180,18 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, r
     """Prompt plus output tokens per request."""
     default_max_tokens: Positive = 256
     """``max_tokens`` when a request gives none (capped by the context left)."""
+    long_prefill_token_threshold: NonNegative = 0
+    """Tokens one request may compute in one step at most, before the step budget caps it (0: no cap, only the
+    budget). vLLM's field of the same name (``vllm/config/scheduler.py``, ``SchedulerConfig``; default 0), as its
+    V1 scheduler applies it (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``): a running or waiting
+    request's new tokens are cut to the threshold when it is above 0 and below them, then to the budget left, so a
+    long prefill leaves ``max_num_batched_tokens - threshold`` tokens of each step to the requests behind it. vLLM
+    sets it to 4 % of ``max_model_len`` when left at 0 only when ``max_num_partial_prefills`` is above 1, which its
+    V1 engine refuses; neither partial-prefill limit exists here (no V1 scheduler reads them). Measured with
+    ``benchmarks/routing.py`` (4 sim workers, budget 8,192, the gateway told the same cap): on the Mooncake slice at
+    1,800 s the default policy kept 0.997 of the ceiling with no priced move at 5,242 or 7,168 (0.966 and 0-5 moves
+    a run off), its TTFT p90 went from 2.69 to 2.38 / 2.35 s and its p99 from 10.50 to 10.74 / 10.56 s (the long
+    cold turns share their steps with the short ones); 0 by default until the p99 cost is settled."""
     hold_prefix_on_arrival: bool = True
     """Hold a request's GPU prefix hit from its arrival to its admission (a reference on each block, so that the
     allocations of the requests ahead cannot evict it while it waits), as a router that predicted the hit expects.

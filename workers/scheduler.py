@@ -3,14 +3,15 @@
 Each step (``schedule`` then, after the engine ran it, ``update``)::
 
     budget = max_num_batched_tokens
-    1. running requests, oldest first: each gets min(tokens it still has to compute, budget) tokens (a decode
-       is 1). When its blocks cannot grow, the newest running request is preempted (blocks freed, computed
-       tokens reset, pushed back to the front of the waiting queue) until they can, or it preempts itself.
+    1. running requests, oldest first: each gets min(tokens it still has to compute, threshold, budget) tokens
+       (a decode is 1; ``threshold`` is ``long_prefill_token_threshold`` when above 0, else no cap). When its
+       blocks cannot grow, the newest running request is preempted (blocks freed, computed tokens reset, pushed
+       back to the front of the waiting queue) until they can, or it preempts itself.
     2. if nothing was preempted: waiting requests, oldest first, while budget > 0 and running + restoring <
        max_num_seqs: find the cached prefix (GPU, then CPU). A CPU continuation is admitted only when GPU blocks
        can be reserved to receive it (plus its first chunk); the request then waits in RESTORING until the copy
-       lands and runs from the next step. Otherwise its first chunk is scheduled. The first request that cannot
-       be admitted stops the scan (FCFS: no one jumps the queue).
+       lands and runs from the next step. Otherwise its first chunk, capped as in 1., is scheduled. The first
+       request that cannot be admitted stops the scan (FCFS: no one jumps the queue).
 
 Held prefixes (``hold_prefix_on_arrival``): ``add_request`` looks up the request's GPU prefix hit at once and takes
 a reference on those blocks (``Request.held_block_ids``), so they leave the free queue and the allocations of the
@@ -380,6 +381,7 @@ class Scheduler:
         for job_id in self.kv.take_finished_reads():
             self._restore_done(job_id)
         budget = self.config.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
         bs = self.kv.block_size
         running = self.running
         RUNNING = RequestStatus.RUNNING
@@ -392,7 +394,11 @@ class Scheduler:
             req = running[i]
             all_ids = req.all_token_ids
             start = req.num_computed_tokens
-            num_new = min(len(all_ids) - start, budget)
+            num_new = len(all_ids) - start
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 i += 1
                 continue
@@ -451,12 +457,17 @@ class Scheduler:
         )
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
+        threshold = self.config.long_prefill_token_threshold
         while self.waiting and budget > 0 and self.num_running < self.config.max_num_seqs:
             req = self.waiting[0]
             tokens = req.all_token_ids
             hit = self.kv.find_prefix(req.kv, tokens, len(tokens))
             num_cached = hit.num_cached_tokens
-            num_new = min(len(tokens) - num_cached, budget)
+            num_new = len(tokens) - num_cached
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
             if not self.kv.admit(req.kv, hit, num_cached + num_new):
                 others = self._num_held_blocks - len(req.held_block_ids)
                 needed = -(-(num_cached + num_new) // self.kv.block_size) - len(hit.gpu_block_ids)

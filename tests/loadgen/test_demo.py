@@ -33,10 +33,20 @@ def test_worker_profile_and_cost_model_share_the_prefill_slowdown():
     ca = CacheAwareConfig()
     knobs = {"prefill_linear_tokens_per_s": ca.prefill_linear_tokens_per_s / 2,
              "prefill_quadratic_tokens_sq_per_s": ca.prefill_quadratic_tokens_sq_per_s / 2,
-             "enable_calibration": False}  # fmt: skip
+             "enable_calibration": False, "max_num_batched_tokens": 8192,
+             "long_prefill_token_threshold": 0}  # fmt: skip
     assert gateway_policy("cache_aware", config) == {"name": "cache_aware", **knobs}
     assert gateway_policy("session_sticky+cache_aware", config)["inner"] == {"name": "cache_aware", **knobs}
     assert gateway_policy("round_robin", config) == {"name": "round_robin"}
+    assert "scheduler" not in worker_profile(config)
+
+
+@pytest.mark.unit
+def test_worker_profile_and_cost_model_share_the_step_cap():
+    config = DemoConfig(trace=TRACE, long_prefill_token_threshold=5242)
+    assert worker_profile(config)["scheduler"] == {"long-prefill-token-threshold": 5242}
+    inner = gateway_policy("session_sticky+cache_aware", config)["inner"]
+    assert (inner["max_num_batched_tokens"], inner["long_prefill_token_threshold"]) == (8192, 5242)
 
 
 @pytest.mark.unit

@@ -3,8 +3,11 @@ timing model calibration, determinism."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from workers.cli import add_arguments, config_from_args
 from workers.config import KVCacheConfig, SchedulerConfig, TimingProfile
 from workers.engines.base import SamplingParams, ScheduledStep
 from workers.engines.sim import SimEngine
@@ -193,3 +196,65 @@ def test_an_abort_while_waiting_drops_the_hold():
     assert sched.finish_request("turn") and turn.held_block_ids == ()
     run(sched, engine)
     assert sched.kv.gpu.num_free_blocks == 8
+
+
+def schedule_of(steps: list[ScheduledStep]) -> list[list[tuple[str, int, int]]]:
+    """Each step's work as ``(request_id, num_new_tokens, start_pos)``: prefill chunks, then decodes (1 token)."""
+    return [
+        [(p.request_id, len(p.token_ids), p.start_pos) for p in s.prefills]
+        + [(d.request_id, 1, d.position) for d in s.decodes]
+        for s in steps
+    ]
+
+
+def make_threshold_sched(threshold: int, budget: int = 16) -> tuple[Scheduler, SimEngine]:
+    kv = KVCacheManager(KVCacheConfig(num_gpu_blocks=32, block_size=BS))
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold)
+    return Scheduler(config, kv, eos_token_id=None), SimEngine(TimingProfile(), BS, [7, 8, 9], None)
+
+
+@pytest.mark.parametrize(
+    ("threshold", "expected"),
+    [
+        # off (vLLM's default 0): the long prompt takes the whole budget; the short one waits a step
+        (0, [[("long", 16, 0)],
+             [("long", 4, 16), ("short", 5, 0)],
+             [("long", 1, 20), ("short", 1, 5)]]),
+        # 6 tokens a step at most: the short prompt runs in the first step beside the long one's chunk
+        (6, [[("long", 6, 0), ("short", 5, 0)],
+             [("long", 6, 6), ("short", 1, 5)],
+             [("long", 6, 12)],
+             [("long", 2, 18)],
+             [("long", 1, 20)]]),
+        # at or above the budget it never binds: the same schedule as off
+        (16, [[("long", 16, 0)],
+              [("long", 4, 16), ("short", 5, 0)],
+              [("long", 1, 20), ("short", 1, 5)]]),
+    ],
+)
+def test_long_prefill_token_threshold_caps_each_request_per_step(threshold, expected):
+    sched, engine = make_threshold_sched(threshold)
+    sched.add_request(make_request("long", list(range(20)), max_tokens=2))
+    sched.add_request(make_request("short", list(range(100, 105)), max_tokens=2))
+    assert schedule_of(run(sched, engine)) == expected
+
+
+def test_long_prefill_token_threshold_two_long_prompts_fill_the_budget():
+    """Two prompts over the threshold take 6 + 6 of a 14-token budget; the third gets the 2 left, in FCFS order,
+    until the first finishes its prefill."""
+    sched, engine = make_threshold_sched(6, budget=14)
+    sched.add_request(make_request("a", list(range(12)), max_tokens=1))
+    sched.add_request(make_request("b", list(range(100, 112)), max_tokens=1))
+    sched.add_request(make_request("c", list(range(200, 204)), max_tokens=1))
+    assert schedule_of(run(sched, engine)) == [
+        [("a", 6, 0), ("b", 6, 0), ("c", 2, 0)],
+        [("a", 6, 6), ("b", 6, 6), ("c", 2, 2)],
+    ]
+
+
+def test_long_prefill_token_threshold_from_the_cli_flag():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args(["--long-prefill-token-threshold", "5242"]))
+    assert config.scheduler.long_prefill_token_threshold == 5242
+    assert config_from_args(parser.parse_args([])).scheduler.long_prefill_token_threshold == 0
